@@ -1,0 +1,127 @@
+"""`kvstore` command line: serve, status, indexer.
+
+kvstore serve [--config FILE] [--set section.key=value ...] [--print-config]
+kvstore status [--address unix:/tmp/kvstore.sock] [--json]
+kvstore indexer ...            (the cluster indexer; see `kvstore indexer -h`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvstore.errors import ConfigError, KVStoreError
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the node daemon (embedded defaults need no arguments)")
+    p.add_argument("--config", help="TOML config file (also KVSTORE_CONFIG)")
+    p.add_argument(
+        "--set",
+        dest="assignments",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field; repeatable (e.g. --set dram.capacity_bytes=4GiB)",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the merged config as TOML and exit"
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.config import load_config, to_toml
+    from kvstore.logs import setup_logging
+
+    config = load_config(args.config, assignments=args.assignments)
+    if args.print_config:
+        sys.stdout.write(to_toml(config))
+        return 0
+    setup_logging(config.log.level, config.log.format)
+    from kvstore.server import run
+
+    return run(config)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("status", help="print a live summary of a running daemon")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="daemon address (default $KVSTORE_ADDRESS or unix:/tmp/kvstore.sock)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout-s", type=float, default=3.0)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvstore.client import Client
+
+    with Client(args.address, timeout_s=args.timeout_s, map_region=False) as client:
+        stats = client.stats()
+        info = client.info
+    if args.json:
+        print(json.dumps({"hello": MessageToDict(info), "stats": MessageToDict(stats)}, indent=2))
+        return 0
+    print(
+        f"kvstore {info.version} node={stats.node_id} up {stats.uptime_s:.0f}s at {client.address}"
+    )
+    print(f"  region {info.region_path} ({info.region_bytes / 2**30:.2f} GiB)")
+    for t in stats.tiers:
+        from kvstore.v1 import store_pb2
+
+        name = store_pb2.Tier.Name(t.tier).removeprefix("TIER_").lower()
+        pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+        print(
+            f"  {name:<5} {t.used_bytes / 2**20:10.1f} / {t.capacity_bytes / 2**20:.1f} MiB ({pct:5.1f}%)"
+            f"  blocks={t.blocks} pinned={t.pinned_blocks}"
+        )
+    looked = stats.lookup_hit_blocks + stats.lookup_miss_blocks
+    hit = 100.0 * stats.lookup_hit_blocks / looked if looked else 0.0
+    print(
+        f"  namespaces={stats.namespaces} leases={stats.active_leases} stored={stats.stored_blocks} "
+        f"loaded={stats.loaded_blocks} evicted={stats.evicted_blocks} expired_leases={stats.expired_leases}"
+    )
+    print(f"  lookup hit rate {hit:.1f}% ({stats.lookup_hit_blocks}/{looked} blocks)")
+    return 0
+
+
+def _add_indexer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    try:
+        from kvstore.indexer import cli as indexer_cli
+    except ImportError:
+        return
+    p = sub.add_parser("indexer", help="run the cluster indexer (KV events -> prefix scores)")
+    indexer_cli.add_arguments(p)
+    p.set_defaults(func=indexer_cli.run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="Distributed KV-cache service for LLM inference."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_status(sub)
+    _add_indexer(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _cmd_serve(args)
+        if args.command == "status":
+            return _cmd_status(args)
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 2
+    except KVStoreError as exc:
+        print(f"kvstore: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,483 @@
+"""Client of the node daemon: control over gRPC, bytes through shared memory.
+
+    with Client("unix:/tmp/kvstore.sock") as c:
+        ns = c.declare_namespace(NamespaceSpec(model="m", dtype="float16", ..., block_bytes=65536))
+        c.put(ns, hashes, blocks)                 # blocks: (n, block_bytes) uint8 array or tensor
+        found, data = c.get(ns, hashes)           # the longest present prefix
+        c.lookup(ns, hashes).prefix_blocks
+
+The client maps the daemon's DRAM region once (the path comes from Hello) and
+copies block bytes itself with batched gathers/scatters, so bytes never cross
+gRPC on one node. A client that cannot map the region (another host) uses the
+*Inline calls instead. Lower-level two-phase calls (prepare_store /
+commit_store, prepare_load / release) let connectors copy straight between the
+region and their own buffers.
+
+Errors come back as kvstore.errors classes, mapped from gRPC status codes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from kvstore import errors
+from kvstore.namespace import NamespaceSpec
+from kvstore.v1 import store_pb2 as pb
+from kvstore.v1 import store_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
+STORE_ALLOCATED = pb.STORE_ALLOCATED
+
+ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: errors.NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: errors.StateConflict,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExhausted,
+    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
+    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
+    grpc.StatusCode.DATA_LOSS: errors.DataCorruption,
+    grpc.StatusCode.INTERNAL: errors.BackendError,
+}
+
+# Finer classes recognised from the daemon's message, so callers can catch them.
+_NOT_FOUND_BY_PREFIX = (
+    ("unknown namespace", errors.NamespaceNotFound),
+    ("lease", errors.LeaseNotFound),
+)
+
+
+def error_from_rpc(exc: grpc.RpcError) -> errors.KVStoreError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    cls = ERROR_BY_STATUS.get(code, errors.KVStoreError)
+    if cls is errors.NotFound:
+        for prefix, sub in _NOT_FOUND_BY_PREFIX:
+            if (details or "").startswith(prefix):
+                cls = sub
+    if cls is errors.InvalidRequest and "bytes of" in (details or "") and "need" in (details or ""):
+        cls = errors.BlockSizeMismatch
+    err = cls(f"{code.name}: {details}")
+    err.status_code = code  # type: ignore[attr-defined]
+    return err
+
+
+def normalise_address(address: str) -> str:
+    """'/path.sock' -> 'unix:/path.sock'; 'host:port' and 'unix:...' unchanged."""
+    if address.startswith("/"):
+        return "unix:" + address
+    return address
+
+
+def pack_hashes(hashes: Sequence[int] | np.ndarray) -> bytes:
+    return np.asarray(hashes, dtype="<u8").tobytes()
+
+
+def _u64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    namespace_id: str
+    block_bytes: int
+    spec: NamespaceSpec
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    prefix_blocks: int
+    by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    stored: int
+    skipped: int
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    found: int
+    data: np.ndarray  # (found, block_bytes) uint8, a prefix of `out` when given
+
+
+@dataclass(slots=True)
+class StoreHandle:
+    lease_id: int
+    namespace: Namespace
+    hashes: np.ndarray
+    statuses: np.ndarray  # uint8, StoreStatus per requested block
+    offsets: np.ndarray  # uint64 region offsets (valid where ALLOCATED)
+
+    @property
+    def allocated(self) -> np.ndarray:
+        """Indices (into the request) of blocks the client must write."""
+        return np.flatnonzero(self.statuses == STORE_ALLOCATED)
+
+
+@dataclass(slots=True)
+class LoadHandle:
+    lease_id: int
+    namespace: Namespace
+    found: int
+    offsets: np.ndarray  # uint64 region offsets of the found prefix
+    checksums: np.ndarray
+
+
+def _tier_name(tier: int) -> str:
+    return pb.Tier.Name(tier).removeprefix("TIER_").lower()
+
+
+class Client:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout_s: float = 5.0,
+        map_region: bool = True,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.address = normalise_address(
+            address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
+        )
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(
+            self.address,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._stub = pb_grpc.StoreServiceStub(self._channel)
+        self._mmap: mmap.mmap | None = None
+        self.region: np.ndarray | None = None
+        self._pending_releases: list[Any] = []
+        self.info = self._call(self._stub.Hello, pb.HelloRequest())
+        if map_region:
+            self._map_region()
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    def _map_region(self) -> None:
+        try:
+            fd = os.open(self.info.region_path, os.O_RDWR)
+        except OSError:
+            return  # not on the daemon's host (or no access): inline calls only
+        try:
+            size = os.fstat(fd).st_size
+            if size < self.info.region_bytes:
+                return
+            self._mmap = mmap.mmap(
+                fd, self.info.region_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
+            )
+        finally:
+            os.close(fd)
+        self.region = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @property
+    def mapped(self) -> bool:
+        return self.region is not None
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of region bytes (valid while the client is open)."""
+        if self.region is None:
+            raise errors.Unavailable("the daemon's region is not mapped in this process")
+        return self.region[offset : offset + nbytes]
+
+    def close(self) -> None:
+        self._flush_releases()
+        self.region = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views still alive: unmapped at process exit
+            self._mmap = None
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------- control
+
+    def declare_namespace(self, spec: NamespaceSpec) -> Namespace:
+        reply = self._call(
+            self._stub.DeclareNamespace,
+            pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**_spec_fields(spec))),
+        )
+        return Namespace(reply.namespace_id, reply.block_bytes, spec)
+
+    def lookup(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LookupResult:
+        reply = self._call(
+            self._stub.Lookup,
+            pb.LookupRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+        )
+        return LookupResult(
+            reply.prefix_blocks, {_tier_name(t.tier): t.blocks for t in reply.by_tier}
+        )
+
+    def prepare_store(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, lease_ttl_s: float = 0.0
+    ) -> StoreHandle:
+        packed = pack_hashes(hashes)
+        reply = self._call(
+            self._stub.PrepareStore,
+            pb.PrepareStoreRequest(
+                namespace_id=ns.namespace_id, block_hashes=packed, lease_ttl_s=lease_ttl_s
+            ),
+        )
+        return StoreHandle(
+            reply.lease_id,
+            ns,
+            _u64(packed),
+            np.frombuffer(reply.statuses, dtype=np.uint8),
+            _u64(reply.offsets),
+        )
+
+    def commit_store(
+        self,
+        handle: StoreHandle,
+        hashes: Sequence[int] | np.ndarray | None = None,
+        *,
+        parent_block_hash: int | None = None,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+    ) -> int:
+        if not handle.lease_id:
+            return 0
+        request = pb.CommitStoreRequest(lease_id=handle.lease_id)
+        if hashes is not None:
+            request.block_hashes = pack_hashes(hashes)
+        if parent_block_hash is not None:
+            request.has_parent_block_hash = True
+            request.parent_block_hash = parent_block_hash
+        if token_ids is not None:
+            request.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        return int(self._call(self._stub.CommitStore, request).committed)
+
+    def prepare_load(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, lease_ttl_s: float = 0.0
+    ) -> LoadHandle:
+        reply = self._call(
+            self._stub.PrepareLoad,
+            pb.PrepareLoadRequest(
+                namespace_id=ns.namespace_id,
+                block_hashes=pack_hashes(hashes),
+                lease_ttl_s=lease_ttl_s,
+            ),
+        )
+        return LoadHandle(
+            reply.lease_id, ns, reply.found_blocks, _u64(reply.offsets), _u64(reply.checksums)
+        )
+
+    def release(self, handle: LoadHandle | StoreHandle | int, *, wait: bool = True) -> None:
+        """End a lease. wait=False sends it without waiting (errors are ignored)."""
+        lease_id = handle if isinstance(handle, int) else handle.lease_id
+        if not lease_id:
+            return
+        request = pb.ReleaseRequest(lease_ids=[lease_id])
+        if wait:
+            self._call(self._stub.Release, request)
+        else:
+            self._flush_releases(done_only=True)
+            self._pending_releases.append(
+                self._stub.Release.future(request, timeout=self.timeout_s)
+            )
+
+    def _flush_releases(self, done_only: bool = False) -> None:
+        keep = []
+        for fut in self._pending_releases:
+            if done_only and not fut.done():
+                keep.append(fut)
+                continue
+            try:
+                fut.result()
+            except grpc.RpcError:
+                pass  # the lease expired meanwhile: nothing is held either way
+        self._pending_releases = keep
+
+    def delete(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        reply = self._call(
+            self._stub.Delete,
+            pb.DeleteRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+        )
+        return reply.deleted, reply.busy
+
+    def clear(self, ns: Namespace) -> int:
+        return int(
+            self._call(self._stub.Clear, pb.ClearRequest(namespace_id=ns.namespace_id)).removed
+        )
+
+    def stats(self) -> Any:
+        return self._call(self._stub.Stats, pb.StatsRequest())
+
+    # ---------------------------------------------------------------- data
+
+    def put(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: Any) -> PutResult:
+        """Store blocks (n, block_bytes); already-present blocks are skipped, not rewritten."""
+        n = len(hashes)
+        if self.region is None:
+            data = _as_rows(blocks, n, ns.block_bytes)
+            reply = self._call(
+                self._stub.PutInline,
+                pb.PutInlineRequest(
+                    namespace_id=ns.namespace_id,
+                    block_hashes=pack_hashes(hashes),
+                    data=data.tobytes(),
+                ),
+            )
+            return PutResult(reply.stored, reply.skipped)
+        if _is_cuda(blocks):
+            return self._put_cuda(ns, hashes, blocks)
+        data = _as_rows(blocks, n, ns.block_bytes)
+        handle = self.prepare_store(ns, hashes)
+        idx = handle.allocated
+        if len(idx):
+            try:
+                scatter(self.region, handle.offsets[idx], data, idx, ns.block_bytes)
+            except BaseException:
+                self.release(handle, wait=False)  # abort: the slots go back
+                raise
+            self.commit_store(handle)
+        return PutResult(len(idx), n - len(idx))
+
+    def get(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: np.ndarray | None = None
+    ) -> GetResult:
+        """Read the longest present prefix of `hashes` into `out` (or a new array)."""
+        n = len(hashes)
+        if out is not None:
+            out = _as_rows(out, n, ns.block_bytes, writable=True)
+        if self.region is None:
+            reply = self._call(
+                self._stub.GetInline,
+                pb.GetInlineRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+            )
+            data = np.frombuffer(reply.data, dtype=np.uint8).reshape(
+                reply.found_blocks, ns.block_bytes
+            )
+            if out is None:
+                return GetResult(reply.found_blocks, data.copy())
+            out[: reply.found_blocks] = data
+            return GetResult(reply.found_blocks, out[: reply.found_blocks])
+        handle = self.prepare_load(ns, hashes)
+        try:
+            if out is None:
+                out = np.empty((handle.found, ns.block_bytes), dtype=np.uint8)
+            gather(self.region, handle.offsets, out, ns.block_bytes)
+        finally:
+            # The pin only has to outlive the copy; don't wait for the answer.
+            self.release(handle, wait=False)
+        return GetResult(handle.found, out[: handle.found])
+
+    def _put_cuda(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: torch.Tensor
+    ) -> PutResult:
+        import torch
+
+        assert self.region is not None
+        n = len(hashes)
+        src = blocks.reshape(n, -1).view(torch.uint8)
+        if src.shape[1] != ns.block_bytes:
+            raise errors.BlockSizeMismatch(
+                f"blocks have {src.shape[1]} bytes each; namespace needs {ns.block_bytes}"
+            )
+        handle = self.prepare_store(ns, hashes)
+        idx = handle.allocated
+        region_t = torch.from_numpy(self.region)
+        try:
+            for i in idx.tolist():
+                off = int(handle.offsets[i])
+                region_t[off : off + ns.block_bytes].copy_(src[i], non_blocking=False)
+        except BaseException:
+            self.release(handle, wait=False)
+            raise
+        self.commit_store(handle)
+        return PutResult(len(idx), n - len(idx))
+
+
+def _spec_fields(spec: NamespaceSpec) -> dict[str, Any]:
+    return {f: getattr(spec, f) for f in spec.__struct_fields__}
+
+
+def _is_cuda(obj: Any) -> bool:
+    return getattr(obj, "is_cuda", False) is True
+
+
+def _as_rows(blocks: Any, n: int, block_bytes: int, *, writable: bool = False) -> np.ndarray:
+    """View blocks (numpy array, CPU tensor, or list of them) as (n, block_bytes) uint8."""
+    if isinstance(blocks, list | tuple):
+        blocks = (
+            np.stack([_as_rows(b, 1, block_bytes)[0] for b in blocks])
+            if blocks
+            else np.empty((0, block_bytes), np.uint8)
+        )
+    if hasattr(blocks, "numpy") and not isinstance(blocks, np.ndarray):
+        blocks = blocks.detach().contiguous().numpy() if not writable else blocks.numpy()
+    arr = np.asarray(blocks)
+    if not arr.flags.c_contiguous:
+        if writable:
+            raise errors.InvalidRequest("out must be C-contiguous")
+        arr = np.ascontiguousarray(arr)
+    if arr.nbytes != n * block_bytes:
+        raise errors.BlockSizeMismatch(
+            f"{arr.nbytes} bytes given for {n} blocks of {block_bytes} bytes (need {n * block_bytes})"
+        )
+    return arr.reshape(-1).view(np.uint8).reshape(n, block_bytes)
+
+
+def _runs(offsets: np.ndarray, rows: np.ndarray | None, block_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges whose offsets (and rows) are consecutive.
+
+    The slab allocator hands out neighbouring slots for neighbouring blocks of
+    one request, so a batch is usually a few long runs: each becomes a single
+    memcpy instead of one copy per block.
+    """
+    n = len(offsets)
+    if n == 0:
+        return []
+    step_ok = np.diff(offsets.astype(np.int64)) == block_bytes
+    if rows is not None:
+        step_ok &= np.diff(rows.astype(np.int64)) == 1
+    breaks = np.flatnonzero(~step_ok) + 1
+    starts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), n]
+    return list(zip(starts, ends, strict=True))
+
+
+def gather(region: np.ndarray, offsets: np.ndarray, out: np.ndarray, block_bytes: int) -> None:
+    """out[i] = region[offsets[i] : offsets[i] + block_bytes] for every i."""
+    offs = offsets.tolist()
+    for s, e in _runs(offsets, None, block_bytes):
+        o = offs[s]
+        out[s:e] = region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)
+
+
+def scatter(
+    region: np.ndarray, offsets: np.ndarray, data: np.ndarray, rows: np.ndarray, block_bytes: int
+) -> None:
+    """region[offsets[j] : +block_bytes] = data[rows[j]] for every j."""
+    offs = offsets.tolist()
+    rws = rows.tolist()
+    for s, e in _runs(offsets, rows, block_bytes):
+        o, r = offs[s], rws[s]
+        region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)[:] = data[r : r + (e - s)]

@@ -1,0 +1,300 @@
+"""One typed configuration tree for the daemon.
+
+Sources, later wins: the defaults below -> a TOML file (``--config``) ->
+``KVSTORE_*`` environment variables (nesting with ``__``:
+``KVSTORE_DRAM__CAPACITY_BYTES=4GiB``) -> ``--set section.key=value`` flags.
+The merged tree is converted once with ``msgspec.convert``; unknown keys are
+rejected with the path of the typo (``unknown field `capacty_bytes` - at
+`$.dram```). Every field has its default here and only here.
+
+Fields whose name ends in ``_bytes`` also accept sizes such as ``"512MiB"``
+or ``"4G"``; ``_s`` fields are seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from kvstore.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+ENV_PREFIX = "KVSTORE_"
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class ServerConfig(_Section):
+    socket_path: str = "/tmp/kvstore.sock"
+    """Unix socket for local clients (engines, connectors). "" = off."""
+    tcp_address: str = "127.0.0.1:50051"
+    """host:port for peers, routers and tools. Port 0 picks a free port. "" = off."""
+    max_message_bytes: int = 64 * MiB
+    """Largest gRPC message accepted or sent (bounds the *Inline calls)."""
+    drain_timeout_s: float = 10.0
+    """On SIGTERM: how long in-flight calls may take before the daemon exits."""
+    max_concurrent_rpcs: int = 1024
+    """Calls beyond this are refused with RESOURCE_EXHAUSTED instead of queueing."""
+
+
+class DramConfig(_Section):
+    path: str = ""
+    """Shared-memory file of the DRAM tier. "" = /dev/shm/kvstore-<node_id>.dram."""
+    capacity_bytes: int = 1 * GiB
+    """Hard cap of the DRAM tier; the region is exactly this size."""
+    chunk_bytes: int = 64 * MiB
+    """Slab size: the region is carved into chunks of this size, each serving one
+    block size. Also the largest block a namespace may declare."""
+    eviction_policy: str = "lru"
+    """lru | s3fifo."""
+    prefault: bool = True
+    """Touch every page at start: first touch runs at ~1 GB/s on these machines."""
+    huge_pages: Literal["auto", "on", "off"] = "auto"
+    """Back the region with hugetlbfs when it has room (auto), require it (on), or not."""
+
+
+class LeaseConfig(_Section):
+    default_ttl_s: float = 30.0
+    """Lease lifetime when the client asks for none: a dead client strands nothing longer."""
+    max_ttl_s: float = 600.0
+    """Longest lease a client may ask for."""
+    reap_interval_s: float = 0.25
+    """How often expired leases are reclaimed."""
+
+
+class LimitsConfig(_Section):
+    max_blocks_per_request: int = 65536
+    """Requests naming more blocks are refused (INVALID_ARGUMENT)."""
+    max_namespaces: int = 4096
+    """Declaring more namespaces than this is refused (RESOURCE_EXHAUSTED)."""
+    namespace_quota_bytes: int = 0
+    """Per-namespace cap in the DRAM tier; 0 = none."""
+
+
+class MetricsConfig(_Section):
+    address: str = "127.0.0.1:9400"
+    """host:port of the Prometheus /metrics endpoint; port 0 picks one; "" = off."""
+
+
+class EventsConfig(_Section):
+    enabled: bool = False
+    """Publish vLLM-format KV events over ZMQ."""
+    publish_address: str = "tcp://127.0.0.1:5557"
+    """ZMQ PUB endpoint."""
+    replay_address: str = "tcp://127.0.0.1:5558"
+    """ZMQ ROUTER endpoint answering replay requests; "" = off."""
+    buffer_batches: int = 10000
+    """Batches kept for replay (bounded)."""
+    queue_batches: int = 10000
+    """Batches queued for the sender thread before new ones are dropped (counted)."""
+    max_events_per_batch: int = 256
+    """Events coalesced into one batch."""
+
+
+class DiskConfig(_Section):
+    path: str = ""
+    """Directory of the disk tier. "" = no disk tier."""
+    capacity_bytes: int = 0
+    """Hard cap of the disk tier's files."""
+
+
+class GpuConfig(_Section):
+    device: int = -1
+    """CUDA device of the GPU tier; -1 = no GPU tier."""
+    capacity_bytes: int = 0
+    """Hard cap of the GPU tier's pool."""
+
+
+class PeerConfig(_Section):
+    enabled: bool = False
+    """Serve and pull blocks to and from peer daemons."""
+    secret: str = ""
+    """Cluster shared secret a peer must present. Required when enabled."""
+    transfer_timeout_s: float = 5.0
+    """A pull that has not finished by then fails and frees its slots."""
+
+
+class LogConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"
+
+
+class Config(_Section):
+    node_id: str = ""
+    """This node's id in events, peer transfer and the indexer. "" = the host name."""
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
+    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
+    gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
+    peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    def resolved(self) -> Config:
+        """Fill the defaults that depend on other fields (node id, region path)."""
+        node_id = self.node_id or socket.gethostname()
+        dram = self.dram
+        if not dram.path:
+            dram = msgspec.structs.replace(dram, path=f"/dev/shm/kvstore-{node_id}.dram")
+        return msgspec.structs.replace(self, node_id=node_id, dram=dram)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'64MiB' -> 67108864; '4G' -> 4 GiB (binary units throughout); '100' -> 100."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r}")
+    number, unit = float(m.group(1)), m.group(2).upper()
+    return int(number * {"": 1, "K": KiB, "M": MiB, "G": GiB, "T": 1024 * GiB}[unit])
+
+
+def _normalise_sizes(tree: Any, path: str = "$") -> Any:
+    if isinstance(tree, dict):
+        out = {}
+        for key, value in tree.items():
+            if isinstance(key, str) and key.endswith("_bytes") and isinstance(value, str):
+                try:
+                    value = parse_bytes(value)
+                except ValueError as exc:
+                    raise ConfigError(f"{exc} - at `{path}.{key}`") from None
+            out[key] = _normalise_sizes(value, f"{path}.{key}")
+        return out
+    return tree
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"empty config key in {dotted!r}")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """KVSTORE_DRAM__CAPACITY_BYTES=1G -> {"dram": {"capacity_bytes": "1G"}}."""
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and name != "KVSTORE_CONFIG":
+            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
+            _set_path(tree, dotted, value)
+    return tree
+
+
+def flag_overrides(assignments: Sequence[str]) -> dict[str, Any]:
+    """['dram.capacity_bytes=1G'] -> {"dram": {"capacity_bytes": "1G"}}."""
+    tree: dict[str, Any] = {}
+    for item in assignments:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set takes section.key=value, got {item!r}")
+        _set_path(tree, key.strip(), value)
+    return tree
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    assignments: Sequence[str] = (),
+) -> Config:
+    """Merge file -> env -> flags over the defaults; raise ConfigError on any problem."""
+    environ = os.environ if environ is None else environ
+    tree: dict[str, Any] = {}
+    path = path or environ.get("KVSTORE_CONFIG") or None
+    if path:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    # Env and flag values are strings: msgspec's lax mode converts "1" -> 1 and
+    # "true" -> True for typed fields, so no hand-made parsers here.
+    tree = _deep_merge(tree, env_overrides(environ))
+    tree = _deep_merge(tree, flag_overrides(assignments))
+    try:
+        config = msgspec.convert(_normalise_sizes(tree), Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid config: {exc}") from None
+    validate(config)
+    return config.resolved()
+
+
+def validate(config: Config) -> None:
+    """Cross-field and range checks that types alone cannot express."""
+    problems = []
+    if config.dram.capacity_bytes <= 0:
+        problems.append("dram.capacity_bytes must be > 0")
+    if config.dram.chunk_bytes <= 0 or config.dram.chunk_bytes % 4096:
+        problems.append("dram.chunk_bytes must be a positive multiple of 4096")
+    elif config.dram.capacity_bytes < config.dram.chunk_bytes:
+        problems.append("dram.capacity_bytes must be at least dram.chunk_bytes")
+    if not config.server.socket_path and not config.server.tcp_address:
+        problems.append("server.socket_path and server.tcp_address are both off")
+    if config.leases.default_ttl_s <= 0 or config.leases.max_ttl_s < config.leases.default_ttl_s:
+        problems.append("leases: need 0 < default_ttl_s <= max_ttl_s")
+    if config.limits.max_blocks_per_request <= 0:
+        problems.append("limits.max_blocks_per_request must be > 0")
+    if config.peer.enabled and not config.peer.secret:
+        problems.append("peer.enabled needs peer.secret")
+    if problems:
+        raise ConfigError("invalid config: " + "; ".join(problems))
+
+
+def to_toml(config: Config) -> str:
+    """Render a config as TOML (for --print-config)."""
+    tree = msgspec.to_builtins(config)
+    lines: list[str] = []
+    sections = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sections.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for name, section in sections:
+        lines.append(f"\n[{name}]")
+        lines.extend(f"{k} = {_toml_value(v)}" for k, v in section.items())
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return msgspec.json.encode(str(value)).decode()

@@ -1,0 +1,63 @@
+"""Where the block store reports what it now holds.
+
+The manager calls an ``EventSink`` synchronously on its event loop whenever
+blocks become loadable in a tier, leave a tier, or a namespace is cleared. A
+sink must never block: publishers queue (bounded) and send elsewhere.
+``kvstore.events.publisher`` turns these calls into vLLM-format KV events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# vLLM's `medium` strings for the tiers.
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+
+
+class NamespaceRef(Protocol):
+    """What a sink may know of a namespace."""
+
+    namespace_id: str
+    model: str
+    tenant: str
+    block_size_tokens: int
+
+
+class EventSink(Protocol):
+    def blocks_stored(
+        self,
+        ns: NamespaceRef,
+        block_hashes: Sequence[int],
+        medium: str,
+        parent_block_hash: int | None,
+        token_ids: Sequence[int] | None,
+    ) -> None: ...
+
+    def blocks_removed(
+        self, ns: NamespaceRef, block_hashes: Sequence[int], medium: str
+    ) -> None: ...
+
+    def all_cleared(self, ns: NamespaceRef | None) -> None: ...
+
+
+class NullSink:
+    """The sink used when events are off."""
+
+    def blocks_stored(
+        self,
+        ns: NamespaceRef,
+        block_hashes: Sequence[int],
+        medium: str,
+        parent_block_hash: int | None,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        return None
+
+    def blocks_removed(self, ns: NamespaceRef, block_hashes: Sequence[int], medium: str) -> None:
+        return None
+
+    def all_cleared(self, ns: NamespaceRef | None) -> None:
+        return None

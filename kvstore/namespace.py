@@ -1,0 +1,96 @@
+"""Namespaces: a model shard's KV layout plus a tenant, which fixes block size.
+
+A namespace id is derived from its spec (a fingerprint), so the same engine
+configuration gets the same id on every node and after every restart, and two
+tenants (vLLM ``cache_salt``) never share an id, hence never share a block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvstore.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from kvstore.manager import Block
+
+MAX_NAME_CHARS = 256
+
+
+class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a client declares; mirrors kvstore.v1.NamespaceSpec."""
+
+    model: str
+    dtype: str
+    block_size_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_bytes: int
+    tp_rank: int = 0
+    tp_world_size: int = 1
+    pp_rank: int = 0
+    pp_world_size: int = 1
+    tenant: str = ""
+    layout: str = ""
+
+    def validate(self, max_block_bytes: int) -> None:
+        problems = []
+        if not self.model:
+            problems.append("model is empty")
+        for name in ("model", "dtype", "tenant", "layout"):
+            if len(getattr(self, name)) > MAX_NAME_CHARS:
+                problems.append(f"{name} longer than {MAX_NAME_CHARS} characters")
+        for name in ("block_size_tokens", "num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0")
+        if self.block_bytes <= 0:
+            problems.append("block_bytes must be > 0")
+        elif self.block_bytes > max_block_bytes:
+            problems.append(
+                f"block_bytes {self.block_bytes} exceeds the daemon's max {max_block_bytes}"
+            )
+        if self.tp_world_size <= 0 or not 0 <= self.tp_rank < self.tp_world_size:
+            problems.append("need 0 <= tp_rank < tp_world_size")
+        if self.pp_world_size <= 0 or not 0 <= self.pp_rank < self.pp_world_size:
+            problems.append("need 0 <= pp_rank < pp_world_size")
+        if problems:
+            raise InvalidRequest("bad namespace spec: " + "; ".join(problems))
+
+    def fingerprint(self) -> str:
+        encoded = msgspec.json.encode(self)  # field order is fixed: canonical
+        return hashlib.sha256(encoded).hexdigest()[:16]
+
+    def namespace_id(self) -> str:
+        return f"ns-{self.fingerprint()}"
+
+
+@dataclass(eq=False, slots=True)
+class Namespace:
+    """A declared namespace and the blocks held under it."""
+
+    spec: NamespaceSpec
+    namespace_id: str
+    block_bytes: int
+    slot_bytes: int
+    # committed blocks (loadable) and blocks reserved by a store lease
+    blocks: dict[int, Block] = field(default_factory=dict)
+    pending: dict[int, Block] = field(default_factory=dict)
+    used_bytes: int = 0
+
+    # EventSink's NamespaceRef view
+    @property
+    def model(self) -> str:
+        return self.spec.model
+
+    @property
+    def tenant(self) -> str:
+        return self.spec.tenant
+
+    @property
+    def block_size_tokens(self) -> int:
+        return self.spec.block_size_tokens

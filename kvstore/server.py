@@ -1,0 +1,225 @@
+"""The daemon process: assembles region, manager, gRPC server, metrics, reaper.
+
+Life cycle: start() binds everything (port 0 picks free ports) and prints one
+JSON ``ready`` line on stdout with the bound addresses; SIGTERM/SIGINT flip
+health to NOT_SERVING, stop accepting calls, let in-flight ones finish within
+``server.drain_timeout_s``, then release the region and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
+
+from kvstore.config import Config
+from kvstore.errors import ConfigError
+from kvstore.events.sink import EventSink
+from kvstore.manager import BlockManager
+from kvstore.metrics import ManagerCollector, MetricsInterceptor, RpcMetrics, serve_metrics
+from kvstore.service import StoreService
+from kvstore.tiers.dram import Region
+from kvstore.v1 import store_pb2, store_pb2_grpc
+
+log = logging.getLogger("kvstore.server")
+
+STORE_SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a stale socket left by a crashed daemon; refuse to steal a live one."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise ConfigError(f"server.socket_path: directory {p.parent} does not exist")
+    if not p.exists() and not p.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        p.unlink()  # nobody listens: stale
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"server.socket_path: another process is serving on {path}")
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.region: Region | None = None
+        self.manager: BlockManager | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.registry = CollectorRegistry()
+        self.tcp_port: int | None = None
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._sink: EventSink | None = None
+        self._stopping = asyncio.Event()
+
+    def _make_sink(self) -> EventSink | None:
+        if not self.config.events.enabled:
+            return None
+        from kvstore.events.publisher import ZmqEventPublisher
+
+        return ZmqEventPublisher.from_config(self.config.node_id, self.config.events)
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.region = Region(
+            cfg.dram.path,
+            cfg.dram.capacity_bytes,
+            prefault=cfg.dram.prefault,
+            huge_pages=cfg.dram.huge_pages,
+        )
+        self._sink = self._make_sink()
+        self.manager = BlockManager(cfg, self.region, self._sink)
+
+        options = [
+            ("grpc.max_receive_message_length", cfg.server.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.server.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(
+            interceptors=[MetricsInterceptor(RpcMetrics(self.registry))],
+            options=options,
+            maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs,
+        )
+        store_pb2_grpc.add_StoreServiceServicer_to_server(StoreService(self.manager), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                STORE_SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        if cfg.server.socket_path:
+            _claim_socket_path(cfg.server.socket_path)
+            self.server.add_insecure_port(f"unix:{cfg.server.socket_path}")
+        if cfg.server.tcp_address:
+            try:
+                self.tcp_port = self.server.add_insecure_port(cfg.server.tcp_address)
+            except RuntimeError as exc:
+                raise ConfigError(
+                    f"server.tcp_address: cannot bind {cfg.server.tcp_address}: {exc}"
+                ) from None
+        await self.server.start()
+        if cfg.server.socket_path:
+            os.chmod(cfg.server.socket_path, 0o660)
+
+        if cfg.metrics.address:
+            self.registry.register(ManagerCollector(self.manager))
+            try:
+                self._metrics_server, self.metrics_port = serve_metrics(
+                    cfg.metrics.address, self.registry
+                )
+            except OSError as exc:
+                raise ConfigError(
+                    f"metrics.address: cannot bind {cfg.metrics.address}: {exc.strerror}"
+                ) from None
+
+        self._tasks.append(asyncio.create_task(self._reap_leases(), name="lease-reaper"))
+        for service in ("", STORE_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    @property
+    def tcp_address(self) -> str | None:
+        if self.tcp_port is None:
+            return None
+        host = self.config.server.tcp_address.rpartition(":")[0] or "127.0.0.1"
+        return f"{host}:{self.tcp_port}"
+
+    def ready_info(self) -> dict[str, Any]:
+        assert self.region is not None
+        host = self.config.metrics.address.rpartition(":")[0] or "127.0.0.1"
+        return {
+            "event": "ready",
+            "node_id": self.config.node_id,
+            "pid": os.getpid(),
+            "socket_path": self.config.server.socket_path or None,
+            "tcp_address": self.tcp_address,
+            "metrics_address": f"{host}:{self.metrics_port}" if self.metrics_port else None,
+            "region_path": self.region.path,
+            "region_bytes": self.region.capacity_bytes,
+        }
+
+    async def _reap_leases(self) -> None:
+        assert self.manager is not None
+        interval_s = self.config.leases.reap_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            expired = self.manager.expire_leases()
+            if expired:
+                log.info("reclaimed expired leases", extra={"fields": {"count": expired}})
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        """Drain: refuse new calls, let in-flight ones finish, release everything."""
+        for service in ("", STORE_SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            await self.server.stop(grace=self.config.server.drain_timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if self._sink is not None and hasattr(self._sink, "close"):
+            self._sink.close()
+        if self.region is not None:
+            self.region.close(unlink=True)
+        if self.config.server.socket_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.server.socket_path)
+
+
+async def serve(config: Config) -> int:
+    daemon = Daemon(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.request_stop)
+    try:
+        await daemon.start()
+    except BaseException:
+        await daemon.stop()
+        raise
+    info = daemon.ready_info()
+    log.info("serving", extra={"fields": {k: v for k, v in info.items() if k != "event"}})
+    print(json.dumps(info), flush=True)
+    await daemon.wait_stopped()
+    log.info("draining", extra={"fields": {"grace_s": config.server.drain_timeout_s}})
+    await daemon.stop()
+    log.info("stopped")
+    return 0
+
+
+def run(config: Config) -> int:
+    rc = asyncio.run(serve(config))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return rc

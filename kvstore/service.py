@@ -1,0 +1,274 @@
+"""gRPC StoreService: translates protobuf <-> manager calls.
+
+The only module that maps kvstore errors to gRPC status codes. Packed fields
+(hashes, offsets, token ids) are decoded with numpy in one call each, never
+element by element.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from kvstore import __version__, errors
+from kvstore.manager import STORE_ALLOCATED, BlockManager
+from kvstore.namespace import NamespaceSpec
+from kvstore.tiers import Tier
+from kvstore.v1 import store_pb2 as pb
+from kvstore.v1 import store_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Order matters: subclasses before their bases.
+STATUS_BY_ERROR: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
+    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.StateConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (errors.DataCorruption, grpc.StatusCode.DATA_LOSS),
+    (errors.BackendError, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
+    for cls, code in STATUS_BY_ERROR:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.UNKNOWN
+
+
+async def call(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
+    """Run fn; turn a kvstore error into the matching status (and abort the call)."""
+    try:
+        return fn()
+    except errors.KVStoreError as exc:
+        await context.abort(status_for(exc), str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+async def call_async(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T]]) -> T:
+    try:
+        return await fn()
+    except errors.KVStoreError as exc:
+        await context.abort(status_for(exc), str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+def unpack_u64(data: bytes, what: str = "block_hashes") -> list[int]:
+    if len(data) % 8:
+        raise errors.InvalidRequest(
+            f"{what} must be packed uint64 (a multiple of 8 bytes), got {len(data)} bytes"
+        )
+    return np.frombuffer(data, dtype="<u8").tolist()
+
+
+def pack_u64(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+def unpack_i32(data: bytes, what: str) -> list[int]:
+    if len(data) % 4:
+        raise errors.InvalidRequest(
+            f"{what} must be packed int32 (a multiple of 4 bytes), got {len(data)} bytes"
+        )
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def spec_from_pb(spec: Any) -> NamespaceSpec:
+    return NamespaceSpec(
+        model=spec.model,
+        dtype=spec.dtype,
+        block_size_tokens=spec.block_size_tokens,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        block_bytes=spec.block_bytes,
+        tp_rank=spec.tp_rank,
+        tp_world_size=spec.tp_world_size or 1,
+        pp_rank=spec.pp_rank,
+        pp_world_size=spec.pp_world_size or 1,
+        tenant=spec.tenant,
+        layout=spec.layout,
+    )
+
+
+class StoreService(pb_grpc.StoreServiceServicer):
+    def __init__(self, manager: BlockManager) -> None:
+        self.manager = manager
+        self.config = manager.config
+
+    async def Hello(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        region = self.manager.region
+        return pb.HelloResponse(
+            node_id=self.manager.node_id,
+            version=__version__,
+            region_path=region.path,
+            region_bytes=region.capacity_bytes,
+            max_message_bytes=self.config.server.max_message_bytes,
+            default_lease_ttl_s=self.config.leases.default_ttl_s,
+            max_block_bytes=self.config.dram.chunk_bytes,
+            max_blocks_per_request=self.config.limits.max_blocks_per_request,
+        )
+
+    async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if not request.HasField("spec"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+        ns = await call(context, lambda: self.manager.declare_namespace(spec_from_pb(request.spec)))
+        return pb.DeclareNamespaceResponse(namespace_id=ns.namespace_id, block_bytes=ns.block_bytes)
+
+    async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            hashes = unpack_u64(request.block_hashes)
+            plan = self.manager.prepare_store(request.namespace_id, hashes, request.lease_ttl_s)
+            return pb.PrepareStoreResponse(
+                lease_id=plan.lease_id,
+                statuses=bytes(plan.statuses),
+                offsets=pack_u64(plan.offsets),
+                tier=pb.TIER_DRAM,
+            )
+
+        return await call(context, run)
+
+    async def CommitStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            hashes = unpack_u64(request.block_hashes) if request.block_hashes else None
+            tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
+            parent = request.parent_block_hash if request.has_parent_block_hash else None
+            n = self.manager.commit_store(
+                request.lease_id, hashes, parent_block_hash=parent, token_ids=tokens
+            )
+            return pb.CommitStoreResponse(committed=n)
+
+        return await call(context, run)
+
+    async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            result = self.manager.lookup(request.namespace_id, unpack_u64(request.block_hashes))
+            return pb.LookupResponse(
+                prefix_blocks=result.prefix_blocks,
+                by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],
+            )
+
+        return await call(context, run)
+
+    async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            hashes = unpack_u64(request.block_hashes)
+            plan = self.manager.prepare_load(request.namespace_id, hashes, request.lease_ttl_s)
+            return pb.PrepareLoadResponse(
+                lease_id=plan.lease_id,
+                found_blocks=len(plan.blocks),
+                offsets=pack_u64(plan.offsets),
+                checksums=pack_u64([b.checksum for b in plan.blocks]),
+            )
+
+        return await call(context, run)
+
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = await call(context, lambda: self.manager.release(list(request.lease_ids)))
+        return pb.ReleaseResponse(released=n)
+
+    async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        deleted, busy = await call(
+            context,
+            lambda: self.manager.delete(request.namespace_id, unpack_u64(request.block_hashes)),
+        )
+        return pb.DeleteResponse(deleted=deleted, busy=busy)
+
+    async def Clear(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        n = await call(context, lambda: self.manager.clear(request.namespace_id))
+        return pb.ClearResponse(removed=n)
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        s = self.manager.stats()
+        c = s.counters
+        return pb.StatsResponse(
+            node_id=s.node_id,
+            uptime_s=s.uptime_s,
+            tiers=[
+                pb.TierStats(
+                    tier=int(t.tier),
+                    capacity_bytes=t.capacity_bytes,
+                    used_bytes=t.used_bytes,
+                    blocks=t.blocks,
+                    pinned_blocks=t.pinned_blocks,
+                )
+                for t in s.tiers
+            ],
+            namespaces=s.namespaces,
+            active_leases=s.active_leases,
+            lookup_hit_blocks=c.lookup_hit_blocks,
+            lookup_miss_blocks=c.lookup_miss_blocks,
+            evicted_blocks=c.evicted_blocks,
+            expired_leases=c.expired_leases,
+            stored_blocks=c.stored_blocks,
+            loaded_blocks=c.loaded_blocks,
+            demoted_blocks=c.demoted_blocks,
+            promoted_blocks=c.promoted_blocks,
+        )
+
+    async def PutInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            m = self.manager
+            hashes = unpack_u64(request.block_hashes)
+            ns = m.namespace(request.namespace_id)
+            expected = len(hashes) * ns.block_bytes
+            if len(request.data) != expected:
+                raise errors.BlockSizeMismatch(
+                    f"data has {len(request.data)} bytes; {len(hashes)} blocks of "
+                    f"{ns.block_bytes} bytes need {expected}"
+                )
+            plan = m.prepare_store(ns.namespace_id, hashes)
+            data = (
+                np.frombuffer(request.data, dtype=np.uint8).reshape(len(hashes), ns.block_bytes)
+                if hashes
+                else None
+            )
+            region = m.region.array
+            stored = 0
+            for i, status in enumerate(plan.statuses):
+                if status == STORE_ALLOCATED:
+                    off = plan.offsets[i]
+                    region[off : off + ns.block_bytes] = data[i]  # type: ignore[index]
+                    stored += 1
+            if plan.lease_id:
+                m.commit_store(plan.lease_id)
+            return pb.PutInlineResponse(stored=stored, skipped=len(hashes) - stored)
+
+        return await call(context, run)
+
+    async def GetInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        def run() -> Any:
+            m = self.manager
+            hashes = unpack_u64(request.block_hashes)
+            ns = m.namespace(request.namespace_id)
+            limit = self.config.server.max_message_bytes - 1024
+            if len(hashes) * ns.block_bytes > limit:
+                raise errors.InvalidRequest(
+                    f"{len(hashes)} blocks of {ns.block_bytes} bytes exceed the "
+                    f"{self.config.server.max_message_bytes}-byte message limit; ask for fewer"
+                )
+            plan = m.prepare_load(ns.namespace_id, hashes)
+            try:
+                region = m.region.array
+                data = b"".join(region[o : o + ns.block_bytes].tobytes() for o in plan.offsets)
+            finally:
+                if plan.lease_id:
+                    m.release([plan.lease_id])
+            return pb.GetInlineResponse(found_blocks=len(plan.blocks), data=data)
+
+        return await call(context, run)
+
+
+def tier_name(tier: int) -> str:
+    return Tier(tier).name.lower() if tier in Tier._value2member_map_ else "unspecified"

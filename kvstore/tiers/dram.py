@@ -1,0 +1,213 @@
+"""The DRAM tier: one shared-memory region carved into block slots.
+
+The region is a file in /dev/shm (or hugetlbfs when it has room) mapped
+MAP_SHARED by the daemon and by every local client, so block bytes move by
+memcpy in the client, never through gRPC. It is sized once to the configured
+capacity (a hard cap: nothing else is ever allocated for blocks) and
+pre-faulted at start, since first touch of new memory runs at ~1 GB/s here.
+
+Slots come from a slab allocator: the region is cut into equal chunks; a chunk
+serves one slot size (a namespace's block size rounded up to 64 bytes, so every
+slot is cache-line aligned); a chunk whose slots are all free goes back to the
+shared pool, so namespaces with different block sizes share the region.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+
+SLOT_ALIGN_BYTES = 64
+PAGE_BYTES = 4096
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
+HUGETLBFS_DIR = Path("/dev/hugepages")
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Slot stride for a block size: rounded up to a cache line."""
+    return -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+
+def _free_huge_pages_bytes() -> int:
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in meminfo.splitlines() if ":" in line)
+    try:
+        free = int(fields["HugePages_Free"].split()[0])
+        size_kib = int(fields["Hugepagesize"].split()[0])
+    except (KeyError, ValueError):
+        return 0
+    return free * size_kib * 1024
+
+
+class Region:
+    """A shared-memory file of fixed size, mapped MAP_SHARED."""
+
+    def __init__(self, path: str, capacity_bytes: int, *, prefault: bool, huge_pages: str) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.path = self._choose_path(path, capacity_bytes, huge_pages)
+        parent = Path(self.path).parent
+        if not parent.is_dir():
+            raise ConfigError(f"dram.path: directory {parent} does not exist")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"dram.path: cannot open {self.path}: {exc.strerror}") from None
+        try:
+            os.ftruncate(fd, capacity_bytes)
+            if prefault:
+                # Allocate the tmpfs pages now (and fail now, not mid-store, if
+                # /dev/shm is too small); MAP_POPULATE then maps them all.
+                try:
+                    os.posix_fallocate(fd, 0, capacity_bytes)
+                except OSError as exc:
+                    raise ConfigError(
+                        f"dram.path: cannot reserve {capacity_bytes} bytes in {self.path}: "
+                        f"{exc.strerror} (is the filesystem large enough?)"
+                    ) from None
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+            self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self.base_address = self.array.ctypes.data
+
+    @staticmethod
+    def _choose_path(path: str, capacity_bytes: int, huge_pages: str) -> str:
+        if huge_pages == "off":
+            return path
+        has_room = (
+            HUGETLBFS_DIR.is_dir()
+            and capacity_bytes % HUGE_PAGE_BYTES == 0
+            and _free_huge_pages_bytes() >= capacity_bytes
+        )
+        if has_room:
+            return str(HUGETLBFS_DIR / Path(path).name)
+        if huge_pages == "on":
+            raise ConfigError(
+                f"dram.huge_pages=on but hugetlbfs at {HUGETLBFS_DIR} has no room for "
+                f"{capacity_bytes} bytes (see /proc/meminfo HugePages_Free)"
+            )
+        return path
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.array[offset : offset + nbytes]
+
+    def close(self, *, unlink: bool) -> None:
+        # Views handed out (self.array) keep the mmap alive; drop ours first.
+        self.array = np.empty(0, dtype=np.uint8)
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Someone still holds a view; the mapping dies with the process.
+            pass
+        if unlink:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+@dataclass(slots=True)
+class _SizeClass:
+    slot_bytes: int
+    slots_per_chunk: int
+    # chunk index -> free slot offsets in that chunk (a stack)
+    free_by_chunk: dict[int, list[int]] = field(default_factory=dict)
+    used_by_chunk: dict[int, int] = field(default_factory=dict)
+    # chunks that still have a free slot
+    partial: set[int] = field(default_factory=set)
+
+
+class SlabAllocator:
+    """Slots of several sizes over one region, chunk by chunk.
+
+    Pure bookkeeping: it never touches the bytes. O(1) alloc and free, except
+    when a chunk is taken or returned (O(slots per chunk)).
+    """
+
+    def __init__(self, capacity_bytes: int, chunk_bytes: int) -> None:
+        assert chunk_bytes > 0 and capacity_bytes >= chunk_bytes
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = capacity_bytes // chunk_bytes
+        self.capacity_bytes = self.num_chunks * chunk_bytes
+        # Lowest chunk first: keeps the used part of the region compact.
+        self._free_chunks = list(range(self.num_chunks - 1, -1, -1))
+        self._classes: dict[int, _SizeClass] = {}
+        self._chunk_class: dict[int, int] = {}
+        self.used_bytes = 0
+
+    def alloc(self, slot_bytes: int) -> int | None:
+        """A free slot's offset, or None when neither a slot nor a chunk is free."""
+        cls = self._classes.get(slot_bytes)
+        if cls is None:
+            if slot_bytes > self.chunk_bytes:
+                raise ValueError(f"slot of {slot_bytes} bytes exceeds chunk of {self.chunk_bytes}")
+            cls = self._classes[slot_bytes] = _SizeClass(slot_bytes, self.chunk_bytes // slot_bytes)
+        if not cls.partial:
+            if not self._free_chunks:
+                return None
+            chunk = self._free_chunks.pop()
+            base = chunk * self.chunk_bytes
+            cls.free_by_chunk[chunk] = [
+                base + i * slot_bytes for i in range(cls.slots_per_chunk - 1, -1, -1)
+            ]
+            cls.used_by_chunk[chunk] = 0
+            cls.partial.add(chunk)
+            self._chunk_class[chunk] = slot_bytes
+        chunk = next(iter(cls.partial))
+        free = cls.free_by_chunk[chunk]
+        offset = free.pop()
+        cls.used_by_chunk[chunk] += 1
+        if not free:
+            cls.partial.discard(chunk)
+        self.used_bytes += slot_bytes
+        return offset
+
+    def free(self, offset: int) -> None:
+        chunk = offset // self.chunk_bytes
+        slot_bytes = self._chunk_class[chunk]
+        cls = self._classes[slot_bytes]
+        assert (offset - chunk * self.chunk_bytes) % slot_bytes == 0, "misaligned free"
+        cls.free_by_chunk[chunk].append(offset)
+        cls.used_by_chunk[chunk] -= 1
+        self.used_bytes -= slot_bytes
+        if cls.used_by_chunk[chunk] == 0:
+            # The whole chunk is free: give it back so another size may use it.
+            del cls.free_by_chunk[chunk], cls.used_by_chunk[chunk], self._chunk_class[chunk]
+            cls.partial.discard(chunk)
+            self._free_chunks.append(chunk)
+        else:
+            cls.partial.add(chunk)
+
+    def slot_bytes_at(self, offset: int) -> int:
+        return self._chunk_class[offset // self.chunk_bytes]
+
+    def chunks_of(self, slot_bytes: int) -> list[int]:
+        cls = self._classes.get(slot_bytes)
+        return list(cls.used_by_chunk) if cls else []
+
+    def chunk_slots(self, chunk: int) -> range:
+        """Every slot offset of a chunk that is in use by some size class."""
+        slot_bytes = self._chunk_class[chunk]
+        base = chunk * self.chunk_bytes
+        return range(base, base + (self.chunk_bytes // slot_bytes) * slot_bytes, slot_bytes)
+
+    def size_classes(self) -> list[int]:
+        return [s for s, c in self._classes.items() if c.used_by_chunk]
+
+    @property
+    def free_chunks(self) -> int:
+        return len(self._free_chunks)
+
+    def can_alloc_without_eviction(self, slot_bytes: int) -> bool:
+        cls = self._classes.get(slot_bytes)
+        return bool(self._free_chunks) or bool(cls and cls.partial)

@@ -1,0 +1,308 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_GPU: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class StoreStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_ALLOCATED: _ClassVar[StoreStatus]
+    STORE_PRESENT: _ClassVar[StoreStatus]
+    STORE_IN_FLIGHT: _ClassVar[StoreStatus]
+    STORE_NO_ROOM: _ClassVar[StoreStatus]
+TIER_UNSPECIFIED: Tier
+TIER_GPU: Tier
+TIER_DRAM: Tier
+TIER_DISK: Tier
+STORE_ALLOCATED: StoreStatus
+STORE_PRESENT: StoreStatus
+STORE_IN_FLIGHT: StoreStatus
+STORE_NO_ROOM: StoreStatus
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("model", "dtype", "block_size_tokens", "num_layers", "num_kv_heads", "head_dim", "tp_rank", "tp_world_size", "pp_rank", "pp_world_size", "tenant", "layout", "block_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    TP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    block_size_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_rank: int
+    tp_world_size: int
+    pp_rank: int
+    pp_world_size: int
+    tenant: str
+    layout: str
+    block_bytes: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., tp_rank: _Optional[int] = ..., tp_world_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_world_size: _Optional[int] = ..., tenant: _Optional[str] = ..., layout: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REGION_PATH_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    version: str
+    region_path: str
+    region_bytes: int
+    max_message_bytes: int
+    default_lease_ttl_s: float
+    max_block_bytes: int
+    max_blocks_per_request: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
+
+class DeclareNamespaceRequest(_message.Message):
+    __slots__ = ("spec",)
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    spec: NamespaceSpec
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+
+class DeclareNamespaceResponse(_message.Message):
+    __slots__ = ("namespace_id", "block_bytes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_bytes: int
+    def __init__(self, namespace_id: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class PrepareStoreRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    lease_ttl_s: float
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class PrepareStoreResponse(_message.Message):
+    __slots__ = ("lease_id", "statuses", "offsets", "tier")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    statuses: bytes
+    offsets: bytes
+    tier: Tier
+    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class CommitStoreRequest(_message.Message):
+    __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    HAS_PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    block_hashes: bytes
+    has_parent_block_hash: bool
+    parent_block_hash: int
+    token_ids: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., has_parent_block_hash: _Optional[bool] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+
+class CommitStoreResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class TierCount(_message.Message):
+    __slots__ = ("tier", "blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_blocks", "by_tier")
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    prefix_blocks: int
+    by_tier: _containers.RepeatedCompositeFieldContainer[TierCount]
+    def __init__(self, prefix_blocks: _Optional[int] = ..., by_tier: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ...) -> None: ...
+
+class PrepareLoadRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    lease_ttl_s: float
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class PrepareLoadResponse(_message.Message):
+    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    found_blocks: int
+    offsets: bytes
+    checksums: bytes
+    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "busy")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    busy: int
+    def __init__(self, deleted: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace_id",)
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    def __init__(self, namespace_id: _Optional[str] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "capacity_bytes", "used_bytes", "blocks", "pinned_blocks")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    pinned_blocks: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_LEASES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: int
+    active_leases: int
+    lookup_hit_blocks: int
+    lookup_miss_blocks: int
+    evicted_blocks: int
+    expired_leases: int
+    stored_blocks: int
+    loaded_blocks: int
+    demoted_blocks: int
+    promoted_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ...) -> None: ...
+
+class PutInlineRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "data")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    data: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutInlineResponse(_message.Message):
+    __slots__ = ("stored", "skipped")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    skipped: int
+    def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+
+class GetInlineRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+
+class GetInlineResponse(_message.Message):
+    __slots__ = ("found_blocks", "data")
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    found_blocks: int
+    data: bytes
+    def __init__(self, found_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

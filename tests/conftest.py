@@ -1,0 +1,47 @@
+"""Shared fixtures: real daemons as child processes on temp Unix sockets and port 0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore.namespace import NamespaceSpec
+from kvstore.process import DaemonProcess
+
+
+def make_spec(
+    block_bytes: int = 4096, *, model: str = "tiny", tenant: str = "", **kw: object
+) -> NamespaceSpec:
+    fields: dict[str, object] = dict(
+        model=model,
+        dtype="float16",
+        block_size_tokens=16,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        block_bytes=block_bytes,
+        tenant=tenant,
+    )
+    fields.update(kw)
+    return NamespaceSpec(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def daemon_factory(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
+    started: list[DaemonProcess] = []
+
+    def start(name: str = "kvstored", **kw: object) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / name, name=name, **kw)  # type: ignore[arg-type]
+        d.start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(daemon_factory) -> DaemonProcess:
+    return daemon_factory()

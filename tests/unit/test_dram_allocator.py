@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
+
+
+def test_slots_are_aligned_and_bounded():
+    a = SlabAllocator(capacity_bytes=1 << 20, chunk_bytes=256 << 10)
+    slot = slot_bytes_for(1000)
+    assert slot == 1024
+    offsets = []
+    while (off := a.alloc(slot)) is not None:
+        offsets.append(off)
+    assert len(offsets) == (1 << 20) // slot  # every byte of capacity used, never more
+    assert len(set(offsets)) == len(offsets)
+    assert all(o % 64 == 0 and o + slot <= (1 << 20) for o in offsets)
+    assert a.used_bytes == 1 << 20
+    assert a.alloc(slot) is None
+
+
+def test_consecutive_allocations_are_neighbours():
+    a = SlabAllocator(capacity_bytes=1 << 20, chunk_bytes=256 << 10)
+    offs = [a.alloc(4096) for _ in range(10)]
+    assert offs == [i * 4096 for i in range(10)]
+
+
+def test_empty_chunk_returns_to_pool_for_other_sizes():
+    a = SlabAllocator(capacity_bytes=512 << 10, chunk_bytes=256 << 10)
+    small = [a.alloc(4096) for _ in range(128)]  # fills both chunks
+    assert a.alloc(256 << 10) is None
+    for off in small[:64]:  # frees exactly the first chunk
+        a.free(off)
+    assert a.free_chunks == 1
+    big = a.alloc(256 << 10)
+    assert big == 0
+    assert a.used_bytes == 64 * 4096 + (256 << 10)
+
+
+def test_oversize_slot_is_refused():
+    a = SlabAllocator(capacity_bytes=1 << 20, chunk_bytes=256 << 10)
+    with pytest.raises(ValueError):
+        a.alloc((256 << 10) + 64)
+
+
+def test_region_is_shared_memory_visible_to_a_second_mapping(tmp_path):
+    r = Region(str(tmp_path / "r"), 1 << 20, prefault=True, huge_pages="off")
+    r.array[100:104] = [1, 2, 3, 4]
+    with open(tmp_path / "r", "rb") as f:
+        f.seek(100)
+        assert f.read(4) == bytes([1, 2, 3, 4])
+    r.close(unlink=True)
+    assert not (tmp_path / "r").exists()
