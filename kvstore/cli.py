@@ -100,6 +100,14 @@ def _add_indexer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=indexer_cli.run)
 
 
+def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvstore import demo
+
+    p = sub.add_parser("demo", help="start a daemon and play an agentic conversation through it")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvstore", description="Distributed KV-cache service for LLM inference."
@@ -108,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     _add_status(sub)
     _add_indexer(sub)
+    _add_demo(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":

@@ -63,7 +63,7 @@ class Daemon:
         self.region: Region | None = None
         self.manager: BlockManager | None = None
         self.server: grpc.aio.Server | None = None
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registry = CollectorRegistry()
         self.tcp_port: int | None = None
         self.metrics_port: int | None = None

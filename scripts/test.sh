@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run the whole test suite (after scripts/install.sh --full): lint, types,
+# generated-code freshness, unit and integration tests. GPU tests skip without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=.venv/bin/python
+export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+echo "[test] ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "[test] mypy"
+.venv/bin/mypy
+echo "[test] pytest"
+exec "$py" -m pytest -q -ra --durations=15 "$@"
