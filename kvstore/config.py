@@ -298,3 +298,43 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return msgspec.json.encode(str(value)).decode()
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README, read from this module's source.
+
+    Field docstrings (the string under each field) are not kept at run time,
+    so they are read with ast; defaults come from the classes themselves.
+    tests/unit/test_readme.py checks the README carries this exact table.
+    """
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))  # type: ignore[arg-type]
+    docs: dict[tuple[str, str], str] = {}
+    for cls in tree.body:
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                    text = " ".join(str(nxt.value.value).split())
+                    docs[(cls.name, node.target.id)] = text.replace("|", "\\|")
+    rows = ["| key | default | meaning |", "| --- | --- | --- |"]
+    defaults = Config()
+    for name in defaults.__struct_fields__:
+        value = getattr(defaults, name)
+        if isinstance(value, msgspec.Struct):
+            for field_name in value.__struct_fields__:
+                doc = docs.get((type(value).__name__, field_name), "")
+                default = _toml_value(getattr(value, field_name))
+                rows.append(f"| `{name}.{field_name}` | `{default}` | {doc} |")
+        else:
+            rows.append(f"| `{name}` | `{_toml_value(value)}` | {docs.get(('Config', name), '')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
