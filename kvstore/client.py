@@ -365,6 +365,8 @@ class Client:
     ) -> GetResult:
         """Read the longest present prefix of `hashes` into `out` (or a new array)."""
         n = len(hashes)
+        if out is not None and _is_cuda(out):
+            return self._get_cuda(ns, hashes, out)
         if out is not None:
             out = _as_rows(out, n, ns.block_bytes, writable=True)
         if self.region is None:
@@ -392,27 +394,65 @@ class Client:
     def _put_cuda(
         self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: torch.Tensor
     ) -> PutResult:
+        """Device -> region: one torch copy per run of neighbouring slots."""
         import torch
 
         assert self.region is not None
         n = len(hashes)
-        src = blocks.reshape(n, -1).view(torch.uint8)
-        if src.shape[1] != ns.block_bytes:
-            raise errors.BlockSizeMismatch(
-                f"blocks have {src.shape[1]} bytes each; namespace needs {ns.block_bytes}"
-            )
+        src = _cuda_rows(blocks, n, ns.block_bytes)
         handle = self.prepare_store(ns, hashes)
         idx = handle.allocated
         region_t = torch.from_numpy(self.region)
+        offs = handle.offsets[idx]
         try:
-            for i in idx.tolist():
-                off = int(handle.offsets[i])
-                region_t[off : off + ns.block_bytes].copy_(src[i], non_blocking=False)
+            for s, e in _runs(offs, idx, ns.block_bytes):
+                o, r = int(offs[s]), int(idx[s])
+                region_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes).copy_(
+                    src[r : r + e - s]
+                )
         except BaseException:
             self.release(handle, wait=False)
             raise
         self.commit_store(handle)
         return PutResult(len(idx), n - len(idx))
+
+    def _get_cuda(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: torch.Tensor
+    ) -> GetResult:
+        """Region -> device: one torch copy per run of neighbouring slots."""
+        import torch
+
+        if self.region is None:
+            raise errors.Unavailable("loading into a CUDA tensor needs the daemon's region mapped")
+        dst = _cuda_rows(out, len(hashes), ns.block_bytes)
+        handle = self.prepare_load(ns, hashes)
+        try:
+            region_t = torch.from_numpy(self.region)
+            offs = handle.offsets
+            for s, e in _runs(offs, None, ns.block_bytes):
+                o = int(offs[s])
+                dst[s:e].copy_(
+                    region_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes)
+                )
+            torch.cuda.synchronize(dst.device)  # the pin must outlive the copy
+        finally:
+            self.release(handle, wait=False)
+        return GetResult(handle.found, dst[: handle.found])  # type: ignore[arg-type]
+
+
+def _cuda_rows(tensor: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
+    import torch
+
+    rows = (
+        tensor.reshape(n, -1).view(torch.uint8)
+        if n
+        else tensor.view(torch.uint8).reshape(0, block_bytes)
+    )
+    if rows.shape[1] != block_bytes:
+        raise errors.BlockSizeMismatch(
+            f"blocks have {rows.shape[1]} bytes each; namespace needs {block_bytes}"
+        )
+    return rows
 
 
 def _spec_fields(spec: NamespaceSpec) -> dict[str, Any]:
