@@ -33,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--block-kib", type=int, nargs="+", default=[64, 2048], help="block sizes")
     p.add_argument(
-        "--step-blocks", type=int, nargs="+", default=[64, 0], help="blocks per request-step (0 = all in one)"
+        "--step-blocks",
+        type=int,
+        nargs="+",
+        default=[64, 0],
+        help="blocks per request-step (0 = all in one)",
     )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--results", default="results", help="folder for the JSON report")
@@ -61,7 +65,9 @@ def _fmt(s: Summary, nbytes: int) -> str:
     )
 
 
-def _transfer(client: Any, block_bytes: int, total_bytes: int, step: int, scattered: bool, repeats: int) -> dict[str, Any]:
+def _transfer(
+    client: Any, block_bytes: int, total_bytes: int, step: int, scattered: bool, repeats: int
+) -> dict[str, Any]:
     n = total_bytes // block_bytes
     step = step or n
     ns = client.declare_namespace(_spec(block_bytes, f"bench-{block_bytes}-{step}-{scattered}"))
@@ -127,7 +133,11 @@ def _control_overhead(client: Any, repeats: int, blocks: int = 64) -> dict[str, 
         client.lookup(ns, hashes)
         lookup_s.append(time.perf_counter() - t)
     client.clear(ns)
-    return {"store_step": summarize(store_s), "load_step": summarize(load_s), "lookup_rpc": summarize(lookup_s)}
+    return {
+        "store_step": summarize(store_s),
+        "load_step": summarize(load_s),
+        "lookup_rpc": summarize(lookup_s),
+    }
 
 
 def _lookup_in_daemon(repeats: int, n_hashes: int = 12_000) -> Summary:
@@ -140,9 +150,15 @@ def _lookup_in_daemon(repeats: int, n_hashes: int = 12_000) -> Summary:
     with tempfile.TemporaryDirectory() as tmp:
         config = load_config(
             environ={},
-            assignments=[f"dram.path={tmp}/r", "dram.capacity_bytes=64MiB", "dram.chunk_bytes=4MiB"],
+            assignments=[
+                f"dram.path={tmp}/r",
+                "dram.capacity_bytes=64MiB",
+                "dram.chunk_bytes=4MiB",
+            ],
         )
-        region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
+        region = Region(
+            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
+        )
         manager = BlockManager(config, region)
         ns = manager.declare_namespace(_spec(4096, "bench-lookup"))
         hashes = np.random.default_rng(1).integers(0, 2**63, n_hashes, dtype=np.uint64)
@@ -172,18 +188,26 @@ def run(args: argparse.Namespace) -> int:
     daemon = None
     address = args.address
     if address is None:
-        daemon = DaemonProcess(tmp.name, dram_bytes=2 * total + 64 * MiB, chunk_bytes=max(4 * MiB, max(args.block_kib) * 1024 * 2))
+        daemon = DaemonProcess(
+            tmp.name,
+            dram_bytes=2 * total + 64 * MiB,
+            chunk_bytes=max(4 * MiB, max(args.block_kib) * 1024 * 2),
+        )
         daemon.start()
         address = daemon.address
     rows = []
     try:
         with Client(address) as client:
-            print(f"kvstore-bench local: {args.total_mib} MiB per measurement, {args.repeats} repeats, median [p10-p90]")
+            print(
+                f"kvstore-bench local: {args.total_mib} MiB per measurement, {args.repeats} repeats, median [p10-p90]"
+            )
             print("ratio = memcpy time / kvstore time (1.0 = as fast as a plain in-process memcpy)")
             for block_kib in args.block_kib:
                 for step in args.step_blocks:
                     for scattered in (False, True):
-                        r = _transfer(client, block_kib * 1024, total, step, scattered, args.repeats)
+                        r = _transfer(
+                            client, block_kib * 1024, total, step, scattered, args.repeats
+                        )
                         rows.append(r)
                         print(
                             f"  block {block_kib:>5} KiB step {r['step_blocks']:>5} {r['slots']:<10} "

@@ -105,16 +105,29 @@ class EventsConfig(_Section):
 
 class DiskConfig(_Section):
     path: str = ""
-    """Directory of the disk tier. "" = no disk tier."""
+    """Directory of the disk tier (must exist and be writable). "" = no disk tier."""
     capacity_bytes: int = 0
-    """Hard cap of the disk tier's files."""
+    """Hard cap of the disk tier: its data file is preallocated to exactly this size."""
+    slab_bytes: int = 64 * MiB
+    """Slab size of the data file (one block size per slab); at least dram.chunk_bytes."""
+    io_threads: int = 4
+    """Threads doing disk reads and writes (each with at most 2 operations queued)."""
+    direct_io: bool = True
+    """Use O_DIRECT where the filesystem takes it (bypasses the page cache)."""
+    demote_free_fraction: float = 0.25
+    """Keep at least this share of DRAM free or already on disk, demoting the oldest
+    blocks in the background. 1.0 = write every block to disk (write-behind)."""
+    eviction_policy: str = "lru"
+    """Order in which the disk drops its copies when full: lru | s3fifo."""
 
 
 class GpuConfig(_Section):
     device: int = -1
     """CUDA device of the GPU tier; -1 = no GPU tier."""
     capacity_bytes: int = 0
-    """Hard cap of the GPU tier's pool."""
+    """Hard cap of the GPU tier's pool (allocated once at start)."""
+    chunk_bytes: int = 64 * MiB
+    """Slab size of the pool, as dram.chunk_bytes."""
 
 
 class PeerConfig(_Section):
@@ -124,6 +137,10 @@ class PeerConfig(_Section):
     """Cluster shared secret a peer must present. Required when enabled."""
     transfer_timeout_s: float = 5.0
     """A pull that has not finished by then fails and frees its slots."""
+    transport: Literal["auto", "nixl", "grpc_stream"] = "auto"
+    """auto = NIXL, or the gRPC stream fallback (logged loudly) when NIXL cannot load."""
+    peers: dict[str, str] = msgspec.field(default_factory=dict)
+    """Known peers: node id -> gRPC host:port (FetchFromPeer may name a peer by node id)."""
 
 
 class LogConfig(_Section):
@@ -297,6 +314,9 @@ def _toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table
+        items = (f"{msgspec.json.encode(str(k)).decode()} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + ", ".join(items) + " }" if value else "{}"
     return msgspec.json.encode(str(value)).decode()
 
 

@@ -102,7 +102,7 @@ class ManagerCollector(Collector):
         yield from gauges.values()
         yield GaugeMetricFamily("kvstore_lease_active", "Live leases.", value=s.active_leases)
         yield GaugeMetricFamily(
-            "kvstore_namespace_count", "Declared namespaces.", value=s.namespaces
+            "kvstore_namespaces", "Declared namespaces.", value=s.namespaces
         )
         c = s.counters
         for name, doc, value in (

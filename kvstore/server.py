@@ -29,6 +29,7 @@ from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.manager import BlockManager
 from kvstore.metrics import ManagerCollector, MetricsInterceptor, RpcMetrics, serve_metrics
+from kvstore.sdnotify import SdNotifier
 from kvstore.service import StoreService
 from kvstore.tiers.dram import Region
 from kvstore.v1 import store_pb2, store_pb2_grpc
@@ -62,6 +63,7 @@ class Daemon:
         self.config = config
         self.region: Region | None = None
         self.manager: BlockManager | None = None
+        self.peer: Any = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registry = CollectorRegistry()
@@ -89,6 +91,17 @@ class Daemon:
         )
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
+        if cfg.peer.enabled:
+            from kvstore.peer_service import PeerNode  # imports NIXL only when enabled
+
+            self.peer = PeerNode(
+                self.manager,
+                secret=cfg.peer.secret,
+                transport=cfg.peer.transport,
+                transfer_timeout_s=cfg.peer.transfer_timeout_s,
+                peers=cfg.peer.peers,
+                max_message_bytes=cfg.server.max_message_bytes,
+            )
 
         options = [
             ("grpc.max_receive_message_length", cfg.server.max_message_bytes),
@@ -102,11 +115,13 @@ class Daemon:
         )
         store_pb2_grpc.add_StoreServiceServicer_to_server(StoreService(self.manager), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        peer_services = self.peer.add_to_server(self.server) if self.peer is not None else []
         reflection.enable_server_reflection(
             [
                 STORE_SERVICE_NAME,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
+                *peer_services,
             ],
             self.server,
         )
@@ -191,6 +206,8 @@ class Daemon:
             self._metrics_server.server_close()
         if self._sink is not None and hasattr(self._sink, "close"):
             self._sink.close()
+        if self.peer is not None:
+            await self.peer.close()  # NIXL deregisters before the region is unmapped
         if self.region is not None:
             self.region.close(unlink=True)
         if self.config.server.socket_path:
@@ -199,6 +216,7 @@ class Daemon:
 
 
 async def serve(config: Config) -> int:
+    notifier = SdNotifier.from_env()  # malformed NOTIFY_SOCKET/WATCHDOG_USEC: ConfigError, exit 2
     daemon = Daemon(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -211,9 +229,16 @@ async def serve(config: Config) -> int:
     info = daemon.ready_info()
     log.info("serving", extra={"fields": {k: v for k, v in info.items() if k != "event"}})
     print(json.dumps(info), flush=True)
+    notifier.ready(status=f"serving {info['tcp_address'] or info['socket_path']}")
+    watchdog = asyncio.create_task(notifier.watchdog_loop(), name="sd-watchdog")
     await daemon.wait_stopped()
+    notifier.stopping(status="draining")
     log.info("draining", extra={"fields": {"grace_s": config.server.drain_timeout_s}})
     await daemon.stop()
+    watchdog.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watchdog
+    notifier.close()
     log.info("stopped")
     return 0
 
@@ -222,4 +247,8 @@ def run(config: Config) -> int:
     rc = asyncio.run(serve(config))
     sys.stdout.flush()
     sys.stderr.flush()
+    if config.peer.enabled:
+        # A process that created a UCX backend segfaults at interpreter exit (libnl
+        # bundled in the NIXL wheel); everything is closed by now, so skip the exit hooks.
+        os._exit(rc)
     return rc

@@ -67,7 +67,11 @@ def test_parse_bytes(text, value):
 
 
 def test_print_config_round_trips(tmp_path):
-    c = load_config(environ={}, assignments=["dram.capacity_bytes=2GiB", "node_id=n1"])
+    c = load_config(
+        environ={},
+        assignments=["dram.capacity_bytes=2GiB", "node_id=n1", "peer.peers.node-a=127.0.0.1:1"],
+    )
+    assert c.peer.peers == {"node-a": "127.0.0.1:1"}
     f = tmp_path / "out.toml"
     f.write_text(to_toml(c))
     assert load_config(f, environ={}) == c

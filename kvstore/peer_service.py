@@ -1,0 +1,336 @@
+"""Peer transfer in the daemon: the owner's PeerService, the clients' FetchFromPeer,
+and ``PeerNode``, which assembles them with a transport.
+
+Trust: every PeerService call must carry the cluster's shared secret
+(``x-kvstore-cluster-secret`` metadata), compared in constant time; anything
+else is PERMISSION_DENIED before any work is done. Pins handed to peers are
+ordinary load leases of the manager (they expire by themselves), tracked here
+so a peer can release or stream only the pins it was given, never a local
+client's lease.
+
+Transport choice (``peer.transport``): "auto" loads NIXL and falls back to the
+gRPC stream, loudly, only if NIXL cannot load; "nixl" refuses to start
+without it; "grpc_stream" forces the fallback (tests, NIXL-less nodes). A
+puller reads with NIXL only when both sides have it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvstore import errors
+from kvstore.manager import BlockManager
+from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
+from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL, Transport
+from kvstore.transfer.grpc_stream import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    SECRET_METADATA_KEY,
+    GrpcStreamTransport,
+    iter_chunks,
+)
+from kvstore.transfer.puller import MAX_PIN_TTL_S, PIN_TTL_MARGIN_S, Puller, checksums_async
+from kvstore.v1 import peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Pins this daemon keeps track of for peers; beyond it new pins are refused
+# (RESOURCE_EXHAUSTED) instead of growing without bound.
+MAX_PEER_PINS = 4096
+# A pin's lifetime when the puller asks for none, and the longest allowed.
+DEFAULT_PIN_TTL_S = 10.0
+
+
+@dataclass(slots=True)
+class _Pin:
+    offsets: frozenset[int]
+    block_bytes: int
+    expires_at_s: float
+
+
+class PeerService(peer_pb2_grpc.PeerServiceServicer):
+    """The owner side: metadata, pins, releases, and the fallback byte stream."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        *,
+        secret: str,
+        incarnation: str,
+        nixl: Transport | None,
+        agent_name: str,
+        on_pin: Any = None,
+        on_unpin: Any = None,
+    ) -> None:
+        if not secret:
+            raise errors.ConfigError("peer transfer needs peer.secret")
+        self.manager = manager
+        self._secret = secret.encode()
+        self.incarnation = incarnation
+        self.nixl = nixl
+        self.agent_name = agent_name
+        self._on_pin = on_pin or (lambda lease_id, ttl_s: None)
+        self._on_unpin = on_unpin or (lambda lease_id: None)
+        self._pins: dict[int, _Pin] = {}
+
+    async def _auth(self, context: grpc.aio.ServicerContext) -> None:
+        presented = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == SECRET_METADATA_KEY:
+                presented = value.encode() if isinstance(value, str) else bytes(value)
+        if not hmac.compare_digest(presented, self._secret):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "wrong or missing cluster secret"
+            )
+
+    def _drop_expired_pins(self) -> None:
+        now = time.monotonic()
+        for lease_id in [k for k, p in self._pins.items() if p.expires_at_s <= now]:
+            del self._pins[lease_id]
+            self._on_unpin(lease_id)
+
+    async def GetAgentMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._auth(context)
+        region = self.manager.region
+        nixl = self.nixl
+        return peer_pb2.GetAgentMetadataResponse(
+            node_id=self.manager.node_id,
+            incarnation=self.incarnation,
+            transport=KIND_NIXL if nixl is not None else KIND_GRPC_STREAM,
+            agent_name=self.agent_name if nixl is not None else "",
+            agent_metadata=nixl.local_info() if nixl is not None else b"",
+            region_base=int(region.array.ctypes.data),
+            region_bytes=region.capacity_bytes,
+        )
+
+    async def PinForPull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._auth(context)
+        self._drop_expired_pins()
+        if len(self._pins) >= MAX_PEER_PINS:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "too many outstanding peer pins"
+            )
+        if not request.HasField("spec"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+        ttl_s = request.lease_ttl_s or DEFAULT_PIN_TTL_S
+        if not 0 < ttl_s <= MAX_PIN_TTL_S:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]"
+            )
+
+        async def pin() -> Any:
+            ns_id = spec_from_pb(request.spec).namespace_id()
+            hashes = unpack_u64(request.block_hashes)
+            try:
+                # Disk-tier blocks of the prefix are promoted to DRAM first: peers
+                # read only DRAM.
+                return await self.manager.prepare_load_async(ns_id, hashes, ttl_s)
+            except errors.NamespaceNotFound:
+                return None  # never declared here: nothing to offer
+
+        plan = await call_async(context, pin)
+        reply = peer_pb2.PinForPullResponse(incarnation=self.incarnation, lease_ttl_s=ttl_s)
+        if plan is None or not plan.lease_id:
+            return reply
+        blocks = plan.blocks
+        block_bytes = blocks[0].namespace.block_bytes
+        offsets = [b.offset for b in blocks]
+        # Blocks are immutable once committed and pinned now: hash each once and keep it.
+        todo = [i for i, b in enumerate(blocks) if b.checksum == 0]
+        if todo:
+            array = self.manager.region.array
+            sums = await checksums_async(array, [offsets[i] for i in todo], block_bytes)
+            for i, c in zip(todo, sums, strict=True):
+                blocks[i].checksum = c
+        self._pins[plan.lease_id] = _Pin(frozenset(offsets), block_bytes, time.monotonic() + ttl_s)
+        self._on_pin(plan.lease_id, ttl_s)
+        reply.lease_id = plan.lease_id
+        reply.found_blocks = len(blocks)
+        reply.offsets = pack_u64(offsets)
+        reply.block_bytes = block_bytes
+        reply.checksums = pack_u64([b.checksum for b in blocks])
+        return reply
+
+    async def ReleasePull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self._auth(context)
+        released = 0
+        for lease_id in request.lease_ids:
+            if self._pins.pop(lease_id, None) is None:
+                continue  # not a peer pin (or already gone): never touch a local client's lease
+            self._on_unpin(lease_id)
+            try:
+                released += self.manager.release([lease_id])
+            except errors.LeaseNotFound:
+                pass  # expired meanwhile: already unpinned
+        return peer_pb2.ReleasePullResponse(released=released)
+
+    async def StreamBlocks(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        await self._auth(context)
+        self._drop_expired_pins()
+        pin = self._pins.get(request.lease_id)
+        if pin is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live peer pin {request.lease_id}")
+            return
+        offsets = (
+            np.frombuffer(request.offsets, dtype="<u8") if len(request.offsets) % 8 == 0 else None
+        )
+        if offsets is None or not set(offsets.tolist()) <= pin.offsets:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "offsets must be packed uint64 blocks of the pin"
+            )
+            return
+        chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        for chunk in iter_chunks(self.manager.region.array, offsets, pin.block_bytes, chunk_bytes):
+            if request.lease_id not in self._pins or time.monotonic() >= pin.expires_at_s:
+                # Past its pin a block may be evicted and its slot reused: stop here
+                # (the puller's checksums would catch it anyway).
+                await context.abort(grpc.StatusCode.NOT_FOUND, "pin released or expired mid-stream")
+                return
+            yield peer_pb2.BlockChunk(data=chunk)
+
+
+class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
+    """FetchFromPeer: a local client asks this daemon to pull blocks from a peer now."""
+
+    def __init__(self, puller: Puller, peers: dict[str, str]) -> None:
+        self.puller = puller
+        self.peers = peers  # node id -> gRPC address
+
+    async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def run() -> Any:
+            address = request.peer_address or self.peers.get(request.peer_node_id, "")
+            if not address:
+                raise errors.InvalidRequest(
+                    f"unknown peer {request.peer_node_id!r}: give peer_address or list it in [peer] peers"
+                )
+            if request.timeout_s < 0:
+                raise errors.InvalidRequest("timeout_s must be >= 0")
+            hashes = unpack_u64(request.block_hashes)
+            result = await self.puller.pull(
+                request.namespace_id, hashes, address, request.timeout_s
+            )
+            return peer_pb2.FetchFromPeerResponse(
+                prefix_blocks=result.prefix_blocks,
+                fetched_blocks=result.fetched_blocks,
+                local_blocks=result.local_blocks,
+                corrupt_blocks=result.corrupt_blocks,
+                transport=result.transport,
+                pin_s=result.pin_s,
+                transfer_s=result.transfer_s,
+                verify_s=result.verify_s,
+            )
+
+        return await call_async(context, run)
+
+
+def load_nixl_transport(
+    mode: str, agent_name: str, region_addr: int, region_bytes: int
+) -> Transport | None:
+    """The NIXL transport per ``peer.transport``; None means the gRPC stream fallback."""
+    if mode == KIND_GRPC_STREAM:
+        log.warning(
+            "peer.transport = grpc_stream: block bytes go through gRPC (~10x slower than NIXL)"
+        )
+        return None
+    try:
+        from kvstore.transfer.nixl_agent import NixlAgent, NixlTransport
+
+        agent = NixlAgent(agent_name)
+        agent.register_region(region_addr, region_bytes)
+        return NixlTransport(agent)
+    except errors.KVStoreError as exc:
+        if mode == KIND_NIXL:
+            raise errors.ConfigError(f"peer.transport = nixl but {exc}") from exc
+        log.warning(
+            "NIXL unavailable (%s): FALLING BACK to the gRPC stream for peer transfer, "
+            "~10x slower; install nixl-cu12==1.5.1 for NIXL",
+            exc,
+        )
+        return None
+
+
+class PeerNode:
+    """Everything peer transfer adds to a daemon. Build after the region and the
+    manager; ``add_to_server`` before the server starts; ``close`` before the
+    region is unmapped (NIXL must deregister it first)."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        *,
+        secret: str,
+        transport: str = "auto",
+        transfer_timeout_s: float = 5.0,
+        peers: dict[str, str] | None = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        if transport not in ("auto", KIND_NIXL, KIND_GRPC_STREAM):
+            raise errors.ConfigError(
+                f"peer.transport must be auto, nixl or grpc_stream, not {transport!r}"
+            )
+        if not 0 < transfer_timeout_s <= MAX_PIN_TTL_S - PIN_TTL_MARGIN_S:
+            raise errors.ConfigError(
+                f"peer.transfer_timeout_s must be in (0, {MAX_PIN_TTL_S - PIN_TTL_MARGIN_S}]"
+            )
+        self.manager = manager
+        self.incarnation = secrets.token_hex(8)
+        self.agent_name = f"kvstore-{manager.node_id}-{self.incarnation}"
+        region = manager.region
+        self.nixl = load_nixl_transport(
+            transport, self.agent_name, int(region.array.ctypes.data), region.capacity_bytes
+        )
+        self.stream = GrpcStreamTransport(region.array, secret, max_message_bytes)
+        pump = getattr(self.nixl, "pump", None)
+        self.service = PeerService(
+            manager,
+            secret=secret,
+            incarnation=self.incarnation,
+            nixl=self.nixl,
+            agent_name=self.agent_name,
+            on_pin=pump.hold if pump is not None else None,
+            on_unpin=pump.release if pump is not None else None,
+        )
+        self.puller = Puller(
+            manager,
+            region.array,
+            node_id=manager.node_id,
+            secret=secret,
+            nixl=self.nixl,
+            stream=self.stream,
+            transfer_timeout_s=transfer_timeout_s,
+            max_message_bytes=max_message_bytes,
+        )
+        self.fetch_service = PeerFetchService(self.puller, dict(peers or {}))
+
+    @property
+    def transport_kind(self) -> str:
+        return KIND_NIXL if self.nixl is not None else KIND_GRPC_STREAM
+
+    def add_to_server(self, server: grpc.aio.Server) -> list[str]:
+        """Register both services; return their full names (for health and reflection)."""
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(self.service, server)
+        peer_pb2_grpc.add_PeerFetchServiceServicer_to_server(self.fetch_service, server)
+        services = peer_pb2.DESCRIPTOR.services_by_name
+        return [services["PeerService"].full_name, services["PeerFetchService"].full_name]
+
+    async def close(self) -> None:
+        """Close channels, stop the progress pump, deregister NIXL memory."""
+        try:
+            await asyncio.wait_for(self.puller.aclose(), 2.0)
+            await asyncio.wait_for(self.stream.aclose(), 2.0)
+        except TimeoutError:
+            log.warning("peer channels did not close in 2 s")
+        if self.nixl is not None:
+            self.nixl.close()

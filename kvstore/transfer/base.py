@@ -1,0 +1,101 @@
+"""What a peer transport is.
+
+A transport moves block bytes from a peer daemon's DRAM region into this
+daemon's DRAM region. It knows nothing of namespaces, hashes or leases beyond
+carrying the lease id the owner pinned the blocks under; the pull protocol
+(``kvstore.transfer.puller``) decides what to read and checks what arrived.
+
+Primitives:
+
+- ``local_info()``: the bytes a peer needs to read from us (NIXL agent
+  metadata; empty for the gRPC stream). Handed out by ``PeerService``.
+- ``add_peer(info)`` / ``forget_peer(key)``: load or drop a peer's info
+  (re-done when the peer restarts: its key changes with its incarnation).
+- ``read(peer, batch, timeout_s)``: one batched read of
+  (remote offset, local offset, nbytes) descriptors; returns when every byte
+  has landed, raises ``Unavailable`` (peer gone) or ``DeadlineExceeded``
+  (gave up after ``timeout_s``). Never returns early with part of a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+
+KIND_NIXL = "nixl"
+KIND_GRPC_STREAM = "grpc_stream"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLink:
+    """Where and how to read from one peer, for one pinned batch."""
+
+    node_id: str
+    address: str
+    """The peer daemon's gRPC address (host:port)."""
+    key: str
+    """Transport-level name of the peer: its NIXL agent name (changes on restart)."""
+    region_base: int
+    """Address of the peer's DRAM region in the peer's own address space (NIXL)."""
+    region_bytes: int
+    lease_id: int
+    """The owner-side pin these reads are covered by."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBatch:
+    """Descriptors of one batched read, as three equal-length uint64 arrays."""
+
+    remote_offsets: np.ndarray
+    local_offsets: np.ndarray
+    sizes: np.ndarray
+
+    @staticmethod
+    def of(remote_offsets, local_offsets, sizes) -> ReadBatch:  # type: ignore[no-untyped-def]
+        r = np.ascontiguousarray(remote_offsets, dtype=np.uint64)
+        loc = np.ascontiguousarray(local_offsets, dtype=np.uint64)
+        s = np.ascontiguousarray(sizes, dtype=np.uint64)
+        if not (r.ndim == loc.ndim == s.ndim == 1 and len(r) == len(loc) == len(s)):
+            raise InvalidRequest("read batch: offsets and sizes must be 1-D and of equal length")
+        return ReadBatch(r, loc, s)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum()) if len(self.sizes) else 0
+
+    def check_bounds(self, remote_region_bytes: int, local_region_bytes: int) -> None:
+        """Refuse descriptors that leave either region (a bad peer reply, not a bug here)."""
+        if not len(self):
+            return
+        if int((self.remote_offsets + self.sizes).max()) > remote_region_bytes:
+            raise InvalidRequest("read batch leaves the peer's region")
+        if int((self.local_offsets + self.sizes).max()) > local_region_bytes:
+            raise InvalidRequest("read batch leaves the local region")
+
+
+class Transport(Protocol):
+    kind: str
+    """KIND_NIXL or KIND_GRPC_STREAM."""
+
+    def local_info(self) -> bytes: ...
+
+    def add_peer(self, info: bytes) -> str:
+        """Load a peer's info; return its key."""
+        ...
+
+    def forget_peer(self, key: str) -> None: ...
+
+    def has_peer(self, key: str) -> bool: ...
+
+    async def read(self, peer: PeerLink, batch: ReadBatch, timeout_s: float) -> None: ...
+
+    def close(self) -> None:
+        """Drop peers and deregister memory. Call before the region is unmapped."""
+        ...

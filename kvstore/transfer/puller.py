@@ -1,0 +1,451 @@
+"""The pull protocol, puller side: this daemon (B) fetches blocks a peer (A) holds.
+
+One pull, for one namespace and a run of block hashes in prefix order:
+
+1. skip the prefix B already holds (local lookup);
+2. A's metadata: fetched once per A incarnation and cached; a new incarnation
+   in a pin reply (A restarted) drops the stale NIXL peer and loads the new one;
+3. ``PinForPull`` on A: A pins its longest present prefix under a lease that
+   expires on its own, and returns offsets, block size and xxh3 checksums;
+4. ``prepare_store`` on B for those blocks (present or in-flight ones skipped);
+5. one transport read for the whole batch, bounded by ``timeout_s``;
+6. xxh3 of every landed block against A's: mismatches are dropped, never served;
+7. ``commit_store`` of the verified blocks; ``ReleasePull`` on A.
+
+Any failure in 5 frees B's prepared slots at once (the store lease is
+released) and releases A's pin best-effort; a dead A then costs B at most
+``timeout_s``, and A's pin expires by itself if B dies. Blocks evicted on A
+between a caller's lookup and the pin simply shorten A's prefix: a clean
+partial result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import xxhash
+
+from kvstore.errors import InvalidRequest, KVStoreError, Unavailable
+from kvstore.manager import STORE_ALLOCATED, BlockManager
+from kvstore.transfer.base import KIND_NIXL, PeerLink, ReadBatch, Transport
+from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
+from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
+
+log = logging.getLogger(__name__)
+
+# Control calls to a peer (metadata, pin, release) are small: bound them apart
+# from the data transfer so a hung peer is noticed quickly.
+CONTROL_TIMEOUT_S = 2.0
+# The owner's pin must outlive our transfer deadline, and not much more: it is
+# what a puller that died strands on the owner.
+PIN_TTL_MARGIN_S = 5.0
+# The longest pin an owner grants (a dead puller strands blocks at most this long).
+MAX_PIN_TTL_S = 120.0
+# A pull of at least 2 x PIECE_MIN_BYTES is read as up to MAX_PIECES concurrent
+# pieces, each verified as soon as it lands.
+PIECE_MIN_BYTES = 32 << 20
+MAX_PIECES = 8
+# Pin releases in flight at once; beyond it pins are left to expire on the owner.
+MAX_PENDING_RELEASES = 256
+# Blocks at least this big are hashed in a thread; smaller ones on the loop, in
+# slices of HASH_SLICE_BYTES (~1-2 ms) between which other calls run.
+THREAD_HASH_MIN_BLOCK_BYTES = 1 << 20
+HASH_SLICE_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    node_id: str
+    address: str
+    incarnation: str
+    transport: str
+    key: str
+    region_base: int
+    region_bytes: int
+
+
+@dataclass(slots=True)
+class PullResult:
+    prefix_blocks: int
+    """Longest prefix of the requested hashes present here after the pull."""
+    fetched_blocks: int
+    local_blocks: int
+    corrupt_blocks: int
+    transport: str
+    pin_s: float = 0.0
+    """Seconds of the PinForPull round trip (the owner's pin and checksums included)."""
+    transfer_s: float = 0.0
+    """Seconds until the last byte landed."""
+    verify_s: float = 0.0
+    """Seconds of checksum work after the last byte landed (the rest overlaps the read)."""
+    commit_s: float = 0.0
+
+
+def checksums_of(region: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(region[o : o + block_bytes].data) for o in offsets]
+
+
+async def checksums_async(
+    region: np.ndarray, offsets: Sequence[int], block_bytes: int
+) -> list[int]:
+    """xxh3 of each block, without stalling the event loop for long.
+
+    Large blocks are hashed in a thread (xxh3 releases the GIL during each call,
+    so it overlaps reads still in flight). Small blocks are hashed on the loop
+    in slices: one GIL hand-off per small block costs more than the hash while
+    the loop is busy polling NIXL.
+    """
+    if block_bytes >= THREAD_HASH_MIN_BLOCK_BYTES:
+        return await asyncio.to_thread(checksums_of, region, list(offsets), block_bytes)
+    per_slice = max(1, HASH_SLICE_BYTES // block_bytes)
+    out: list[int] = []
+    for i in range(0, len(offsets), per_slice):
+        if i:
+            await asyncio.sleep(0)
+        out += checksums_of(region, offsets[i : i + per_slice], block_bytes)
+    return out
+
+
+class Puller:
+    def __init__(
+        self,
+        manager: BlockManager,
+        region: np.ndarray,
+        *,
+        node_id: str,
+        secret: str,
+        nixl: Transport | None,
+        stream: Transport,
+        transfer_timeout_s: float,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.manager = manager
+        self.region = region
+        self.node_id = node_id
+        self.nixl = nixl
+        self.stream = stream
+        self.transfer_timeout_s = transfer_timeout_s
+        self._metadata = ((SECRET_METADATA_KEY, secret),)
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # A peer that restarts on the same port should be reachable within
+            # a control deadline, not after gRPC's default backoff (up to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: dict[str, PeerInfo] = {}  # by address
+        self._releases: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------- peers
+
+    def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return peer_pb2_grpc.PeerServiceStub(channel)
+
+    def _transport_for(self, info: PeerInfo) -> Transport:
+        if info.transport == KIND_NIXL and self.nixl is not None:
+            return self.nixl
+        return self.stream
+
+    async def _peer(self, address: str, *, refresh: bool = False) -> PeerInfo:
+        info = self._peers.get(address)
+        if info is not None and not refresh:
+            return info
+        try:
+            reply = await self._stub(address).GetAgentMetadata(
+                peer_pb2.GetAgentMetadataRequest(requester_node_id=self.node_id),
+                metadata=self._metadata,
+                timeout=CONTROL_TIMEOUT_S,
+                wait_for_ready=True,  # ride out a reconnect; still bounded by the deadline
+            )
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, f"peer {address} metadata") from exc
+        if info is not None:
+            self._forget(info)
+        key = ""
+        if reply.transport == KIND_NIXL and self.nixl is not None:
+            key = self.nixl.add_peer(reply.agent_metadata)
+        elif reply.transport == KIND_NIXL or self.nixl is None:
+            log.warning(
+                "peer %s (%s) will be read over the gRPC stream fallback, ~10x slower than NIXL "
+                "(NIXL not loaded %s)",
+                reply.node_id,
+                address,
+                "here" if self.nixl is None else "there",
+            )
+        info = PeerInfo(
+            node_id=reply.node_id,
+            address=address,
+            incarnation=reply.incarnation,
+            transport=reply.transport,
+            key=key,
+            region_base=reply.region_base,
+            region_bytes=reply.region_bytes,
+        )
+        self._peers[address] = info
+        return info
+
+    def _forget(self, info: PeerInfo) -> None:
+        self._peers.pop(info.address, None)
+        if info.key and self.nixl is not None:
+            self.nixl.forget_peer(info.key)
+
+    # ------------------------------------------------------------------ pull
+
+    async def pull(
+        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+    ) -> PullResult:
+        timeout_s = timeout_s or self.transfer_timeout_s
+        if not 0 < timeout_s <= MAX_PIN_TTL_S - PIN_TTL_MARGIN_S:
+            raise InvalidRequest(f"timeout_s must be in (0, {MAX_PIN_TTL_S - PIN_TTL_MARGIN_S}]")
+        if not address:
+            raise InvalidRequest("no peer address")
+        ns = self.manager.namespace(ns_id)
+        local_prefix = self.manager.lookup(ns_id, hashes).prefix_blocks
+        wanted = list(hashes[local_prefix:])
+        info = await self._peer(address)
+        if not wanted:
+            return PullResult(local_prefix, 0, local_prefix, 0, info.transport)
+
+        t_pin = time.monotonic()
+        pin = await self._pin(info, ns.spec, wanted, timeout_s)
+        pin_s = time.monotonic() - t_pin
+        if pin.incarnation != info.incarnation:
+            # The owner restarted since we cached it: its agent and region are new.
+            log.info("peer %s at %s restarted: re-fetching its metadata", info.node_id, address)
+            info = await self._peer(address, refresh=True)
+        found = pin.found_blocks
+        if found == 0:
+            return PullResult(local_prefix, 0, local_prefix, 0, info.transport)
+        try:
+            result = await self._fill(ns_id, info, pin, wanted[:found], timeout_s)
+        finally:
+            self._schedule_release(info, pin.lease_id)
+        prefix = self.manager.lookup(ns_id, hashes).prefix_blocks
+        result.prefix_blocks = prefix
+        result.local_blocks += local_prefix
+        result.pin_s = pin_s
+        log.debug(
+            "pulled %d blocks from %s: pin %.2f ms, read %.2f ms, verify %.2f ms, commit %.2f ms",
+            result.fetched_blocks,
+            info.node_id,
+            pin_s * 1e3,
+            result.transfer_s * 1e3,
+            result.verify_s * 1e3,
+            result.commit_s * 1e3,
+        )
+        return result
+
+    async def _pin(
+        self, info: PeerInfo, spec: object, wanted: list[int], timeout_s: float
+    ) -> peer_pb2.PinForPullResponse:
+        request = peer_pb2.PinForPullRequest(
+            spec=store_pb2.NamespaceSpec(**_spec_fields(spec)),
+            block_hashes=np.asarray(wanted, dtype="<u8").tobytes(),
+            lease_ttl_s=min(timeout_s + PIN_TTL_MARGIN_S, MAX_PIN_TTL_S),
+            requester_node_id=self.node_id,
+        )
+        try:
+            return await self._stub(info.address).PinForPull(
+                request, metadata=self._metadata, timeout=CONTROL_TIMEOUT_S, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            err = error_from_rpc(exc, f"pin on peer {info.node_id}")
+            if isinstance(err, Unavailable):
+                self._forget(info)
+            raise err from exc
+
+    async def _fill(
+        self,
+        ns_id: str,
+        info: PeerInfo,
+        pin: peer_pb2.PinForPullResponse,
+        hashes: list[int],
+        timeout_s: float,
+    ) -> PullResult:
+        n = len(hashes)
+        remote_offsets = np.frombuffer(pin.offsets, dtype="<u8")
+        checksums = np.frombuffer(pin.checksums, dtype="<u8")
+        block_bytes = pin.block_bytes
+        ns = self.manager.namespace(ns_id)
+        if len(remote_offsets) != n or len(checksums) != n or block_bytes != ns.block_bytes:
+            raise Unavailable(f"peer {info.node_id} sent a malformed pin reply")
+        plan = self.manager.prepare_store(ns_id, hashes, timeout_s + PIN_TTL_MARGIN_S)
+        statuses = np.frombuffer(bytes(plan.statuses), dtype=np.uint8)
+        chosen = np.flatnonzero(statuses == STORE_ALLOCATED)
+        skipped = n - len(chosen)
+        transport = self._transport_for(info)
+        if not len(chosen):
+            return PullResult(0, 0, skipped, 0, transport.kind)
+        local_offsets = np.asarray(plan.offsets, dtype=np.uint64)[chosen]
+        batch = ReadBatch.of(
+            remote_offsets[chosen],
+            local_offsets,
+            np.full(len(chosen), block_bytes, dtype=np.uint64),
+        )
+        link = PeerLink(
+            node_id=info.node_id,
+            address=info.address,
+            key=info.key,
+            region_base=info.region_base,
+            region_bytes=info.region_bytes,
+            lease_id=pin.lease_id,
+        )
+        # The batch is read as a few concurrent pieces so each piece's checksums are
+        # computed (in a thread: xxh3 releases the GIL) while later pieces still land.
+        landed = np.zeros(len(chosen), dtype=np.uint64)
+        started = time.monotonic()
+        deadline_s = started + timeout_s
+        reads_done_s = [started]
+
+        async def piece(lo: int, hi: int) -> None:
+            sub = ReadBatch(
+                batch.remote_offsets[lo:hi], batch.local_offsets[lo:hi], batch.sizes[lo:hi]
+            )
+            await transport.read(link, sub, max(deadline_s - time.monotonic(), 0.001))
+            reads_done_s[0] = max(reads_done_s[0], time.monotonic())
+            offsets = batch.local_offsets[lo:hi].tolist()
+            landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
+
+        try:
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for lo, hi in _pieces(len(chosen), block_bytes):
+                        group.create_task(piece(lo, hi))
+            except BaseExceptionGroup as eg:
+                # Report the peer's failure, not the cancellations it caused.
+                first = next(
+                    (e for e in eg.exceptions if isinstance(e, KVStoreError)), eg.exceptions[0]
+                )
+                if any(getattr(e, "slots_in_use", False) for e in eg.exceptions):
+                    first.slots_in_use = True  # type: ignore[union-attr]
+                raise first from None
+        except BaseException as exc:
+            if getattr(exc, "slots_in_use", False):
+                # NIXL could not cancel a READ: it may still land, so the slots are
+                # left to the store lease's expiry instead of being reused now.
+                log.error(
+                    "pull from %s: READ not cancellable; slots expire with their lease",
+                    info.node_id,
+                )
+            else:
+                self.manager.release([plan.lease_id])
+            if isinstance(exc, Unavailable):  # includes DeadlineExceeded
+                self._forget(info)  # re-fetch metadata next time: the peer may be back, new
+            raise
+        transfer_s = reads_done_s[0] - started
+        verify_s = time.monotonic() - reads_done_s[0]  # the checksum work not hidden by reads
+        good = np.asarray(landed, dtype=np.uint64) == checksums[chosen]
+        corrupt = int((~good).sum())
+        if corrupt:
+            log.error(
+                "peer %s: %d of %d blocks failed their checksum; dropped",
+                info.node_id,
+                corrupt,
+                len(good),
+            )
+        verified = [hashes[i] for i in chosen[good].tolist()]
+        started = time.monotonic()
+        try:
+            if verified:
+                self.manager.commit_store(plan.lease_id, verified)
+                blocks = self.manager.namespace(ns_id).blocks
+                for h, c in zip(
+                    verified, np.asarray(landed, dtype=np.uint64)[good].tolist(), strict=True
+                ):
+                    block = blocks.get(h)
+                    if block is not None:
+                        block.checksum = c  # verified: the next peer need not rehash
+            else:
+                self.manager.release([plan.lease_id])
+        except KVStoreError:
+            # The store lease expired while we read (a timeout longer than its TTL).
+            log.warning("pull from %s: local store lease ended before commit", info.node_id)
+            raise
+        return PullResult(
+            0,
+            len(verified),
+            skipped,
+            corrupt,
+            transport.kind,
+            transfer_s=transfer_s,
+            verify_s=verify_s,
+            commit_s=time.monotonic() - started,
+        )
+
+    def _schedule_release(self, info: PeerInfo, lease_id: int) -> None:
+        """Release the owner's pin off the reply path: the caller need not wait a round
+        trip for it, and a lost release only means the pin expires a bit later."""
+        if len(self._releases) >= MAX_PENDING_RELEASES:
+            log.warning(
+                "%d pin releases pending; letting pin %d expire", len(self._releases), lease_id
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._release_pin(info, lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release_pin(self, info: PeerInfo, lease_id: int) -> None:
+        if not lease_id:
+            return
+        try:
+            await self._stub(info.address).ReleasePull(
+                peer_pb2.ReleasePullRequest(lease_ids=[lease_id]),
+                metadata=self._metadata,
+                timeout=CONTROL_TIMEOUT_S,
+            )
+        except grpc.RpcError as exc:
+            # The pin expires on the owner by itself; nothing is stranded.
+            log.info("release of pin %d on %s failed: %s", lease_id, info.node_id, exc.code())
+
+    async def aclose(self) -> None:
+        if self._releases:
+            await asyncio.wait(list(self._releases), timeout=CONTROL_TIMEOUT_S)
+        for channel in self._channels.values():
+            await channel.close(None)
+        self._channels.clear()
+        for info in list(self._peers.values()):
+            self._forget(info)
+
+
+def _pieces(n: int, block_bytes: int) -> list[tuple[int, int]]:
+    """Index ranges of the concurrent pieces of an n-block read: one piece below
+    PIECE_MIN_BYTES in all, at most MAX_PIECES."""
+    count = max(1, min(MAX_PIECES, n * block_bytes // PIECE_MIN_BYTES, n))
+    bounds = np.linspace(0, n, count + 1).astype(int).tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def _spec_fields(spec: object) -> dict[str, Any]:
+    return {
+        name: getattr(spec, name)
+        for name in (
+            "model",
+            "dtype",
+            "block_size_tokens",
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "tp_rank",
+            "tp_world_size",
+            "pp_rank",
+            "pp_world_size",
+            "tenant",
+            "layout",
+            "block_bytes",
+        )
+    }

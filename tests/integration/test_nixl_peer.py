@@ -1,0 +1,449 @@
+"""Peer-to-peer pulls between real daemons (`python -m kvstore serve`) over real NIXL.
+
+Every daemon is a child process (NIXL never loads in the pytest process); the
+test checks bytes through each daemon's shared-memory region with the client.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.process import DaemonProcess
+from kvstore.v1 import peer_pb2, peer_pb2_grpc
+from tests.conftest import make_spec
+
+HAVE_NIXL = (
+    importlib.util.find_spec("nixl") is not None
+    or importlib.util.find_spec("nixl_cu12") is not None
+)
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed"),
+]
+
+SECRET = "s3cret-for-tests"
+NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+
+
+def blocks_for(hashes, block_bytes):  # type: ignore[no-untyped-def]
+    """Deterministic bytes per hash, so a mix-up between blocks shows."""
+    return np.stack(
+        [
+            np.random.default_rng(int(h)).integers(0, 256, block_bytes, dtype=np.uint8)
+            for h in hashes
+        ]
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def peer_daemon(tmp_path):  # type: ignore[no-untyped-def]
+    started: list[DaemonProcess] = []
+
+    def start(
+        name: str,
+        *,
+        secret: str = SECRET,
+        transport: str = "auto",
+        env=None,  # type: ignore[no-untyped-def]
+        dram_bytes: int = 64 << 20,
+        port: int = 0,
+        timeout_s: float = 3.0,
+    ) -> DaemonProcess:
+        d = DaemonProcess(
+            tmp_path / name,
+            name=name,
+            dram_bytes=dram_bytes,
+            settings={
+                "server.tcp_address": f"127.0.0.1:{port}",
+                "peer.enabled": "true",
+                "peer.secret": secret,
+                "peer.transport": transport,
+                "peer.transfer_timeout_s": timeout_s,
+            },
+            env={**NIXL_ENV, **(env or {})},
+        )
+        d.start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def fetch(puller: DaemonProcess, ns_id: str, hashes, owner: DaemonProcess, timeout_s: float = 0.0):  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(puller.address) as channel:
+        stub = peer_pb2_grpc.PeerFetchServiceStub(channel)
+        return stub.FetchFromPeer(
+            peer_pb2.FetchFromPeerRequest(
+                namespace_id=ns_id,
+                block_hashes=np.asarray(list(hashes), dtype="<u8").tobytes(),
+                peer_address=owner.tcp_address,
+                timeout_s=timeout_s,
+            ),
+            timeout=30,
+        )
+
+
+def put(d: DaemonProcess, hashes, block_bytes: int):  # type: ignore[no-untyped-def]
+    """Declare the test namespace on d and store blocks (none: only declare)."""
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(block_bytes))
+        if len(hashes):
+            assert c.put(ns, list(hashes), blocks_for(hashes, block_bytes)).stored == len(hashes)
+        return ns
+
+
+def assert_holds(d: DaemonProcess, hashes, block_bytes: int) -> None:  # type: ignore[no-untyped-def]
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(block_bytes))
+        got = c.get(ns, list(hashes))
+        assert got.found == len(hashes)
+        np.testing.assert_array_equal(got.data, blocks_for(hashes, block_bytes))
+
+
+def no_leases_soon(d: DaemonProcess, within_s: float = 2.0) -> bool:
+    """True once d holds no lease; pins are released asynchronously after a pull, and
+    within_s is well under the pin's TTL, so this sees a release, not an expiry."""
+    deadline = time.monotonic() + within_s
+    while leases_and_used(d)[0]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def leases_and_used(d: DaemonProcess) -> tuple[int, int]:
+    with Client(d.address) as c:
+        s = c.stats()
+        return s.active_leases, s.tiers[0].used_bytes
+
+
+@pytest.mark.parametrize("tls", ["default", "tcp"])
+def test_two_daemons_pull_bytes_exactly(peer_daemon, tls: str) -> None:  # type: ignore[no-untyped-def]
+    env = {} if tls == "default" else {"UCX_TLS": "tcp"}
+    a, b = peer_daemon("node-a", env=env), peer_daemon("node-b", env=env)
+    block = 64 << 10
+    hashes = list(range(100, 164))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    reply = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (reply.fetched_blocks, reply.prefix_blocks, reply.transport) == (64, 64, "nixl")
+    assert_holds(b, hashes, block)
+    # A's pin was released, not left to expire.
+    assert no_leases_soon(a)
+    # Already here: nothing moves again; a longer run pulls only what is missing.
+    again = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (again.fetched_blocks, again.local_blocks, again.prefix_blocks) == (0, 64, 64)
+    put(a, list(range(164, 170)), block)
+    more = fetch(b, ns_b.namespace_id, list(range(100, 170)), a)
+    assert (more.fetched_blocks, more.local_blocks, more.prefix_blocks) == (6, 64, 70)
+    assert_holds(b, list(range(100, 170)), block)
+
+
+def test_three_daemons_pull_from_each_other(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = peer_daemon("node-a"), peer_daemon("node-b"), peer_daemon("node-c")
+    block = 256 << 10
+    first, tail = list(range(1, 41)), list(range(41, 49))
+    ns = put(a, first, block)
+    put(b, [], block)
+    put(c, [], block)
+    # B and C pull from A at the same time.
+    replies: dict[str, object] = {}
+    threads = [
+        threading.Thread(
+            target=lambda d=d: replies.__setitem__(d.name, fetch(d, ns.namespace_id, first, a))
+        )
+        for d in (b, c)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert all(r.fetched_blocks == 40 for r in replies.values()), replies  # type: ignore[attr-defined]
+    assert_holds(b, first, block)
+    assert_holds(c, first, block)
+    # C adds a tail; A pulls the whole run from C and gets only the tail; B gets it from A.
+    with Client(c.address) as cc:
+        cns = cc.declare_namespace(make_spec(block))
+        cc.put(cns, tail, blocks_for(tail, block))
+    r = fetch(a, ns.namespace_id, first + tail, c)
+    assert (r.fetched_blocks, r.local_blocks, r.prefix_blocks) == (8, 40, 48)
+    r = fetch(b, ns.namespace_id, first + tail, a)
+    assert (r.fetched_blocks, r.prefix_blocks) == (8, 48)
+    for d in (a, b, c):
+        assert_holds(d, first + tail, block)
+        assert no_leases_soon(d)
+
+
+def test_owner_killed_mid_transfer_fails_fast_then_restart_recovers(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    # Over UCX_TLS=tcp the owner's progress thread must answer every READ, so a
+    # stopped owner holds the transfer open: the kill lands mid-transfer for sure.
+    env = {"UCX_TLS": "tcp"}
+    port = free_port()
+    a = peer_daemon("node-a", env=env, dram_bytes=160 << 20, port=port)
+    b = peer_daemon("node-b", env=env, dram_bytes=160 << 20, timeout_s=2.0)
+    block = 2 << 20
+    hashes = list(range(1000, 1064))  # 128 MiB
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    _, used_before = leases_and_used(b)
+
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        started = time.monotonic()
+        try:
+            outcome["reply"] = fetch(b, ns_b.namespace_id, hashes, a)
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+        outcome["elapsed_s"] = time.monotonic() - started
+
+    with Client(a.address) as ca:
+        t = threading.Thread(target=run)
+        t.start()
+        # Stop A the moment its pin exists (B is about to read or reading).
+        deadline = time.monotonic() + 20
+        while ca.stats().active_leases == 0 and time.monotonic() < deadline and t.is_alive():
+            time.sleep(0.0005)
+    os.kill(a.pid, signal.SIGSTOP)
+    still_running = t.is_alive()
+    time.sleep(0.3)
+    killed_at = time.monotonic()
+    a.kill()
+    t.join(timeout=30)
+    assert not t.is_alive()
+    if not still_running:
+        pytest.skip("the pull finished before the owner could be stopped (machine too fast)")
+    assert outcome.get("code") in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ), outcome
+    # Bounded: within the 2 s transfer timeout of the kill (plus scheduling slack).
+    assert time.monotonic() - killed_at < 2.0 + 3.0
+    # B freed its prepared slots and kept serving.
+    assert leases_and_used(b) == (0, used_before)
+    with Client(b.address) as cb:
+        nsb = cb.declare_namespace(make_spec(block))
+        assert cb.lookup(nsb, hashes).prefix_blocks == 0
+        assert cb.put(nsb, [7], blocks_for([7], block)).stored == 1
+
+    # A restarts on the same address, as a new incarnation with a new region.
+    a2 = peer_daemon("node-a", env=env, dram_bytes=160 << 20, port=port)
+    put(a2, hashes[:8], block)
+    r = fetch(b, ns_b.namespace_id, hashes[:8], a2)
+    assert (r.fetched_blocks, r.prefix_blocks) == (8, 8)
+    assert_holds(b, hashes[:8], block)
+
+
+def test_owner_restart_between_pulls_refetches_metadata(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    a = peer_daemon("node-a", port=port)
+    b = peer_daemon("node-b")
+    block = 64 << 10
+    ns_b = put(b, [], block)
+    put(a, [1, 2, 3], block)
+    assert fetch(b, ns_b.namespace_id, [1, 2, 3], a).fetched_blocks == 3
+    assert a.stop() == 0  # clean drain; the daemon exits 0 despite NIXL
+    a2 = peer_daemon("node-a", port=port)
+    put(a2, [4, 5], block)
+    # B still caches the old incarnation for this address: the pin reply tells it otherwise.
+    r = fetch(b, ns_b.namespace_id, [1, 2, 3, 4, 5], a2)
+    assert (r.local_blocks, r.fetched_blocks, r.prefix_blocks) == (3, 2, 5)
+    assert_holds(b, [1, 2, 3, 4, 5], block)
+
+
+def test_blocks_evicted_on_owner_give_a_clean_partial_result(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a, b = peer_daemon("node-a"), peer_daemon("node-b")
+    block = 64 << 10
+    hashes = list(range(500, 520))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    with Client(a.address) as ca:
+        ns_a = ca.declare_namespace(make_spec(block))
+        assert ca.lookup(ns_a, hashes).prefix_blocks == 20  # what an indexer/router saw
+        assert ca.delete(ns_a, hashes[12:15])[0] == 3  # then gone before the pull
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (12, 12, 0)
+    assert_holds(b, hashes[:12], block)
+    with Client(b.address) as cb:
+        nsb = cb.declare_namespace(make_spec(block))
+        assert cb.lookup(nsb, hashes).prefix_blocks == 12
+    assert no_leases_soon(a) and no_leases_soon(b)
+
+
+def test_wrong_secret_is_permission_denied(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", secret="not-the-cluster-secret")
+    block = 4096
+    put(a, [1, 2], block)
+    ns_b = put(b, [], block)
+    with pytest.raises(grpc.RpcError) as err:
+        fetch(b, ns_b.namespace_id, [1, 2], a)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # A stranger without any secret gets nothing either, metadata included.
+    with grpc.insecure_channel(a.tcp_address) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        for call, request, md in (
+            (stub.GetAgentMetadata, peer_pb2.GetAgentMetadataRequest(), ()),
+            (
+                stub.GetAgentMetadata,
+                peer_pb2.GetAgentMetadataRequest(),
+                (("x-kvstore-cluster-secret", SECRET + "x"),),
+            ),
+            (stub.ReleasePull, peer_pb2.ReleasePullRequest(lease_ids=[1]), ()),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(request, metadata=md, timeout=5)
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        ok = stub.GetAgentMetadata(
+            peer_pb2.GetAgentMetadataRequest(),
+            metadata=(("x-kvstore-cluster-secret", SECRET),),
+            timeout=5,
+        )
+        assert ok.node_id == "node-a" and ok.transport == "nixl" and ok.agent_metadata
+    assert leases_and_used(a)[0] == 0
+    assert leases_and_used(b)[0] == 0
+
+
+@pytest.mark.parametrize("side", ["puller", "owner"])
+def test_grpc_stream_fallback_moves_exact_bytes(peer_daemon, side: str) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a", transport="grpc_stream" if side == "owner" else "auto")
+    b = peer_daemon("node-b", transport="grpc_stream" if side == "puller" else "auto")
+    block = 96 << 10  # not a divisor of the 1 MiB stream chunk: blocks straddle chunks
+    hashes = list(range(10, 50))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.transport) == (40, "grpc_stream")
+    assert_holds(b, hashes, block)
+    assert no_leases_soon(a)
+    fallback_log = (b if side == "puller" else a).log_path.read_text()
+    assert "grpc_stream" in fallback_log
+
+
+def test_stream_refuses_offsets_outside_the_pin(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a")
+    block = 4096
+    put(a, [1, 2, 3], block)
+    md = (("x-kvstore-cluster-secret", SECRET),)
+    with grpc.insecure_channel(a.tcp_address) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        from kvstore.v1 import store_pb2
+
+        spec = make_spec(block)
+        pin = stub.PinForPull(
+            peer_pb2.PinForPullRequest(
+                spec=store_pb2.NamespaceSpec(
+                    **{f: getattr(spec, f) for f in spec.__struct_fields__}
+                ),
+                block_hashes=np.asarray([1, 2], dtype="<u8").tobytes(),
+            ),
+            metadata=md,
+            timeout=5,
+        )
+        assert pin.found_blocks == 2 and pin.lease_id
+        offsets = np.frombuffer(pin.offsets, dtype="<u8")
+        bad = np.asarray([offsets[0], offsets[0] + block * 100], dtype="<u8").tobytes()
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                stub.StreamBlocks(
+                    peer_pb2.StreamBlocksRequest(lease_id=pin.lease_id, offsets=bad),
+                    metadata=md,
+                    timeout=5,
+                )
+            )
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            list(
+                stub.StreamBlocks(
+                    peer_pb2.StreamBlocksRequest(lease_id=999999, offsets=bad),
+                    metadata=md,
+                    timeout=5,
+                )
+            )
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        good = b"".join(
+            c.data
+            for c in stub.StreamBlocks(
+                peer_pb2.StreamBlocksRequest(lease_id=pin.lease_id, offsets=pin.offsets),
+                metadata=md,
+                timeout=5,
+            )
+        )
+        assert good == blocks_for([1, 2], block).tobytes()
+        # A peer can only release the pins it was given.
+        assert (
+            stub.ReleasePull(
+                peer_pb2.ReleasePullRequest(lease_ids=[pin.lease_id, 12345]), metadata=md
+            ).released
+            == 1
+        )
+    assert leases_and_used(a)[0] == 0
+
+
+def test_bad_fetch_requests_get_precise_errors(peer_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a")
+    b = DaemonProcess(
+        tmp_path / "node-b",
+        name="node-b",
+        settings={
+            "peer.enabled": "true",
+            "peer.secret": SECRET,
+            "peer.transfer_timeout_s": 2,
+            "peer.peers.node-a": a.tcp_address,
+            "peer.peers.node-gone": f"127.0.0.1:{free_port()}",
+        },
+        env=NIXL_ENV,
+    ).start()
+    try:
+        block = 4096
+        put(a, [1, 2], block)
+        ns_b = put(b, [], block)
+        hashes = np.asarray([1, 2], dtype="<u8").tobytes()
+
+        def call(**kw):  # type: ignore[no-untyped-def]
+            with grpc.insecure_channel(b.address) as channel:
+                stub = peer_pb2_grpc.PeerFetchServiceStub(channel)
+                fields = {"namespace_id": ns_b.namespace_id, "block_hashes": hashes, **kw}
+                return stub.FetchFromPeer(peer_pb2.FetchFromPeerRequest(**fields), timeout=30)
+
+        # By node id, from [peer] peers.
+        r = call(peer_node_id="node-a")
+        assert (r.fetched_blocks, r.prefix_blocks) == (2, 2)
+        for kw, code in (
+            ({"peer_node_id": "node-unknown"}, grpc.StatusCode.INVALID_ARGUMENT),
+            ({"peer_node_id": "node-a", "timeout_s": 1e6}, grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                {"peer_node_id": "node-a", "block_hashes": b"\x01\x02\x03"},
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            ({"peer_node_id": "node-a", "namespace_id": "ns-nope"}, grpc.StatusCode.NOT_FOUND),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                call(**kw)
+            assert err.value.code() == code, (kw, err.value)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            call(peer_node_id="node-gone", block_hashes=np.asarray([3], dtype="<u8").tobytes())
+        assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert time.monotonic() - started < 10
+        assert leases_and_used(b)[0] == 0
+    finally:
+        assert b.stop() == 0

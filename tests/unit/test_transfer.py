@@ -1,0 +1,60 @@
+"""Transport pieces that need no peer: descriptor batches, stream chunking, read pieces."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from kvstore.errors import InvalidRequest
+from kvstore.transfer.base import ReadBatch
+from kvstore.transfer.grpc_stream import iter_chunks
+from kvstore.transfer.puller import MAX_PIECES, PIECE_MIN_BYTES, _pieces
+
+
+def test_read_batch_checks_shapes_and_bounds() -> None:
+    b = ReadBatch.of([0, 4096], [8192, 0], [4096, 4096])
+    assert len(b) == 2 and b.nbytes == 8192
+    b.check_bounds(8192, 12288)
+    with pytest.raises(InvalidRequest, match="peer's region"):
+        b.check_bounds(8191, 12288)
+    with pytest.raises(InvalidRequest, match="local region"):
+        b.check_bounds(8192, 12287)
+    with pytest.raises(InvalidRequest):
+        ReadBatch.of([0], [0, 1], [1])
+
+
+@pytest.mark.parametrize(
+    "block_bytes,chunk_bytes",
+    [(4096, 1 << 20), (96 << 10, 1 << 20), (3 << 20, 1 << 20), (1000, 333)],
+)
+def test_iter_chunks_concatenates_blocks_in_order(block_bytes: int, chunk_bytes: int) -> None:
+    rng = np.random.default_rng(3)
+    region = rng.integers(0, 256, 64 * block_bytes, dtype=np.uint8)
+    offsets = rng.choice(64, size=17, replace=False).astype(np.uint64) * np.uint64(block_bytes)
+    chunks = list(iter_chunks(region, offsets, block_bytes, chunk_bytes))
+    assert all(0 < len(c) <= chunk_bytes for c in chunks)
+    assert all(len(c) == chunk_bytes for c in chunks[:-1])
+    want = b"".join(region[o : o + block_bytes].tobytes() for o in offsets.tolist())
+    assert b"".join(chunks) == want
+
+
+@pytest.mark.parametrize(
+    "n,block_bytes,expect",
+    [
+        (1, 2 << 20, 1),
+        (16, 2 << 20, 1),
+        (512, 2 << 20, MAX_PIECES),
+        (16384, 64 << 10, MAX_PIECES),
+        (3, 64 << 20, 3),
+    ],
+)
+def test_pieces_cover_every_block_once(n: int, block_bytes: int, expect: int) -> None:
+    pieces = _pieces(n, block_bytes)
+    assert len(pieces) == expect
+    assert pieces[0][0] == 0 and pieces[-1][1] == n
+    assert all(a < b for a, b in pieces)
+    assert all(p[1] == q[0] for p, q in itertools.pairwise(pieces))
+    if len(pieces) > 1:
+        assert min(b - a for a, b in pieces) * block_bytes >= PIECE_MIN_BYTES // 2
