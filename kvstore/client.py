@@ -330,6 +330,36 @@ class Client:
     def stats(self) -> Any:
         return self._call(self._stub.Stats, pb.StatsRequest())
 
+    def fetch_from_peer(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        *,
+        peer_node_id: str = "",
+        peer_address: str = "",
+        timeout_s: float = 0.0,
+    ) -> Any:
+        """Have this daemon pull the blocks it lacks of `hashes` from a peer (NIXL).
+
+        Returns the daemon's FetchFromPeerResponse (prefix_blocks now held here,
+        fetched_blocks, local_blocks, corrupt_blocks, transport, timings).
+        Needs `peer.enabled` on both daemons.
+        """
+        from kvstore.v1 import peer_pb2, peer_pb2_grpc
+
+        stub = peer_pb2_grpc.PeerFetchServiceStub(self._channel)
+        request = peer_pb2.FetchFromPeerRequest(
+            namespace_id=ns.namespace_id,
+            block_hashes=pack_hashes(hashes),
+            peer_node_id=peer_node_id,
+            peer_address=peer_address,
+            timeout_s=timeout_s,
+        )
+        # The daemon bounds the pull by timeout_s; give the call a little more.
+        return self._call(
+            stub.FetchFromPeer, request, timeout_s=(timeout_s or self.timeout_s) + 2.0
+        )
+
     # ---------------------------------------------------------------- data
 
     def put(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: Any) -> PutResult:

@@ -315,7 +315,9 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # an inline table
-        items = (f"{msgspec.json.encode(str(k)).decode()} = {_toml_value(v)}" for k, v in value.items())
+        items = (
+            f"{msgspec.json.encode(str(k)).decode()} = {_toml_value(v)}" for k, v in value.items()
+        )
         return "{ " + ", ".join(items) + " }" if value else "{}"
     return msgspec.json.encode(str(value)).decode()
 

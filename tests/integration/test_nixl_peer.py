@@ -64,6 +64,7 @@ def peer_daemon(tmp_path):  # type: ignore[no-untyped-def]
         dram_bytes: int = 64 << 20,
         port: int = 0,
         timeout_s: float = 3.0,
+        extra: dict[str, str] | None = None,
     ) -> DaemonProcess:
         d = DaemonProcess(
             tmp_path / name,
@@ -75,6 +76,7 @@ def peer_daemon(tmp_path):  # type: ignore[no-untyped-def]
                 "peer.secret": secret,
                 "peer.transport": transport,
                 "peer.transfer_timeout_s": timeout_s,
+                **(extra or {}),
             },
             env={**NIXL_ENV, **(env or {})},
         )
@@ -447,3 +449,16 @@ def test_bad_fetch_requests_get_precise_errors(peer_daemon, tmp_path) -> None:  
         assert leases_and_used(b)[0] == 0
     finally:
         assert b.stop() == 0
+
+
+def test_client_fetch_from_peer_by_node_id(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", extra={"peer.peers.node-a": a.tcp_address})
+    block = 64 << 10
+    put(a, [11, 12, 13], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        r = cb.fetch_from_peer(ns, [11, 12, 13, 14], peer_node_id="node-a")
+        assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (3, 3, 0)
+        assert r.transport == "nixl"
+    assert_holds(b, [11, 12, 13], block)
