@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +190,23 @@ class Client:
         finally:
             os.close(fd)
         self.region = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    def watch_connection(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> Callable[[], None]:
+        """Call `callback(state)` on every change of the connection to the daemon.
+
+        It runs on a gRPC thread, so it should only flip a flag. A drop after
+        READY means the daemon went away (and may come back with a new region).
+        Returns a function that stops the calls.
+        """
+        self._channel.subscribe(callback, try_to_connect=False)
+
+        def unsubscribe() -> None:
+            try:
+                self._channel.unsubscribe(callback)
+            except ValueError:
+                pass  # already gone
+
+        return unsubscribe
 
     @property
     def mapped(self) -> bool:
@@ -390,10 +407,11 @@ class Client:
             self.commit_store(handle)
         return PutResult(len(idx), n - len(idx))
 
-    def get(
-        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: np.ndarray | None = None
-    ) -> GetResult:
-        """Read the longest present prefix of `hashes` into `out` (or a new array)."""
+    def get(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: Any = None) -> GetResult:
+        """Read the longest present prefix of `hashes` into `out` (or a new array).
+
+        `out`: a (n, block_bytes) numpy array, or a CPU or CUDA torch tensor.
+        """
         n = len(hashes)
         if out is not None and _is_cuda(out):
             return self._get_cuda(ns, hashes, out)

@@ -1,0 +1,304 @@
+"""ZMQ publisher of vLLM-format KV events: the daemon's ``EventSink``.
+
+The manager calls the sink on its event loop; a call only builds one event
+Struct and puts it on a bounded queue (never blocks, never touches a socket).
+One sender thread owns both sockets, because ZMQ sockets are not
+thread-safe:
+
+- PUB: frames ``(topic, seq u64 BE, payload)``, topic ``kv@<node>@<model>``
+  (``kv@<node>@`` for a clear of every model). Consecutive events of one topic
+  are sent as one ``KVEventBatch``; ``seq`` counts batches from 0 per process,
+  so a subscriber sees a restart as a sequence reset.
+- ROUTER (optional): a client sends ``(b"", start_seq u64 BE)``; the thread
+  resends every buffered batch with seq >= start as ``(b"", topic, seq,
+  payload)``, then ``(b"", b"", END_SEQ, b"")``. The replay buffer keeps the
+  last ``replay_buffer_batches`` batches.
+
+A new publisher first sends ``AllBlocksCleared`` on ``kv@<node>@`` (seq 0):
+whatever a consumer still credits to this node from an earlier process is
+gone. If the queue overflows, events are dropped (counted) and the next thing sent
+is an ``AllBlocksCleared`` for every model of this node: consumers drop the
+node's entries instead of trusting an index with holes in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvstore.errors import ConfigError
+from kvstore.events.sink import NamespaceRef
+from kvstore.events.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    make_topic,
+)
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.02  # how long the sender sleeps on an empty queue (replay latency bound)
+_MAX_REPLAY_REQUESTS_PER_TURN = 16
+
+
+def _hash_list(block_hashes: Sequence[int] | np.ndarray) -> list[int]:
+    if isinstance(block_hashes, np.ndarray):
+        return block_hashes.astype(np.uint64, copy=False).tolist()
+    return [int(h) for h in block_hashes]
+
+
+class ZmqEventPublisher:
+    """An ``EventSink`` publishing vLLM ``KVEventBatch``es over ZMQ PUB + replay ROUTER.
+
+    Endpoints are bound; ``tcp://127.0.0.1:0`` picks a free port, readable from
+    ``.endpoint`` / ``.replay_endpoint`` once constructed.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        endpoint: str = "tcp://127.0.0.1:5557",
+        replay_endpoint: str | None = "tcp://127.0.0.1:5558",
+        *,
+        max_queue_events: int = 100_000,
+        replay_buffer_batches: int = 10_000,
+        max_batch_events: int = 1_024,
+        hwm: int = 100_000,
+        data_parallel_rank: int | None = None,
+        close_timeout_s: float = 2.0,
+        announce_start: bool = True,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not node_id or "@" in node_id:
+            raise ConfigError(f"events node id must be non-empty without '@'; got {node_id!r}")
+        for name, value in (
+            ("max_queue_events", max_queue_events),
+            ("replay_buffer_batches", replay_buffer_batches),
+            ("max_batch_events", max_batch_events),
+        ):
+            if value <= 0:
+                raise ConfigError(f"events.{name} must be > 0; got {value}")
+        self.node_id = node_id
+        self._rank = data_parallel_rank
+        self._max_batch_events = max_batch_events
+        self._close_timeout_s = close_timeout_s
+        self._queue: queue.Queue[tuple[bytes, Any]] = queue.Queue(maxsize=max_queue_events)
+        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=replay_buffer_batches)
+        self._topics: dict[str, bytes] = {}
+        self._overflowed = False
+        self._stopping = threading.Event()
+        self.dropped_events = 0
+        self.published_batches = 0
+        self.published_events = 0
+        self.replay_requests = 0
+
+        self._ctx = context or zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = self._bind(self._pub, endpoint)
+            self.replay_endpoint: str | None = None
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                # a full replay is one message per buffered batch: past the
+                # default HWM (1000) a ROUTER drops the rest silently
+                self._replay.set_hwm(replay_buffer_batches + 16)
+                self.replay_endpoint = self._bind(self._replay, replay_endpoint)
+        except (zmq.ZMQError, ConfigError):
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{node_id}", daemon=True)
+        if announce_start:
+            # seq 0 of every publisher lifetime: consumers (ours, llm-d's) drop
+            # whatever they still credit to this node from its previous life
+            self.all_cleared(None)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, node_id: str, cfg: Any) -> ZmqEventPublisher:
+        """From the daemon's ``[events]`` section (kvstore.config.EventsConfig)."""
+        return cls(
+            node_id,
+            cfg.publish_address,
+            cfg.replay_address or None,
+            max_queue_events=cfg.queue_batches,
+            replay_buffer_batches=cfg.buffer_batches,
+            max_batch_events=cfg.max_events_per_batch,
+        )
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, endpoint: str) -> str:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            raise ConfigError(f"cannot bind KV events socket {endpoint!r}: {e}") from e
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # --- EventSink -------------------------------------------------------------
+
+    def blocks_stored(
+        self,
+        ns: NamespaceRef,
+        block_hashes: Sequence[int],
+        medium: str,
+        parent_block_hash: int | None,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        hashes = _hash_list(block_hashes)
+        if not hashes:
+            return
+        ev = BlockStored(
+            block_hashes=hashes,  # type: ignore[arg-type]
+            parent_block_hash=None if parent_block_hash is None else int(parent_block_hash),
+            token_ids=[] if token_ids is None else _hash_list(token_ids),
+            block_size=ns.block_size_tokens,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+        self._put(ns.model, ev)
+
+    def blocks_removed(self, ns: NamespaceRef, block_hashes: Sequence[int], medium: str) -> None:
+        hashes = _hash_list(block_hashes)
+        if hashes:
+            self._put(ns.model, BlockRemoved(block_hashes=hashes, medium=medium))  # type: ignore[arg-type]
+
+    def all_cleared(self, ns: NamespaceRef | None) -> None:
+        self._put("" if ns is None else ns.model, AllBlocksCleared())
+
+    def _put(self, model: str, ev: Any) -> None:
+        if self._stopping.is_set():
+            return
+        topic = self._topics.get(model)
+        if topic is None:
+            topic = self._topics[model] = make_topic(self.node_id, model).encode()
+        try:
+            self._queue.put_nowait((topic, ev))
+        except queue.Full:
+            # Losing an event silently would leave holes in every index;
+            # the sender turns this into a node-wide clear (see module doc).
+            self.dropped_events += 1
+            self._overflowed = True
+
+    # --- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Send what is queued (bounded by close_timeout_s), then close the sockets."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._thread.join(timeout=self._close_timeout_s + 1.0)
+        if self._thread.is_alive():
+            # the thread owns the sockets and closes them when it ends
+            log.warning("KV events sender did not stop within %.1fs", self._close_timeout_s)
+
+    @property
+    def queued_events(self) -> int:
+        return self._queue.qsize()
+
+    # --- sender thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _loop(self) -> None:
+        enc = msgspec.msgpack.Encoder()
+        seq = 0
+        deadline: float | None = None
+        while True:
+            if self._stopping.is_set():
+                if deadline is None:
+                    deadline = time.monotonic() + self._close_timeout_s
+                if self._queue.empty() or time.monotonic() > deadline:
+                    break
+            items = self._drain()
+            if self._overflowed:
+                self._overflowed = False
+                clear_topic = make_topic(self.node_id, "").encode()
+                items.insert(0, (clear_topic, AllBlocksCleared()))
+            try:
+                seq = self._send(enc, seq, items)
+                self._serve_replay()
+            except zmq.ZMQError as e:
+                if self._stopping.is_set():
+                    break
+                log.error("KV events sender: %s", e)
+                time.sleep(0.1)  # a broken socket must not spin the thread
+
+    def _drain(self) -> list[tuple[bytes, Any]]:
+        items: list[tuple[bytes, Any]] = []
+        try:
+            items.append(self._queue.get(timeout=_IDLE_WAIT_S))
+            while len(items) < self._max_batch_events:
+                items.append(self._queue.get_nowait())
+        except queue.Empty:
+            pass
+        return items
+
+    def _send(self, enc: msgspec.msgpack.Encoder, seq: int, items: list[tuple[bytes, Any]]) -> int:
+        i = 0
+        while i < len(items):
+            topic = items[i][0]
+            j = i
+            while j < len(items) and items[j][0] == topic:
+                j += 1
+            events = [ev for _, ev in items[i:j]]
+            payload = enc.encode(
+                KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank)
+            )
+            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._buffer.append((seq, topic, payload))
+            self.published_batches += 1
+            self.published_events += j - i
+            seq += 1
+            i = j
+        return seq
+
+    def _serve_replay(self) -> None:
+        sock = self._replay
+        if sock is None:
+            return
+        for _ in range(_MAX_REPLAY_REQUESTS_PER_TURN):
+            if not sock.poll(0):
+                return
+            frames = sock.recv_multipart()
+            # ROUTER prepends the peer identity; REQ/DEALER peers send ("", seq).
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("malformed KV events replay request (%d frames)", len(frames))
+                if frames:
+                    sock.send_multipart((frames[0], b"", b"", END_SEQ, b""))
+                continue
+            ident, _, start_b = frames
+            start = int.from_bytes(start_b, "big")
+            self.replay_requests += 1
+            for seq, topic, payload in list(self._buffer):
+                if seq >= start:
+                    sock.send_multipart((ident, b"", topic, seq.to_bytes(8, "big"), payload))
+            sock.send_multipart((ident, b"", b"", END_SEQ, b""))
+
+    def __enter__(self) -> ZmqEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

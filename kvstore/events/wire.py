@@ -1,0 +1,142 @@
+"""KV events on the wire, in vLLM's exact format (``vllm/distributed/kv_events.py``, 0.32).
+
+llm-d's indexer, ours and vLLM's own tooling decode the same bytes, so these
+Structs repeat vLLM's field names, order, options and tags exactly: a batch is
+a msgpack array ``[ts, events, data_parallel_rank]``; each event is a map
+tagged ``"type": "BlockStored" | "BlockRemoved" | "AllBlocksCleared"``;
+defaults are omitted. Block hashes are ints (vLLM's
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`` default, the low 8 bytes of the
+digest, unsigned) or, from engines run with that flag off, the raw digest
+bytes; ``block_hash_to_int`` folds both to kvstore's int form.
+
+ZMQ framing (publisher and subscriber): PUB frames ``(topic, seq, payload)``
+with ``seq`` a u64 big-endian counter per publisher; replay over a ROUTER
+socket: the client sends ``(b"", start_seq u64 BE)`` from a DEALER/REQ, gets
+``(b"", topic, seq, payload)`` for each buffered batch with seq >= start and
+then ``(b"", b"", END_SEQ, b"")``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# A replay stream ends with this sequence number (-1 as signed 8-byte BE).
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+TOPIC_PREFIX = "kv"
+_U64_MASK = (1 << 64) - 1
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged events."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+# --- what the indexer decodes -------------------------------------------------
+# Lean views of the same wire bytes: the indexer needs hashes and medium only,
+# and msgspec skips undeclared fields (token_ids, extra keys) without building
+# Python objects for them, which is most of the decode cost of a BlockStored.
+
+
+class _LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _LeanRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _LeanCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+LeanEvent = _LeanStored | _LeanRemoved | _LeanCleared
+LeanStored = _LeanStored
+LeanRemoved = _LeanRemoved
+LeanCleared = _LeanCleared
+
+
+class LeanBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[LeanEvent]
+    data_parallel_rank: int | None = None
+
+
+def batch_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def lean_decoder() -> msgspec.msgpack.Decoder[LeanBatch]:
+    return msgspec.msgpack.Decoder(LeanBatch)
+
+
+def full_decoder() -> msgspec.msgpack.Decoder[KVEventBatch]:
+    return msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def block_hash_to_int(h: int | bytes) -> int:
+    """kvstore's int form of an event block hash (vLLM's ``maybe_convert_block_hash``)."""
+    if isinstance(h, bytes):
+        return int.from_bytes(h, "big") & _U64_MASK
+    return h & _U64_MASK
+
+
+def make_topic(node_id: str, model: str) -> str:
+    """``kv@<node>@<model>``; an empty model means every model of the node."""
+    return f"{TOPIC_PREFIX}@{node_id}@{model}"
+
+
+def parse_topic(topic: bytes) -> tuple[str, str] | None:
+    """``(node, model)`` of a ``kv@<node>@<model>`` topic, or None if it is not one.
+
+    Models may contain ``@`` (split at the first two only); node ids may not.
+    """
+    try:
+        text = topic.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    parts = text.split("@", 2)
+    if len(parts) != 3 or parts[0] != TOPIC_PREFIX or not parts[1]:
+        return None
+    return parts[1], parts[2]

@@ -1,0 +1,5 @@
+import sys
+
+from kvstore.indexer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,185 @@
+"""The index behind the indexer: ``block_hash -> {(node, medium)}`` per model.
+
+Two implementations share this interface: ``memory.MemoryIndex`` (default,
+in-process) and ``redis_index.RedisIndex`` (several indexer replicas share one
+Redis/Valkey; an indexer restart loses nothing). Both keep, per model and block
+hash, one bit per (node, medium); nodes get small integer ids, so a block held
+by 100 nodes costs bits, not 100 tuples.
+
+Primitives:
+
+- ``add(model, node, medium, hashes)`` / ``remove(...)``: apply events.
+- ``clear(node, model, mediums)``: drop a node's entries for one model
+  (``None``: all models) in some tiers (``None``: all), e.g. on
+  ``AllBlocksCleared`` or an unrecoverable gap. An engine's clear only
+  touches its GPU tier, not the node daemon's tiers.
+- ``drop_node(node)``: clear everywhere and forget the node.
+- ``score(model, hashes, nodes)``: per node, the longest consecutive prefix of
+  ``hashes`` it holds in any tier, split by the fastest tier holding each block.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+
+# Bitsets are uint64 words viewed as bytes; bit b of word w is node w*64+b
+# only on little-endian hosts (x86, arm64).
+assert sys.byteorder == "little", "kvstore.indexer assumes a little-endian host"
+
+# Tier order, fastest first: a prefix block held in several tiers of a node
+# counts for the fastest. vLLM's own engines publish "GPU" (or None) for their
+# KV cache; its offloading connector's lower tier is "STORAGE", our "DISK".
+MEDIUMS: tuple[str, ...] = ("GPU", "CPU", "DISK")
+_MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2, "STORAGE": 2}
+
+
+def medium_index(medium: str | None) -> int:
+    """Index into ``MEDIUMS`` of an event's medium; None is an engine's GPU cache."""
+    if medium is None:
+        return 0
+    try:
+        return _MEDIUM_INDEX[medium.upper()]
+    except KeyError:
+        raise InvalidRequest(f"unknown KV event medium {medium!r}") from None
+
+
+class NodeScore(msgspec.Struct, frozen=True):
+    """One node's hit on a request: prefix length in blocks and its split by tier."""
+
+    node: str
+    prefix_blocks: int
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+
+
+class IndexBackend(Protocol):
+    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None: ...
+
+    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None: ...
+
+    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None: ...
+
+    def drop_node(self, node: str) -> None: ...
+
+    def nodes(self) -> list[str]: ...
+
+    def models(self) -> list[str]: ...
+
+    def score(
+        self, model: str, hashes: np.ndarray, nodes: Sequence[str] | None = None
+    ) -> list[NodeScore]: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def load_cursor(self, source: str) -> int | None: ...
+
+    def save_cursor(self, source: str, seq: int) -> None: ...
+
+    def forget_cursor(self, source: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def as_hash_array(hashes: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block hashes as a contiguous uint64 array (ints must be in [0, 2**64))."""
+    if isinstance(hashes, np.ndarray):
+        if hashes.dtype != np.uint64:
+            if hashes.dtype.kind not in "iu":
+                raise InvalidRequest(f"block hashes must be integers; got {hashes.dtype}")
+            hashes = hashes.astype(np.uint64)
+        return np.ascontiguousarray(hashes)
+    try:
+        return np.fromiter(hashes, dtype=np.uint64, count=len(hashes))
+    except (OverflowError, ValueError, TypeError) as e:
+        raise InvalidRequest(f"block hashes must be ints in [0, 2**64): {e}") from e
+
+
+def prefix_scores(
+    rows: np.ndarray, alive: np.ndarray, bit_nodes: dict[int, str]
+) -> list[NodeScore]:
+    """Scores from per-block node bitsets.
+
+    ``rows``: (n_blocks, len(MEDIUMS), words) uint64, bit b of word w is node
+    id ``w*64+b``; ``alive``: (words,) bitset of the candidate nodes. The
+    running AND over blocks only loses bits, so each node's prefix ends at one
+    of at most ``len(nodes)`` change points: find those, then split each
+    node's prefix by tier, counting bit by bit only for nodes with a mix.
+    Work runs on the transposed (words, blocks) layout, where every reduction
+    is over contiguous memory.
+    """
+    n = rows.shape[0]
+    if n == 0 or not alive.any():
+        return []
+    tiers = np.ascontiguousarray(rows.transpose(1, 2, 0))  # (medium, word, block)
+    held = tiers[0] | tiers[1] | tiers[2]
+    held &= alive[:, None]
+    cum = np.bitwise_and.accumulate(held, axis=1)
+    live = np.asarray(cum.any(axis=0))
+    length = n if live[-1] else int(np.argmin(live))
+    if length == 0:
+        return []
+    cum = cum[:, :length]
+    prefix = np.zeros(alive.shape[0] * 64, dtype=np.int64)
+    changed = np.flatnonzero((cum[:, 1:] != cum[:, :-1]).any(axis=0)) + 1
+    if changed.size:
+        lost = cum[:, changed - 1] & ~cum[:, changed]  # (word, change)
+        which, bit = np.nonzero(_unpack(lost.T))
+        prefix[bit] = changed[which]
+    prefix[np.flatnonzero(_unpack(cum[:, length - 1 : length].T)[0])] = length
+    g, c, d = tiers[0, :, :length], tiers[1, :, :length], tiers[2, :, :length]
+    gpu = _count_tier(g & cum, cum, prefix)
+    disk_only = _count_tier(d & ~(g | c) & cum, cum, prefix)
+    out = []
+    for b in np.flatnonzero(prefix).tolist():
+        node = bit_nodes.get(b)
+        if node is None:
+            continue
+        p = int(prefix[b])
+        gb, db = int(gpu[b]), int(disk_only[b])
+        out.append(NodeScore(node, p, gb, p - gb - db, db))
+    out.sort(key=lambda s: (-s.prefix_blocks, s.node))
+    return out
+
+
+# Counting bits column by column is cheaper than unpacking the whole matrix
+# while few nodes hold a prefix in a mix of tiers.
+_MAX_COLUMN_COUNTS = 16
+
+
+def _unpack(words_rows: np.ndarray) -> np.ndarray:
+    """(k, words) uint64 -> (k, words*64) 0/1 bytes, column = node id."""
+    return np.unpackbits(np.ascontiguousarray(words_rows).view(np.uint8), axis=1, bitorder="little")
+
+
+def _count_tier(m: np.ndarray, cum: np.ndarray, prefix: np.ndarray) -> np.ndarray:
+    """Per node id, how many of its prefix blocks have its bit in ``m`` (word, block).
+
+    ``m`` is within ``cum``. Nodes with the bit in every prefix block count
+    their whole prefix, nodes with it in none count 0; only a mix is counted.
+    """
+    out = np.zeros(prefix.shape[0], dtype=np.int64)
+    some = np.bitwise_or.reduce(m, axis=1)
+    if not some.any():
+        return out
+    every = np.bitwise_and.reduce(m | ~cum, axis=1)
+    full = np.flatnonzero(_unpack((some & every)[None, :])[0])
+    out[full] = prefix[full]
+    mixed = np.flatnonzero(_unpack((some & ~every)[None, :])[0])
+    if mixed.size == 0:
+        return out
+    if mixed.size <= _MAX_COLUMN_COUNTS:
+        for b in mixed.tolist():
+            col = m[b // 64] >> np.uint64(b % 64)
+            out[b] = int(np.count_nonzero(col & np.uint64(1)))
+        return out
+    counts = _unpack(m.T).sum(axis=0, dtype=np.int64)
+    out[mixed] = counts[mixed]
+    return out

@@ -1,0 +1,111 @@
+"""``kvstore indexer``: run the cluster indexer.
+
+    kvstore indexer --source node=a,endpoint=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
+    kvstore indexer --config indexer.toml --backend redis --redis-url redis://127.0.0.1:6379/0
+
+Wired into ``kvstore.cli`` through ``add_arguments(parser)`` and ``run(args)``;
+``main(argv)`` runs it standalone (``python -m kvstore.indexer``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+import msgspec
+
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.indexer.config import IndexerConfig, load, parse_source
+from kvstore.sdnotify import SdNotifier
+
+log = logging.getLogger("kvstore.indexer")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file ([indexer] table or top level)")
+    parser.add_argument("--address", help="gRPC listen address host:port (default 127.0.0.1:50061)")
+    parser.add_argument("--backend", choices=["memory", "redis"], help="index backend")
+    parser.add_argument("--redis-url", help="Redis/Valkey URL for --backend redis")
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="node=N,endpoint=tcp://H:P[,replay_endpoint=tcp://H:P][,kind=engine,model=M]",
+        help="an event stream to follow (repeatable; adds to the config file's sources)",
+    )
+    parser.add_argument(
+        "--no-ingest", action="store_true", help="serve scores only (a replica on a shared Redis)"
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the config and exit")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def config_from_args(args: argparse.Namespace) -> IndexerConfig:
+    overrides: dict[str, Any] = {}
+    for flag, key in (("address", "address"), ("backend", "backend"), ("redis_url", "redis_url")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = value
+    if getattr(args, "no_ingest", False):
+        overrides["ingest"] = False
+    cfg = load(getattr(args, "config", None), overrides)
+    extra = [parse_source(s) for s in getattr(args, "source", [])]
+    if extra:
+        cfg = msgspec.structs.replace(cfg, sources=[*cfg.sources, *extra])
+        cfg.check()
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until SIGTERM/SIGINT; 0 on a clean stop, 2 on a config error."""
+    logging.basicConfig(
+        level=getattr(args, "log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        notifier = SdNotifier.from_env()
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        log.error("%s", e)
+        return 2
+    if getattr(args, "print_config", False):
+        print(msgspec.json.format(msgspec.json.encode(cfg)).decode())
+        return 0
+    from kvstore.indexer.service import Indexer, serve  # grpc only when serving
+
+    try:
+        indexer = Indexer(cfg)
+    except KVStoreError as e:
+        log.error("cannot start the indexer: %s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        indexer.start()
+        server, port = serve(indexer, cfg.address)
+    except KVStoreError as e:
+        log.error("cannot start the indexer: %s", e)
+        indexer.close()
+        return 2
+    host = cfg.address.rsplit(":", 1)[0]
+    # one line tests and scripts can wait for
+    print(f"kvstore indexer listening on {host}:{port}", flush=True)
+    log.info("indexer backend=%s sources=%d", cfg.backend, len(cfg.sources))
+    notifier.ready(status=f"listening on {host}:{port}")
+    interval_s = notifier.watchdog_interval_s
+    while not stop.wait(interval_s):  # None (unarmed): wait for the signal only
+        notifier.watchdog()
+    notifier.stopping()
+    server.stop(grace=2.0).wait(3.0)
+    indexer.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvstore indexer", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

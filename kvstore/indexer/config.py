@@ -1,0 +1,113 @@
+"""The indexer's typed configuration (TOML ``[indexer]`` table -> flags).
+
+Every field has its default here and only here; unknown keys are rejected
+with their path, like the daemon's config.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvstore.errors import ConfigError
+from kvstore.hashing import ALGOS
+from kvstore.indexer.subscriber import SourceSpec
+
+
+class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    address: str = "127.0.0.1:50061"
+    """gRPC listen address (host:port; port 0 picks a free one)."""
+    backend: str = "memory"
+    """"memory" (in-process) or "redis" (shared by replicas, survives restarts)."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis/Valkey URL for backend = "redis"."""
+    redis_key_prefix: str = "kvidx"
+    """Prefix of every Redis key this index writes."""
+    redis_max_nodes: int = 128
+    """Node ids the Redis layout has room for (multiple of 64; fixed per prefix)."""
+    redis_read: str = "mirror"
+    """"mirror": an ingesting replica answers Scores from a local copy it keeps
+    in step with Redis (in-memory speed); "direct": every Score reads Redis
+    (replicas that do not ingest always read directly)."""
+    ingest: bool = True
+    """Follow event sources. Extra replicas on one Redis may set false and only serve."""
+    sources: list[SourceSpec] = msgspec.field(default_factory=list)
+    """Statically configured event streams; more can register over gRPC."""
+    block_size_tokens: int = 16
+    """Tokens per block when a Score request sends token ids without a block size."""
+    hash_algo: str = "sha256"
+    """vLLM's --prefix-caching-hash-algo: "sha256" (default) or "sha256_cbor"."""
+    hash_seed: str = ""
+    """NONE_HASH seed; "" = what vLLM uses (PYTHONHASHSEED or "vllm-none-hash")."""
+    max_request_tokens: int = 2_097_152
+    """Largest Score request in token ids (bounds hashing time and memory)."""
+    max_request_blocks: int = 262_144
+    """Largest Score request in block hashes."""
+    replay_timeout_s: float = 2.0
+    """How long a replay from a publisher may take before the source is resynced."""
+    node_gone_s: float = 30.0
+    """A source disconnected this long has its entries dropped."""
+    max_workers: int = 8
+    """gRPC worker threads."""
+
+    def check(self) -> None:
+        if self.backend not in ("memory", "redis"):
+            raise ConfigError(f"indexer.backend must be 'memory' or 'redis'; got {self.backend!r}")
+        if self.redis_read not in ("mirror", "direct"):
+            raise ConfigError(
+                f"indexer.redis_read must be 'mirror' or 'direct'; got {self.redis_read!r}"
+            )
+        if self.hash_algo not in ALGOS:
+            raise ConfigError(f"indexer.hash_algo must be one of {ALGOS}; got {self.hash_algo!r}")
+        for name in (
+            "block_size_tokens",
+            "max_request_tokens",
+            "max_request_blocks",
+            "max_workers",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"indexer.{name} must be > 0")
+        if self.redis_max_nodes <= 0 or self.redis_max_nodes % 64:
+            raise ConfigError("indexer.redis_max_nodes must be a positive multiple of 64")
+        for i, src in enumerate(self.sources):
+            try:
+                src.check()
+            except ConfigError as e:
+                raise ConfigError(f"indexer.sources[{i}]: {e}") from None
+
+
+def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
+    """TOML file (its ``[indexer]`` table, or the top level) then overrides."""
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            doc = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"cannot read indexer config {path}: {e}") from e
+        raw = dict(doc.get("indexer", doc))
+    raw.update(overrides)
+    try:
+        cfg = msgspec.convert(raw, IndexerConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"indexer config: {e}") from None
+    cfg.check()
+    return cfg
+
+
+def parse_source(text: str) -> SourceSpec:
+    """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,kind=engine,model=M]``."""
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--source wants key=value pairs separated by commas; got {text!r}")
+        fields[key.strip()] = value.strip()
+    try:
+        spec = msgspec.convert(fields, SourceSpec)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"--source {text!r}: {e}") from None
+    spec.check()
+    return spec

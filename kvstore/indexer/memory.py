@@ -1,0 +1,310 @@
+"""In-memory index: one open-addressing hash table of numpy arrays per model.
+
+Why not ``dict[int, set[tuple[str, str]]]``: 12,000 lookups in a Python dict
+with millions of int keys cost ~6.5 ms here (a pointer chase per key) before
+any set work, and every replica costs a tuple. Here a table is three arrays:
+``keys`` (uint64), ``state`` (empty / full / deleted) and ``bits`` (slot x
+medium x word uint64: one bit per node id). Lookups, inserts and removals are
+vectorized over a whole batch: each probe round is a few numpy passes over
+the keys still unresolved, and linear probing at load <= 0.7 needs few rounds.
+
+Slot of a key: multiply by a random odd constant chosen per process, keep the
+top bits (Fibonacci hashing). Block hashes are SHA-256 output, but a client
+could grind token sequences whose hashes collide on low bits; a secret
+multiplier makes that useless.
+
+Not thread-safe: the indexer applies events and answers scores under one lock.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.errors import InvalidRequest
+from kvstore.indexer.backend import MEDIUMS, NodeScore, medium_index, prefix_scores
+
+_EMPTY, _FULL, _DELETED = 0, 1, 2
+_MAX_LOAD = 0.7
+_MIN_CAPACITY = 1 << 10
+_M = len(MEDIUMS)
+
+
+class _Table:
+    """Hash -> (medium x node) bitset for one model."""
+
+    def __init__(self, capacity: int, words: int, multiplier: np.uint64) -> None:
+        self._mult = multiplier
+        self._alloc(capacity, words)
+
+    def _alloc(self, capacity: int, words: int) -> None:
+        self.capacity = capacity
+        self._shift = np.uint64(64 - (capacity.bit_length() - 1))
+        self._mask = capacity - 1
+        self.keys = np.zeros(capacity, dtype=np.uint64)
+        self.state = np.zeros(capacity, dtype=np.uint8)
+        self.bits = np.zeros((capacity, _M, words), dtype=np.uint64)
+        self.used = 0
+        self.deleted = 0
+
+    @property
+    def words(self) -> int:
+        return int(self.bits.shape[2])
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return ((keys * self._mult) >> self._shift).astype(np.int64)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Slot of each key, -1 where absent."""
+        out = np.full(keys.size, -1, dtype=np.int64)
+        if self.used == 0 or keys.size == 0:
+            return out
+        idx = np.arange(keys.size)
+        slot = self._home(keys)
+        k = keys
+        for _ in range(self.capacity):  # bounded: a table always has empty slots
+            st = self.state[slot]
+            hit = (st == _FULL) & (self.keys[slot] == k)
+            out[idx[hit]] = slot[hit]
+            more = ~hit & (st != _EMPTY)
+            if not more.any():
+                break
+            idx, slot, k = idx[more], (slot[more] + 1) & self._mask, k[more]
+        return out
+
+    def _insert_absent(self, keys: np.ndarray) -> np.ndarray:
+        """Insert distinct keys known to be absent; returns their slots."""
+        out = np.empty(keys.size, dtype=np.int64)
+        idx = np.arange(keys.size)
+        slot = self._home(keys)
+        for _ in range(self.capacity + keys.size):
+            if idx.size == 0:
+                break
+            free = np.flatnonzero(self.state[slot] != _FULL)
+            placed = np.zeros(idx.size, dtype=bool)
+            if free.size:
+                # several keys may reach the same free slot this round: first wins
+                _, first = np.unique(slot[free], return_index=True)
+                win = free[first]
+                s = slot[win]
+                self.deleted -= int(np.count_nonzero(self.state[s] == _DELETED))
+                self.state[s] = _FULL
+                self.keys[s] = keys[idx[win]]
+                out[idx[win]] = s
+                placed[win] = True
+            keep = ~placed
+            idx, slot = idx[keep], (slot[keep] + 1) & self._mask
+        self.used += keys.size
+        return out
+
+    def reserve(self, extra: int, words: int, force: bool = False) -> bool:
+        """Make room for ``extra`` more keys and ``words`` node words; True if rehashed."""
+        words = max(words, self.words)
+        fits = self.used + self.deleted + extra <= _MAX_LOAD * self.capacity
+        if fits and words == self.words and not force:
+            return False
+        live = self.state == _FULL
+        keys, bits = self.keys[live], self.bits[live]
+        # after a rehash the load is <= half the limit, so rehashes amortize;
+        # the capacity follows the live keys down as well as up
+        cap = _MIN_CAPACITY
+        while self.used + extra > _MAX_LOAD * cap * 0.5:
+            cap *= 2
+        self._alloc(cap, words)
+        if keys.size:
+            slots = self._insert_absent(keys)
+            self.bits[slots, :, : bits.shape[2]] = bits
+        return True
+
+    def set_bits(self, keys: np.ndarray, m: int, word: int, bit: np.uint64) -> None:
+        slots = self.find(keys)
+        absent = slots < 0
+        if absent.any():
+            new, where = np.unique(keys[absent], return_inverse=True)
+            if self.reserve(new.size, self.words):
+                slots = self.find(keys)  # the rehash moved every key
+            slots[absent] = self._insert_absent(new)[where]
+        self.bits[slots, m, word] |= bit
+
+    def clear_bits(self, keys: np.ndarray, m: int, word: int, bit: np.uint64) -> None:
+        slots = self.find(keys)
+        slots = slots[slots >= 0]
+        if slots.size == 0:
+            return
+        self.bits[slots, m, word] &= ~bit
+        self._reap(np.unique(slots))
+
+    def clear_node(self, word: int, bit: np.uint64, mediums: list[int]) -> None:
+        full = np.flatnonzero(self.state == _FULL)
+        if full.size == 0:
+            return
+        for m in mediums:
+            self.bits[full, m, word] &= ~bit
+        self._reap(full)
+
+    def _reap(self, slots: np.ndarray) -> None:
+        """Mark slots whose bitsets became empty as deleted."""
+        empty = slots[~self.bits[slots].any(axis=(1, 2))]
+        if empty.size:
+            self.state[empty] = _DELETED
+            self.used -= empty.size
+            self.deleted += empty.size
+        # shrink once mostly empty (a quarter of the post-rehash load): the
+        # O(capacity) rehash is paid for by the removals that led here
+        if self.capacity > _MIN_CAPACITY and self.used < _MAX_LOAD * self.capacity / 8:
+            self.reserve(0, self.words, force=True)
+
+    def rows(self, keys: np.ndarray) -> np.ndarray:
+        slots = self.find(keys)
+        rows = self.bits[np.maximum(slots, 0)]
+        rows[slots < 0] = 0
+        return rows
+
+
+class MemoryIndex:
+    """``IndexBackend`` in process memory."""
+
+    def __init__(self, initial_capacity: int = 1 << 16, max_nodes: int = 4096) -> None:
+        cap = _MIN_CAPACITY
+        while cap < initial_capacity:
+            cap *= 2
+        self._initial_capacity = cap
+        self._max_nodes = max_nodes
+        self._mult = np.uint64(secrets.randbits(64) | 1)
+        self._tables: dict[str, _Table] = {}
+        self._node_bit: dict[str, int] = {}
+        self._bit_node: dict[int, str] = {}
+        self._free_bits: list[int] = []
+        self._words = 1
+        self._cursors: dict[str, int] = {}
+
+    # --- nodes -------------------------------------------------------------------
+
+    def _bit(self, node: str) -> int:
+        bit = self._node_bit.get(node)
+        if bit is not None:
+            return bit
+        if self._free_bits:
+            bit = self._free_bits.pop()
+        else:
+            bit = len(self._node_bit)
+            if bit >= self._max_nodes:
+                raise InvalidRequest(f"index holds {self._max_nodes} nodes already (max_nodes)")
+        self._node_bit[node] = bit
+        self._bit_node[bit] = node
+        self._words = max(self._words, bit // 64 + 1)
+        return bit
+
+    def nodes(self) -> list[str]:
+        return sorted(self._node_bit)
+
+    def models(self) -> list[str]:
+        return sorted(self._tables)
+
+    def _table(self, model: str) -> _Table:
+        t = self._tables.get(model)
+        if t is None:
+            t = self._tables[model] = _Table(self._initial_capacity, self._words, self._mult)
+        return t
+
+    # --- events ------------------------------------------------------------------
+
+    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+        if hashes.size == 0:
+            return
+        m = medium_index(medium)
+        bit = self._bit(node)
+        t = self._table(model)
+        if t.words < self._words:
+            t.reserve(0, self._words)
+        t.set_bits(hashes, m, bit // 64, np.uint64(1 << (bit % 64)))
+
+    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+        m = medium_index(medium)
+        bit = self._node_bit.get(node)
+        t = self._tables.get(model)
+        if bit is None or t is None or hashes.size == 0 or bit // 64 >= t.words:
+            return
+        t.clear_bits(hashes, m, bit // 64, np.uint64(1 << (bit % 64)))
+
+    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None:
+        bit = self._node_bit.get(node)
+        if bit is None:
+            return
+        ms = list(range(_M)) if mediums is None else sorted({medium_index(m) for m in mediums})
+        tables = self._tables.values() if model is None else [self._tables.get(model)]
+        for t in tables:
+            if t is not None and bit // 64 < t.words:
+                t.clear_node(bit // 64, np.uint64(1 << (bit % 64)), ms)
+
+    def drop_node(self, node: str) -> None:
+        self.clear(node, None)
+        bit = self._node_bit.pop(node, None)
+        if bit is not None:
+            del self._bit_node[bit]
+            self._free_bits.append(bit)
+
+    # --- queries -----------------------------------------------------------------
+
+    def score(
+        self, model: str, hashes: np.ndarray, nodes: Sequence[str] | None = None
+    ) -> list[NodeScore]:
+        t = self._tables.get(model)
+        if t is None or hashes.size == 0:
+            return []
+        alive = np.zeros(t.words, dtype=np.uint64)
+        wanted = self._node_bit if nodes is None else nodes
+        for name in wanted:
+            bit = self._node_bit.get(name)
+            if bit is not None and bit // 64 < t.words:
+                alive[bit // 64] |= np.uint64(1 << (bit % 64))
+        if not alive.any():
+            return []
+        # Look up in growing chunks and stop once no candidate still has the
+        # prefix: a miss on block 0 costs one small probe, a 1M-token request
+        # nobody holds costs nothing more.
+        parts: list[np.ndarray] = []
+        running = alive.copy()
+        start, chunk = 0, 256
+        while start < hashes.size:
+            rows = t.rows(hashes[start : start + chunk])
+            parts.append(rows)
+            held = (rows[:, 0] | rows[:, 1] | rows[:, 2]) & running
+            running = np.bitwise_and.reduce(held, axis=0)
+            if not running.any():
+                break
+            start += chunk
+            chunk *= 4
+        return prefix_scores(np.concatenate(parts), alive, self._bit_node)
+
+    def stats(self) -> dict[str, int]:
+        entries = sum(t.used for t in self._tables.values())
+        nbytes = sum(t.keys.nbytes + t.state.nbytes + t.bits.nbytes for t in self._tables.values())
+        replicas = 0
+        for t in self._tables.values():
+            full = t.state == _FULL
+            if full.any():
+                b = t.bits[full]
+                replicas += int(np.unpackbits(b.view(np.uint8)).sum(dtype=np.int64))
+        return {
+            "models": len(self._tables),
+            "nodes": len(self._node_bit),
+            "blocks": entries,
+            "replicas": replicas,
+            "bytes": nbytes,
+        }
+
+    def load_cursor(self, source: str) -> int | None:
+        return self._cursors.get(source)
+
+    def save_cursor(self, source: str, seq: int) -> None:
+        self._cursors[source] = seq
+
+    def forget_cursor(self, source: str) -> None:
+        self._cursors.pop(source, None)
+
+    def close(self) -> None:
+        self._tables.clear()

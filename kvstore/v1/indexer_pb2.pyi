@@ -1,0 +1,113 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("model", "token_ids", "block_hashes", "candidate_nodes", "block_size_tokens", "hash_algo", "cache_salt", "lora_name", "lora_path")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: bytes
+    block_hashes: bytes
+    candidate_nodes: _containers.RepeatedScalarFieldContainer[str]
+    block_size_tokens: int
+    hash_algo: str
+    cache_salt: str
+    lora_name: str
+    lora_path: str
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., candidate_nodes: _Optional[_Iterable[str]] = ..., block_size_tokens: _Optional[int] = ..., hash_algo: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class NodeScore(_message.Message):
+    __slots__ = ("node", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    prefix_blocks: int
+    gpu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    def __init__(self, node: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "request_blocks")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[NodeScore]
+    request_blocks: int
+    def __init__(self, scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., request_blocks: _Optional[int] = ...) -> None: ...
+
+class EventSource(_message.Message):
+    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    endpoint: str
+    replay_endpoint: str
+    kind: str
+    model: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("source", "ttl_s")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    source: EventSource
+    ttl_s: float
+    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UnregisterNodeRequest(_message.Message):
+    __slots__ = ("node", "endpoint")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    endpoint: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
+
+class UnregisterNodeResponse(_message.Message):
+    __slots__ = ("removed_sources",)
+    REMOVED_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    removed_sources: int
+    def __init__(self, removed_sources: _Optional[int] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("source", "registered", "expires_in_s")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    source: EventSource
+    registered: bool
+    expires_in_s: float
+    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., registered: _Optional[bool] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("sources", "indexed_nodes")
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_NODES_FIELD_NUMBER: _ClassVar[int]
+    sources: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    indexed_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sources: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., indexed_nodes: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -1,0 +1,378 @@
+"""The indexer following real ZMQ event streams: gaps, restarts, bad input, departures.
+
+Publishers are kvstore's own ``ZmqEventPublisher`` or, where a test needs a
+precise fault (a skipped sequence number, garbage frames), a raw ZMQ PUB +
+ROUTER pair speaking vLLM's framing byte for byte, as a vLLM engine does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvstore.events.publisher import ZmqEventPublisher
+from kvstore.events.wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch
+from kvstore.indexer.backend import NodeScore
+from kvstore.indexer.config import IndexerConfig
+from kvstore.indexer.service import Indexer
+from kvstore.indexer.subscriber import SourceSpec
+from tests.integration._redis import redis_server  # noqa: F401
+
+
+class NS:
+    def __init__(self, model: str = "m") -> None:
+        self.namespace_id = "ns-" + model
+        self.model = model
+        self.tenant = ""
+        self.block_size_tokens = 16
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"condition not reached within {timeout_s:.1f}s")
+
+
+def H(*xs: int) -> list[int]:
+    return list(xs)
+
+
+def prefix(ix: Indexer, model: str, hashes: list[int], node: str) -> int:
+    for s in ix.score(model, np.array(hashes, dtype=np.uint64)):
+        if s.node == node:
+            return s.prefix_blocks
+    return 0
+
+
+@pytest.fixture
+def make_indexer():
+    made: list[Indexer] = []
+
+    def make(sources=(), **kw) -> Indexer:
+        cfg = IndexerConfig(sources=list(sources), **kw)
+        ix = Indexer(cfg)
+        ix.start()
+        made.append(ix)
+        return ix
+
+    yield make
+    for ix in made:
+        ix.close()
+
+
+@pytest.fixture
+def publishers():
+    made: list[ZmqEventPublisher] = []
+
+    def make(node="a", endpoint="tcp://127.0.0.1:0", replay="tcp://127.0.0.1:0", **kw):
+        p = ZmqEventPublisher(node, endpoint, replay, **kw)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def source_of(p: ZmqEventPublisher, **kw) -> SourceSpec:
+    return SourceSpec(
+        node=p.node_id, endpoint=p.endpoint, replay_endpoint=p.replay_endpoint or "", **kw
+    )
+
+
+def test_store_remove_clear_reach_the_index(make_indexer, publishers):
+    pub = publishers("a")
+    ix = make_indexer([source_of(pub)])
+    pub.blocks_stored(NS(), H(1, 2, 3, 4), "CPU", None, list(range(64)))
+    pub.blocks_stored(NS(), H(1, 2), "GPU", None, None)
+    pub.blocks_stored(NS("other"), H(1), "DISK", None, None)
+    wait_for(lambda: prefix(ix, "m", H(1, 2, 3, 4), "a") == 4)
+    assert ix.score("m", np.array(H(1, 2, 3, 4), dtype=np.uint64)) == [NodeScore("a", 4, 2, 2, 0)]
+    pub.blocks_removed(NS(), H(3), "CPU")
+    wait_for(lambda: prefix(ix, "m", H(1, 2, 3, 4), "a") == 2)
+    pub.all_cleared(NS())  # this model only
+    wait_for(lambda: prefix(ix, "m", H(1, 2), "a") == 0)
+    assert prefix(ix, "other", H(1), "a") == 1
+    pub.all_cleared(None)  # every model of the node
+    wait_for(lambda: prefix(ix, "other", H(1), "a") == 0)
+    assert ix.subscriber.stats.malformed == 0
+
+
+def test_late_subscriber_catches_up_by_replay(make_indexer, publishers):
+    pub = publishers("a")
+    for i in range(5):
+        pub.blocks_stored(NS(), H(i + 1), "CPU", i or None, None)
+    wait_for(lambda: pub.published_events >= 6)
+    ix = make_indexer([source_of(pub)])
+    # nothing new is published: the subscriber replays the history on connect
+    wait_for(lambda: prefix(ix, "m", H(1, 2, 3, 4, 5), "a") == 5)
+    pub.blocks_stored(NS(), H(6), "CPU", 5, None)
+    wait_for(lambda: prefix(ix, "m", H(1, 2, 3, 4, 5, 6), "a") == 6)
+    st = ix.subscriber.stats
+    assert st.replays >= 1 and st.resyncs == 0
+
+
+class RawPublisher:
+    """vLLM's framing by hand: PUB (topic, seq BE, payload), ROUTER replay.
+
+    A thread owns the ROUTER and answers replay requests from ``buffer``
+    (what a real publisher keeps, including batches it never sent live).
+    """
+
+    def __init__(self, topic: bytes = b"kv@raw@m") -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:0")
+        self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.topic = topic
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replay_starts: list[int] = []
+        self.lock = threading.Lock()
+        self.enc = msgspec.msgpack.Encoder()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
+        self._thread.start()
+
+    def batch(self, *events) -> bytes:
+        return self.enc.encode(KVEventBatch(ts=time.time(), events=list(events)))
+
+    def send(self, seq: int, payload: bytes, *, publish: bool = True, frames=None) -> None:
+        with self.lock:
+            self.buffer.append((seq, payload))
+        if publish:
+            self.pub.send_multipart(frames or (self.topic, seq.to_bytes(8, "big"), payload))
+
+    def _serve(self, router) -> None:
+        try:
+            while not self._stop.is_set():
+                if not router.poll(50):
+                    continue
+                ident, _, start_b = router.recv_multipart()
+                start = int.from_bytes(start_b, "big")
+                with self.lock:
+                    self.replay_starts.append(start)
+                    items = [(q, p) for q, p in self.buffer if q >= start]
+                for seq, payload in items:
+                    router.send_multipart((ident, b"", self.topic, seq.to_bytes(8, "big"), payload))
+                router.send_multipart((ident, b"", b"", END_SEQ, b""))
+        finally:
+            router.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.pub.close(linger=0)
+
+
+def stored(*hashes: int, medium="CPU") -> BlockStored:
+    return BlockStored(list(hashes), None, [], 16, None, medium, None)
+
+
+def connected(ix: Indexer, raw: RawPublisher, source: SourceSpec) -> None:
+    """Publish seq 0 until the subscriber holds it (it may also replay it)."""
+    payload = raw.batch(stored(100))
+    raw.send(0, payload, publish=False)
+    deadline = time.monotonic() + 10
+    while prefix(ix, "m", H(100), source.node) == 0:
+        assert time.monotonic() < deadline, "subscriber never connected"
+        raw.pub.send_multipart((raw.topic, (0).to_bytes(8, "big"), payload))
+        time.sleep(0.05)
+
+
+def test_dropped_batch_is_recovered_by_replay(make_indexer):
+    raw = RawPublisher()
+    try:
+        src = SourceSpec(node="raw", endpoint=raw.endpoint, replay_endpoint=raw.replay_endpoint)
+        ix = make_indexer([src])
+        connected(ix, raw, src)
+        gaps = ix.subscriber.stats.gaps
+        raw.send(1, raw.batch(stored(101)), publish=False)  # lost on the way
+        raw.send(2, raw.batch(stored(102)))
+        wait_for(lambda: prefix(ix, "m", H(100, 101, 102), "raw") == 3)
+        st = ix.subscriber.stats
+        assert st.gaps == gaps + 1 and st.resyncs == 0
+        assert raw.replay_starts[-1] == 1  # asked for exactly what it missed
+    finally:
+        raw.close()
+
+
+def test_malformed_and_unknown_events_are_counted_and_skipped(make_indexer):
+    raw = RawPublisher()
+    try:
+        src = SourceSpec(node="raw", endpoint=raw.endpoint, replay_endpoint=raw.replay_endpoint)
+        ix = make_indexer([src])
+        connected(ix, raw, src)
+        enc = msgspec.msgpack.encode
+        raw.send(1, b"\xc1 not msgpack")  # undecodable payload
+        raw.send(
+            2,
+            enc(
+                [
+                    1.0,
+                    [
+                        {"type": "BlockTeleported", "block_hashes": [5]},
+                        {"type": "BlockStored", "block_hashes": [101], "medium": "CPU"},
+                    ],
+                ]
+            ),
+        )
+        raw.send(3, enc([1.0, [{"type": "BlockStored", "block_hashes": ["x"], "medium": "CPU"}]]))
+        raw.send(4, enc({"not": "a batch"}))
+        raw.send(5, raw.batch(stored(102, medium="TAPE"), stored(102)))
+        raw.pub.send_multipart((b"only-two", b"frames"))  # wrong frame count
+        raw.pub.send_multipart((raw.topic, b"\x00\x01", b""))  # bad seq width
+        raw.send(
+            6,
+            raw.batch(stored(103)),
+            frames=(b"not-a-topic", (6).to_bytes(8, "big"), raw.batch(stored(103))),
+        )
+        raw.send(7, raw.batch(stored(103)))
+        wait_for(lambda: prefix(ix, "m", H(100, 101, 102, 103), "raw") == 4)
+        st = ix.subscriber.stats
+        assert st.unknown_events == 2  # BlockTeleported, medium TAPE
+        assert st.malformed == 6  # payload, bad hash type, non-batch, 2 frames, seq width, topic
+        assert st.resyncs == 0
+    finally:
+        raw.close()
+
+
+def test_publisher_restart_resets_sequence_and_resyncs(make_indexer, publishers):
+    first = publishers("a")
+    ix = make_indexer([source_of(first)])
+    first.blocks_stored(NS(), H(1, 2, 3), "CPU", None, None)
+    wait_for(lambda: prefix(ix, "m", H(1, 2, 3), "a") == 3)
+    for i in range(20):  # move the counter well past what the new life will reach
+        first.blocks_stored(NS(f"pad{i}"), H(50 + i), "CPU", None, None)
+    wait_for(lambda: first.published_batches >= 22)
+    wait_for(lambda: ix.subscriber.stats.batches >= 22)
+    endpoint, replay = first.endpoint, first.replay_endpoint
+    first.close()
+    second = publishers("a", endpoint, replay)  # same address, counter from 0
+    second.blocks_stored(NS(), H(1), "GPU", None, None)
+    wait_for(
+        lambda: ix.score("m", np.array(H(1, 2, 3), dtype=np.uint64)) == [NodeScore("a", 1, 1, 0, 0)]
+    )
+    assert ix.subscriber.stats.restarts + ix.subscriber.stats.clears >= 1
+
+
+def test_unrecoverable_gap_resyncs_from_what_is_left(make_indexer, publishers):
+    pub = publishers("a", replay_buffer_batches=2)
+    for i in range(6):
+        pub.blocks_stored(NS(f"m{i}"), H(i + 1), "CPU", None, None)
+        wait_for(lambda i=i: pub.published_batches >= i + 2)
+    ix = make_indexer([source_of(pub)])
+    pub.blocks_stored(NS("m9"), H(9), "CPU", None, None)
+    wait_for(lambda: prefix(ix, "m9", H(9), "a") == 1)
+    st = ix.subscriber.stats
+    assert st.resyncs == 1
+    # the two batches still buffered were replayed; older ones are gone
+    assert prefix(ix, "m5", H(6), "a") == 1
+    assert prefix(ix, "m0", H(1), "a") == 0
+
+
+def test_node_gone_drops_its_entries(make_indexer, publishers):
+    pub = publishers("gone")
+    stay = publishers("stay")
+    ix = make_indexer([source_of(pub), source_of(stay)], node_gone_s=0.5)
+    pub.blocks_stored(NS(), H(1, 2), "CPU", None, None)
+    stay.blocks_stored(NS(), H(1), "CPU", None, None)
+    wait_for(lambda: prefix(ix, "m", H(1, 2), "gone") == 2 and prefix(ix, "m", H(1), "stay") == 1)
+    pub.close()
+    wait_for(lambda: prefix(ix, "m", H(1, 2), "gone") == 0)
+    assert prefix(ix, "m", H(1), "stay") == 1
+    assert ix.subscriber.stats.nodes_gone == 1
+
+
+def test_engine_stream_clear_touches_only_its_gpu_tier(make_indexer, publishers):
+    daemon = publishers("n1")
+    # a vLLM engine publishes with an empty topic and no model
+    engine = RawPublisher(topic=b"")
+    try:
+        src = SourceSpec(
+            node="n1",
+            endpoint=engine.endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            kind="engine",
+            model="m",
+        )
+        ix = make_indexer([source_of(daemon), src])
+        daemon.blocks_stored(NS(), H(100, 1, 2), "CPU", None, None)
+        connected(ix, engine, src)
+        engine.send(1, engine.batch(stored(1, 2, medium="GPU"), stored(3, medium=None)))
+        wait_for(lambda: prefix(ix, "m", H(100, 1, 2, 3), "n1") == 4)
+        assert ix.score("m", np.array(H(100, 1, 2, 3), dtype=np.uint64)) == [
+            NodeScore("n1", 4, 3, 1, 0)
+        ]
+        engine.send(2, engine.batch(AllBlocksCleared()))
+        wait_for(lambda: prefix(ix, "m", H(100, 1, 2, 3), "n1") == 3)
+        assert ix.score("m", np.array(H(100, 1, 2), dtype=np.uint64)) == [
+            NodeScore("n1", 3, 0, 3, 0)
+        ]
+    finally:
+        engine.close()
+
+
+@pytest.mark.redis
+def test_redis_backed_indexer_restart_loses_nothing(make_indexer, publishers, redis_server):  # noqa: F811
+    pub = publishers("a")
+    cfg = dict(backend="redis", redis_url=redis_server.url)
+    ix = make_indexer([source_of(pub)], **cfg)
+    pub.blocks_stored(NS(), H(1, 2), "CPU", None, None)
+    wait_for(lambda: prefix(ix, "m", H(1, 2), "a") == 2)
+    ix.close()
+    # events while no indexer runs: kept in the publisher's replay buffer
+    pub.blocks_stored(NS(), H(3), "CPU", 2, None)
+    pub.blocks_removed(NS(), H(1), "CPU")
+    pub.blocks_stored(NS(), H(1), "DISK", None, None)
+    wait_for(lambda: pub.published_events >= 5)
+    again = make_indexer([source_of(pub)], **cfg)
+    assert prefix(again, "m", H(1, 2), "a") == 2  # nothing lost across the restart
+    pub.blocks_stored(NS(), H(4), "CPU", 3, None)  # next batch reveals the gap
+    wait_for(lambda: prefix(again, "m", H(1, 2, 3, 4), "a") == 4)
+    assert again.score("m", np.array(H(1, 2, 3, 4), dtype=np.uint64)) == [
+        NodeScore("a", 4, 0, 3, 1)
+    ]
+    assert again.subscriber.stats.resyncs == 0
+
+
+def test_queue_overflow_is_counted_and_becomes_a_node_clear(publishers):
+    pub = publishers("a", max_queue_events=2, max_batch_events=1)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@a@")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(pub.endpoint)
+    try:
+        time.sleep(0.3)  # PUB/SUB join
+        for i in range(5_000):  # far faster than one batch per event is sent
+            pub.blocks_stored(NS(), [i + 1], "CPU", None, None)
+        assert pub.dropped_events > 0
+        dec = msgspec.msgpack.Decoder(KVEventBatch)
+        frames = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sub.poll(500):
+            frames.append(sub.recv_multipart())
+        clears = [
+            int.from_bytes(seq, "big")
+            for topic, seq, payload in frames
+            if topic == b"kv@a@" and isinstance(dec.decode(payload).events[0], AllBlocksCleared)
+        ]
+        # besides the start-of-life clear (seq 0), the overflow produced one
+        assert any(seq > 0 for seq in clears)
+        seqs = [int.from_bytes(f[1], "big") for f in frames]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    finally:
+        sub.close()
