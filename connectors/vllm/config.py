@@ -1,0 +1,66 @@
+"""The connector's settings: vLLM's ``kv_connector_extra_config``, typed.
+
+    --kv-transfer-config '{..., "kv_connector_extra_config": {"address": "unix:/run/kvstore.sock"}}'
+
+Unknown keys are an error (a typo would otherwise silently fall back to a
+default), raised when vLLM builds the connector, i.e. at engine start.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvstore.errors import ConfigError
+
+DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
+
+
+class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    address: str = ""
+    """Daemon address: "unix:/path.sock" or "127.0.0.1:PORT"; "" = $KVSTORE_ADDRESS or the default socket."""
+    timeout_s: float = 0.5
+    """Deadline of each daemon call on the request path; past it the step goes on without the cache."""
+    retry_initial_s: float = 0.5
+    """Wait before the first reconnect attempt after the daemon failed."""
+    retry_max_s: float = 10.0
+    """Cap of the doubling wait between reconnect attempts."""
+    model_name: str = ""
+    """Model id in the namespace; "" = vLLM's --model. Set it when engines load one model from different paths."""
+    load: bool = True
+    """Ask the daemon for prefix hits and load them."""
+    save: bool = True
+    """Store newly computed full blocks."""
+    save_decode: bool = True
+    """Also store blocks completed by generated tokens (multi-turn reuse), not only prompt blocks."""
+    min_hit_blocks: int = 1
+    """Ignore external hits shorter than this many blocks (a load has a fixed cost)."""
+    lease_ttl_s: float = 0.0
+    """Lease on blocks being stored or loaded; 0 = the daemon's default."""
+    verify_checksums: bool = True
+    """Check the xxh3-64 the daemon gives for blocks that crossed disk or network."""
+
+    def resolved_address(self) -> str:
+        return self.address or os.environ.get("KVSTORE_ADDRESS", "") or DEFAULT_ADDRESS
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        try:
+            config = msgspec.convert(dict(extra or {}), cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+        problems = []
+        if config.timeout_s <= 0:
+            problems.append("timeout_s must be > 0")
+        if not 0 < config.retry_initial_s <= config.retry_max_s:
+            problems.append("need 0 < retry_initial_s <= retry_max_s")
+        if config.min_hit_blocks < 1:
+            problems.append("min_hit_blocks must be >= 1")
+        if config.lease_ttl_s < 0:
+            problems.append("lease_ttl_s must be >= 0")
+        if problems:
+            raise ConfigError("kv_connector_extra_config: " + "; ".join(problems))
+        return config

@@ -1,0 +1,247 @@
+"""Scheduler side of the connector: external hits, and what to load and save each step.
+
+    hit_tokens(request, num_computed_tokens)  one batched Lookup of the blocks
+                                              past vLLM's local hit
+    after_alloc(request, block_ids, n)        remember where the hit goes
+    build_plan(new, cached, num_scheduled)    StepPlan for the workers
+    finished(request)                         forget the request
+
+Works on vLLM's ``Request`` (``request_id``, ``block_hashes``, ``num_tokens``,
+``num_prompt_tokens``, ``all_token_ids``, ``cache_salt``) without importing
+vLLM. Loads are synchronous (done before the step's forward), so a request is
+never held back waiting for the cache.
+
+What is saved: each step, the full blocks a request completes in it
+(``[computed_before // B, computed_after // B)``), and on a request's first
+step every full block it holds, including vLLM's local prefix-cache hits: the
+daemon skips blocks it already has, and a daemon that restarted empty gets the
+engine's hot prefixes back. A load that fails drops that request's saves for
+the step (its later blocks were computed over bad KV); vLLM recomputes from the
+failed block, and those recomputed blocks are saved on that later step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.hashes import RequestHashes
+from connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
+from connectors.vllm.namespace import EngineLayout
+from connectors.vllm.session import DaemonSession
+
+logger = logging.getLogger(__name__)
+
+
+class RequestView(Protocol):
+    """The parts of vLLM's ``Request`` the scheduler side reads."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request scheduled for the first time (or resumed after preemption)."""
+
+    req_id: str
+    block_ids: Sequence[int]  # all of its blocks
+    num_computed_tokens: int  # local + external hits, before this step
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    req_id: str
+    new_block_ids: Sequence[int] | None  # blocks added this step (all blocks when resumed)
+    resumed: bool
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: RequestView
+    hashes: RequestHashes
+    block_ids: list[int] = field(default_factory=list)
+    lookup_start: int = 0  # first block asked for in the last lookup
+    pending_load: tuple[int, int] | None = None  # (first block, count) to load next step
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    lookups: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    planned_load_blocks: int = 0
+    planned_save_blocks: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        layout: EngineLayout,
+        session: DaemonSession,
+        *,
+        hash_stride: int,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.session = session
+        self.block_size = layout.block_size_tokens
+        self.hash_stride = hash_stride
+        self.counters = SchedulerCounters()
+        self._requests: dict[str, _Tracked] = {}
+
+    # ------------------------------------------------------------ hits
+
+    def hit_tokens(self, request: RequestView, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (block aligned) the daemon can supply.
+
+        Side-effect free for vLLM (it may ask again): only the daemon's answer is kept.
+        """
+        tracked = self._track(request)
+        if not self.config.load:
+            return 0
+        bs = self.block_size
+        hashes = tracked.hashes.update(request.block_hashes)
+        # vLLM must compute at least the last token itself (it needs its logits).
+        usable = min(len(hashes), (request.num_tokens - 1) // bs)
+        start = num_computed_tokens // bs
+        tracked.lookup_start = start
+        if start >= usable:
+            return 0
+        wanted = hashes[start:usable]
+        result = self.session.call_in(
+            "lookup", self.layout.spec(request.cache_salt), lambda c, ns: c.lookup(ns, wanted)
+        )
+        self.counters.lookups += 1
+        self.counters.lookup_blocks += len(wanted)
+        hit = result.prefix_blocks if result is not None else 0
+        if hit < self.config.min_hit_blocks:
+            return 0
+        self.counters.hit_blocks += hit
+        return hit * bs
+
+    def after_alloc(
+        self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        tracked = self._track(request)
+        tracked.block_ids = list(block_ids)
+        if num_external_tokens > 0:
+            # Hits are whole blocks (hit_tokens); vLLM only ever passes one back or 0.
+            tracked.pending_load = (tracked.lookup_start, num_external_tokens // self.block_size)
+        else:
+            tracked.pending_load = None
+
+    # ------------------------------------------------------------ per step
+
+    def build_plan(
+        self,
+        new: Iterable[NewRequest],
+        running: Iterable[RunningRequest],
+        num_scheduled_tokens: Mapping[str, int],
+    ) -> StepPlan:
+        plan = StepPlan()
+        for req in new:
+            tracked = self._requests.get(req.req_id)
+            if tracked is None:
+                continue  # never seen by hit_tokens/after_alloc: nothing to do
+            tracked.block_ids = list(req.block_ids)
+            self._plan_load(tracked, plan)
+            after = req.num_computed_tokens + num_scheduled_tokens.get(req.req_id, 0)
+            self._plan_save(tracked, 0, after, plan)
+        for run in running:
+            tracked = self._requests.get(run.req_id)
+            if tracked is None:
+                continue
+            if run.resumed:
+                tracked.block_ids = list(run.new_block_ids or ())
+            elif run.new_block_ids:
+                tracked.block_ids.extend(run.new_block_ids)
+            self._plan_load(tracked, plan)
+            after = run.num_computed_tokens + num_scheduled_tokens.get(run.req_id, 0)
+            first = 0 if run.resumed else run.num_computed_tokens // self.block_size
+            self._plan_save(tracked, first, after, plan)
+        return plan
+
+    def finished(self, request: RequestView) -> None:
+        self._requests.pop(request.request_id, None)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._requests)
+
+    # ------------------------------------------------------------ helpers
+
+    def _track(self, request: RequestView) -> _Tracked:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or tracked.request is not request:
+            tracked = _Tracked(request=request, hashes=RequestHashes(self.hash_stride))
+            self._requests[request.request_id] = tracked
+        return tracked
+
+    def _plan_load(self, tracked: _Tracked, plan: StepPlan) -> None:
+        if tracked.pending_load is None:
+            return
+        start, count = tracked.pending_load
+        tracked.pending_load = None
+        hashes = tracked.hashes.update(tracked.request.block_hashes)
+        block_ids = tracked.block_ids[start : start + count]
+        if len(block_ids) != count or len(hashes) < start + count:
+            # vLLM allocated fewer blocks than it accepted as a hit: a bug, but
+            # never worth failing the request over; it just computes them.
+            logger.warning(
+                "kvstore: load plan for %s does not fit its blocks; skipped",
+                tracked.request.request_id,
+            )
+            return
+        plan.loads.append(
+            LoadSpec(
+                req_id=tracked.request.request_id,
+                tenant=tracked.request.cache_salt or "",
+                block_ids=np.asarray(block_ids, dtype=np.int64),
+                block_hashes=hashes[start : start + count].copy(),
+            )
+        )
+        self.counters.planned_load_blocks += count
+
+    def _plan_save(
+        self, tracked: _Tracked, first: int, computed_after: int, plan: StepPlan
+    ) -> None:
+        if not self.config.save:
+            return
+        request = tracked.request
+        bs = self.block_size
+        hashes = tracked.hashes.update(request.block_hashes)
+        last = min(computed_after // bs, len(hashes), len(tracked.block_ids))
+        if not self.config.save_decode:
+            last = min(last, request.num_prompt_tokens // bs)
+        if last <= first:
+            return
+        tokens = np.asarray(request.all_token_ids[first * bs : last * bs], dtype=np.int32)
+        plan.saves.append(
+            SaveSpec(
+                req_id=request.request_id,
+                tenant=request.cache_salt or "",
+                block_ids=np.asarray(tracked.block_ids[first:last], dtype=np.int64),
+                block_hashes=hashes[first:last].copy(),
+                parent_block_hash=int(hashes[first - 1]) if first > 0 else None,
+                token_ids=tokens,
+            )
+        )
+        self.counters.planned_save_blocks += last - first

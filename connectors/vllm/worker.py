@@ -1,0 +1,371 @@
+"""Worker side of the connector: copy the step's blocks in and out of the daemon.
+
+    register(kv_caches, num_blocks)   learn vLLM's cache layout (once)
+    start_step(plan)                  before the forward: pin and load hits
+                                      (one PrepareLoad per request), reserve
+                                      slots for saves (one PrepareStore per request)
+    wait_layer(name) / save_layer(name)   around each attention layer (GPU overlap)
+    finish_step()                     after the forward: copy saves out, commit
+    take_load_errors()                vLLM block ids that must be recomputed
+
+Every block of a step moves in one batched copy per layer (``copier``). The
+daemon's failures never reach vLLM: a request whose blocks could not be loaded
+(daemon gone, evicted since the lookup, checksum mismatch, a restarted daemon
+whose region is another file) gets those blocks reported as load errors and
+vLLM recomputes exactly them; saves that cannot be made are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from connectors.vllm.config import ConnectorConfig
+from connectors.vllm.copier import BlockCopier, Copier, PagedKV
+from connectors.vllm.metadata import SaveSpec, StepPlan
+from connectors.vllm.namespace import EngineLayout
+from connectors.vllm.session import DaemonSession
+from kvstore.client import Client, LoadHandle, StoreHandle
+from kvstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    saved_blocks: int = 0
+    save_skipped_blocks: int = 0  # already stored, stored by another client, or no room
+    save_dropped_blocks: int = 0  # planned but not stored (daemon down, failed load)
+    checksum_failures: int = 0
+
+
+@dataclass(slots=True)
+class _SaveBatch:
+    """One namespace's blocks to store this step, from one or more requests."""
+
+    tenant: str
+    block_hashes: np.ndarray  # uint64, distinct
+    block_ids: np.ndarray  # int64
+    token_ids: np.ndarray  # int32, block_size per block
+    parent_block_hash: int | None  # when the batch is one request's chain
+    single_chain: bool
+    handle: StoreHandle | None = None
+    allocated: np.ndarray | None = None  # indices of the blocks to write
+    generation: int = -1  # the daemon connection the slots belong to
+
+    @classmethod
+    def of(cls, tenant: str, specs: list[SaveSpec], block_size: int) -> _SaveBatch:
+        if len(specs) == 1:
+            s = specs[0]
+            return cls(tenant, s.block_hashes, s.block_ids, s.token_ids, s.parent_block_hash, True)
+        hashes = np.concatenate([s.block_hashes for s in specs])
+        # Two requests can complete the same block in one step: store it once.
+        _, first = np.unique(hashes, return_index=True)
+        keep = np.sort(first)
+        tokens = np.concatenate([s.token_ids.reshape(-1, block_size) for s in specs])
+        return cls(
+            tenant,
+            hashes[keep],
+            np.concatenate([s.block_ids for s in specs])[keep],
+            tokens[keep].reshape(-1),
+            None,
+            False,
+        )
+
+
+@dataclass(slots=True)
+class _Step:
+    leases: list[LoadHandle] = field(default_factory=list)
+    saves: list[_SaveBatch] = field(default_factory=list)
+
+
+class WorkerSide:
+    def __init__(
+        self, config: ConnectorConfig, layout: EngineLayout, session: DaemonSession
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.session = session
+        self.counters = WorkerCounters()
+        self.kv: PagedKV | None = None
+        self.copier: Copier | None = None
+        self._region_t: torch.Tensor | None = None
+        self._region_generation = -1
+        self._load_errors: set[int] = set()
+        self._step = _Step()
+
+    # ------------------------------------------------------------ setup
+
+    def register(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int) -> None:
+        kv = PagedKV.from_layers(layers, num_blocks)
+        if kv.block_bytes != self.layout.block_bytes:
+            raise ConfigError(
+                f"vLLM's KV cache holds {kv.block_bytes} bytes per block across {len(kv.layers)} layers, "
+                f"but its config says {self.layout.block_bytes}; the kvstore connector does not "
+                "support this layout (padded or hybrid pages)"
+            )
+        self.kv = kv
+        if kv.device is not None and kv.device.type == "cuda":
+            from connectors.vllm.cuda import CudaBlockCopier
+
+            self.copier = CudaBlockCopier(kv)
+        else:
+            self.copier = BlockCopier(kv)
+
+    # ------------------------------------------------------------ per step
+
+    def start_step(self, plan: StepPlan) -> None:
+        """Loads (complete or queued) and save reservations, before the forward."""
+        self._step = _Step()
+        if self.copier is None or not plan:
+            return
+        failed_reqs, failed_ids = self._load(plan)
+        self._reserve_saves(plan, failed_reqs, failed_ids)
+
+    def wait_layer(self, name: str) -> None:
+        if self.copier is not None:
+            self.copier.wait_layer(name)
+
+    def save_layer(self, name: str) -> None:
+        if self.copier is not None and self._step.saves:
+            self.copier.save_layer(name)
+
+    def finish_step(self) -> None:
+        """Copy the step's saves into the region and commit them; release load leases."""
+        step, self._step = self._step, _Step()
+        if self.copier is not None:
+            self.copier.wait_loads()
+        if not step.saves:
+            return
+        try:
+            assert self.copier is not None
+            self.copier.finish_save()
+            current = self.session.region_is_current() and all(
+                b.generation == self.session.generation for b in step.saves
+            )
+        except Exception as exc:  # a failed copy must not fail the step: drop the saves
+            logger.warning("kvstore: copying blocks out failed (%s); not stored", exc)
+            current = False
+        if not current:
+            # The daemon restarted onto another region file mid-step: the bytes
+            # went to the old one, so committing would publish garbage.
+            self._abort(step.saves)
+            self._remap()
+            return
+        for batch in step.saves:
+            self._commit(batch)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------ loads
+
+    def _load(self, plan: StepPlan) -> tuple[set[str], set[int]]:
+        failed_reqs: set[str] = set()
+        failed_ids: set[int] = set()
+        offsets: list[np.ndarray] = []
+        block_ids: list[np.ndarray] = []
+        prepared = []
+        for spec in plan.loads:
+            found, handle = self._prepare_load(spec.tenant, spec.block_hashes)
+            prepared.append((spec, found, handle, self.session.generation))
+        for spec, found, handle, generation in prepared:
+            if generation != self.session.generation:
+                found = 0  # offsets of a daemon connection that has since been replaced
+            elif handle is not None and handle.lease_id:
+                self._step.leases.append(handle)
+            if found:
+                assert handle is not None
+                offsets.append(handle.offsets[:found])
+                block_ids.append(spec.block_ids[:found])
+            if found < len(spec.block_ids):
+                failed_reqs.add(spec.req_id)
+                failed_ids.update(spec.block_ids[found:].tolist())
+        if block_ids:
+            ids = np.concatenate(block_ids)
+            region = self._region()
+            ok = region is not None and self.session.region_is_current()
+            if region is not None and not ok:
+                self._remap()
+            if ok:
+                try:
+                    assert self.copier is not None and region is not None
+                    self.copier.load(region, np.concatenate(offsets), ids)
+                except Exception as exc:  # never fail the step: recompute instead
+                    logger.warning("kvstore: loading blocks failed (%s); vLLM recomputes them", exc)
+                    ok = False
+            if self._step.leases:
+                # Copied out of the region (to the cache, or to pinned staging on
+                # a GPU): the pins are no longer needed; don't wait for the answers.
+                leases, self._step.leases = self._step.leases, []
+                self.session.call("release", lambda c: _release_all(c, leases), retry=False)
+            if ok:
+                self.counters.loaded_blocks += len(ids)
+            else:
+                failed_ids.update(ids.tolist())
+                failed_reqs.update(spec.req_id for spec in plan.loads)
+        self.counters.load_failed_blocks += len(failed_ids)
+        self._load_errors |= failed_ids
+        return failed_reqs, failed_ids
+
+    def _prepare_load(self, tenant: str, hashes: np.ndarray) -> tuple[int, LoadHandle | None]:
+        ttl = self.config.lease_ttl_s
+        handle = self.session.call_in(
+            "prepare load",
+            self.layout.spec(tenant),
+            lambda c, ns: c.prepare_load(ns, hashes, lease_ttl_s=ttl),
+        )
+        if handle is None:
+            return 0, None
+        found = min(handle.found, len(hashes))
+        if self.config.verify_checksums and found:
+            found = self._verified_prefix(handle, found)
+        return found, handle
+
+    def _verified_prefix(self, handle: LoadHandle, found: int) -> int:
+        """Blocks of the prefix whose bytes match the daemon's checksum (where it has one)."""
+        sums = handle.checksums[:found]
+        to_check = np.flatnonzero(sums)
+        if not len(to_check):
+            return found
+        region = self.session.region
+        if region is None:
+            return 0
+        block_bytes = handle.namespace.block_bytes
+        for i in to_check.tolist():
+            off = int(handle.offsets[i])
+            if xxhash.xxh3_64_intdigest(region[off : off + block_bytes].data) != int(sums[i]):
+                self.counters.checksum_failures += 1
+                logger.warning(
+                    "kvstore: block %d of a load failed its checksum; recomputing from it", i
+                )
+                return i
+        return found
+
+    # ------------------------------------------------------------ saves
+
+    def _reserve_saves(self, plan: StepPlan, failed_reqs: set[str], failed_ids: set[int]) -> None:
+        """One PrepareStore per namespace for all of the step's new blocks."""
+        failed = np.fromiter(failed_ids, dtype=np.int64, count=len(failed_ids))
+        by_tenant: dict[str, list[SaveSpec]] = {}
+        for spec in plan.saves:
+            if spec.req_id in failed_reqs or (
+                len(failed) and np.isin(spec.block_ids, failed).any()
+            ):
+                # Blocks computed this step over KV that failed to load are wrong.
+                self.counters.save_dropped_blocks += len(spec.block_ids)
+                continue
+            by_tenant.setdefault(spec.tenant, []).append(spec)
+        bs = self.layout.block_size_tokens
+        for tenant, specs in by_tenant.items():
+            batch = _SaveBatch.of(tenant, specs, bs)
+            handle = self._prepare_store(tenant, batch.block_hashes)
+            if handle is None:
+                self.counters.save_dropped_blocks += len(batch.block_ids)
+                continue
+            batch.handle, batch.allocated = handle, handle.allocated
+            batch.generation = self.session.generation
+            self.counters.save_skipped_blocks += len(batch.block_ids) - len(batch.allocated)
+            if len(batch.allocated):
+                self._step.saves.append(batch)
+        stale = [b for b in self._step.saves if b.generation != self.session.generation]
+        if stale:
+            self._abort(stale)
+            self._step.saves = [
+                b for b in self._step.saves if b.generation == self.session.generation
+            ]
+        if not self._step.saves:
+            return
+        region = self._region()
+        if region is None:
+            self._abort(self._step.saves)
+            self._step.saves = []
+            return
+        assert self.copier is not None
+        self.copier.begin_save(
+            region,
+            np.concatenate([b.handle.offsets[b.allocated] for b in self._step.saves]),  # type: ignore[union-attr,index]
+            np.concatenate([b.block_ids[b.allocated] for b in self._step.saves]),  # type: ignore[index]
+        )
+
+    def _prepare_store(self, tenant: str, hashes: np.ndarray) -> StoreHandle | None:
+        ttl = self.config.lease_ttl_s
+        return self.session.call_in(
+            "prepare store",
+            self.layout.spec(tenant),
+            lambda c, ns: c.prepare_store(ns, hashes, lease_ttl_s=ttl),
+        )
+
+    def _commit(self, batch: _SaveBatch) -> None:
+        handle, idx = batch.handle, batch.allocated
+        assert handle is not None and idx is not None
+        hashes = batch.block_hashes[idx]
+        parent: int | None = None
+        tokens: np.ndarray | None = None
+        first, last = int(idx[0]), int(idx[-1]) + 1
+        if batch.single_chain and last - first == len(idx):
+            # One request's contiguous run: the daemon's BlockStored event gets
+            # its parent and tokens, as vLLM's own events carry them. (A batch
+            # of several requests is not one chain: its event has hashes only.)
+            bs = self.layout.block_size_tokens
+            parent = int(batch.block_hashes[first - 1]) if first > 0 else batch.parent_block_hash
+            tokens = batch.token_ids[first * bs : last * bs]
+        committed = self.session.call(
+            "commit store",
+            lambda c: c.commit_store(handle, hashes, parent_block_hash=parent, token_ids=tokens),
+            retry=False,
+        )
+        if committed is None:
+            self.counters.save_dropped_blocks += len(idx)
+        else:
+            self.counters.saved_blocks += int(committed)
+
+    def _abort(self, saves: list[_SaveBatch]) -> None:
+        for batch in saves:
+            self.counters.save_dropped_blocks += (
+                len(batch.allocated) if batch.allocated is not None else 0
+            )
+        handles = [batch.handle for batch in saves if batch.handle is not None]
+        self.session.call("release", lambda c: _release_all(c, handles), retry=False)
+
+    # ------------------------------------------------------------ region
+
+    def _region(self) -> torch.Tensor | None:
+        import torch
+
+        region = self.session.region
+        if region is None:
+            self._region_t = None
+            return None
+        if self._region_t is None or self._region_generation != self.session.generation:
+            self._region_t = torch.from_numpy(region)
+            self._region_generation = self.session.generation
+        return self._region_t
+
+    def _remap(self) -> None:
+        """Our mapping is not the daemon's region any more: reconnect on the next call."""
+        if self.session.connected and not self.session.region_is_current():
+            logger.warning("kvstore: the daemon's region file changed; mapping it again")
+            self.session.disconnect()
+
+    def close(self) -> None:
+        self._region_t = None
+        self.session.close()
+
+
+def _release_all(client: Client, handles: Sequence[LoadHandle | StoreHandle]) -> int:
+    """End leases without waiting for the answers (a lost one just expires)."""
+    for handle in handles:
+        client.release(handle, wait=False)
+    return len(handles)

@@ -1,0 +1,314 @@
+"""The connector's scheduler and worker sides against a real daemon, without vLLM.
+
+Two "engines" are built from the connector's own parts with real CPU KV
+caches (vLLM's CPU layout) and real daemons; requests carry real vLLM block
+hashes (kvstore.hashing, verified against vLLM elsewhere). vLLM's part, what
+it passes in and when, is played by the test.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from connectors.vllm.config import ConnectorConfig  # noqa: E402
+from connectors.vllm.namespace import EngineLayout  # noqa: E402
+from connectors.vllm.scheduler import NewRequest, RunningRequest, SchedulerSide  # noqa: E402
+from connectors.vllm.session import DaemonSession  # noqa: E402
+from connectors.vllm.worker import WorkerSide  # noqa: E402
+from kvstore.client import Client  # noqa: E402
+from kvstore.hashing import BlockHasher, to_int_hashes  # noqa: E402
+
+BS = 16
+LAYERS, HEADS, HEAD_DIM = 2, 2, 32
+NUM_BLOCKS = 40
+BLOCK_BYTES = LAYERS * HEADS * BS * 2 * HEAD_DIM * 4
+
+
+@dataclass
+class Req:
+    """The fields of vLLM's Request the scheduler side reads."""
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    num_prompt_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
+        self.rehash()
+
+    def rehash(self) -> None:
+        salt = self.cache_salt
+        self.block_hashes = BlockHasher(BS).hash_tokens(self.all_token_ids, cache_salt=salt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def int_hashes(self) -> list[int]:
+        return to_int_hashes(self.block_hashes).tolist()
+
+
+class Engine:
+    """A scheduler side + a worker side over CPU caches, as one vLLM engine has them."""
+
+    def __init__(self, address: str, seed: int, **config_kw) -> None:
+        self.config = ConnectorConfig.from_extra(
+            {"address": address, "retry_initial_s": 0.2, "retry_max_s": 0.4, **config_kw}
+        )
+        self.layout = EngineLayout(
+            model="tiny",
+            dtype="float32",
+            block_size_tokens=BS,
+            num_layers=LAYERS,
+            num_kv_heads=HEADS,
+            head_dim=HEAD_DIM,
+            block_bytes=BLOCK_BYTES,
+            page_layout="vllm-cpu-LBHNC",
+        )
+        session = dict(timeout_s=self.config.timeout_s, retry_initial_s=0.2, retry_max_s=0.4)
+        self.scheduler = SchedulerSide(
+            self.config,
+            self.layout,
+            DaemonSession(address, map_region=False, **session),
+            hash_stride=1,
+        )
+        self.worker = WorkerSide(self.config, self.layout, DaemonSession(address, **session))
+        g = torch.Generator().manual_seed(seed)
+        self.caches = [
+            (f"layers.{i}.attn", torch.randn(NUM_BLOCKS, HEADS, BS, 2 * HEAD_DIM, generator=g))
+            for i in range(LAYERS)
+        ]
+        self.worker.register(self.caches, NUM_BLOCKS)
+
+    def block_bytes(self, block_id: int) -> bytes:
+        return b"".join(t[block_id].contiguous().numpy().tobytes() for _, t in self.caches)
+
+    def step(self, new=(), running=(), scheduled=None):
+        plan = self.scheduler.build_plan(list(new), list(running), scheduled or {})
+        self.worker.start_step(plan)
+        self.worker.finish_step()
+        return plan
+
+    def prefill(self, req: Req, block_ids: list[int], local_tokens: int = 0):
+        """vLLM's first step for a request: lookup, allocate, schedule the whole prompt."""
+        ext = self.scheduler.hit_tokens(req, local_tokens)
+        self.scheduler.after_alloc(req, block_ids, ext)
+        computed = local_tokens + ext
+        plan = self.step(
+            [NewRequest(req.request_id, block_ids, computed)],
+            scheduled={req.request_id: req.num_tokens - computed},
+        )
+        return ext, plan
+
+
+def _stored(address: str, engine: Engine, req: Req) -> list[bytes]:
+    with Client(address) as c:
+        ns = c.declare_namespace(engine.layout.spec(req.cache_salt))
+        got = c.get(ns, req.int_hashes())
+        return [bytes(row) for row in got.data]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(2, 30000, n).tolist()
+
+
+def test_store_then_another_engine_loads_exact_bytes(daemon):
+    a, b = Engine(daemon.address, seed=1), Engine(daemon.address, seed=2)
+    req = Req("r1", _tokens(1, 5 * BS + 3))  # 5 full blocks + a partial one
+    ids_a = [7, 3, 9, 1, 12, 20]
+    ext, plan = a.prefill(req, ids_a)
+    assert ext == 0 and not plan.loads
+    assert [s.block_ids.tolist() for s in plan.saves] == [ids_a[:5]]
+    assert plan.saves[0].parent_block_hash is None
+    assert plan.saves[0].token_ids.tolist() == req.all_token_ids[: 5 * BS]
+    assert a.worker.counters.saved_blocks == 5
+    assert _stored(daemon.address, a, req) == [a.block_bytes(i) for i in ids_a[:5]]
+
+    # Engine B: every full block is an external hit, loaded into B's own block ids.
+    req_b = Req("r1", list(req.all_token_ids))
+    ids_b = [30, 31, 2, 5, 8, 11]
+    ext, plan = b.prefill(req_b, ids_b)
+    assert ext == 5 * BS
+    assert [spec.block_ids.tolist() for spec in plan.loads] == [ids_b[:5]]
+    assert b.worker.take_load_errors() == set()
+    assert [b.block_bytes(i) for i in ids_b[:5]] == [a.block_bytes(i) for i in ids_a[:5]]
+    assert b.worker.counters.loaded_blocks == 5
+    # Its first step offered the blocks again; the daemon had them all.
+    assert b.worker.counters.saved_blocks == 0 and b.worker.counters.save_skipped_blocks == 5
+
+
+def test_hits_start_after_the_local_hit_and_leave_the_last_token(daemon):
+    a, b = Engine(daemon.address, seed=1), Engine(daemon.address, seed=2)
+    req = Req("r", _tokens(2, 4 * BS))  # exactly 4 blocks
+    a.prefill(req, [0, 1, 2, 3])
+    # vLLM must compute the last prompt token: only 3 blocks can come from the cache.
+    assert b.scheduler.hit_tokens(req, 0) == 3 * BS
+    # vLLM already has 2 blocks locally: one more comes from the daemon.
+    assert b.scheduler.hit_tokens(req, 2 * BS) == BS
+    b.scheduler.after_alloc(req, [4, 5, 6, 7], BS)
+    plan = b.scheduler.build_plan([NewRequest("r", [4, 5, 6, 7], 3 * BS)], [], {"r": BS})
+    assert [(s.block_ids.tolist(), s.block_hashes.tolist()) for s in plan.loads] == [
+        ([6], req.int_hashes()[2:3])
+    ]
+    assert Engine(daemon.address, seed=3, min_hit_blocks=4).scheduler.hit_tokens(req, 0) == 0
+    assert Engine(daemon.address, seed=3, load=False).scheduler.hit_tokens(req, 0) == 0
+
+
+def test_decode_saves_the_completed_block_with_its_parent(daemon):
+    eng = Engine(daemon.address, seed=4)
+    req = Req("d", _tokens(3, 2 * BS + 10))
+    eng.prefill(req, [0, 1, 2])
+    # Decode: tokens are appended one per step; the step computing token 47
+    # (the last of block 2) completes block 2.
+    req.all_token_ids += _tokens(4, 6)
+    req.rehash()
+    plan = eng.step(running=[RunningRequest("d", None, False, 3 * BS - 1)], scheduled={"d": 1})
+    (save,) = plan.saves
+    assert save.block_ids.tolist() == [2]
+    assert save.parent_block_hash == req.int_hashes()[1]
+    assert save.token_ids.tolist() == req.all_token_ids[2 * BS : 3 * BS]
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
+    # A step that completes no block plans nothing.
+    assert not eng.step(running=[RunningRequest("d", [5], False, 3 * BS)], scheduled={"d": 1})
+    no_decode = Engine(daemon.address, seed=4, save_decode=False)
+    no_decode.prefill(Req("p", list(req.all_token_ids[: 2 * BS + 10])), [0, 1, 2])
+    plan = no_decode.scheduler.build_plan(
+        [], [RunningRequest("p", None, False, 3 * BS - 1)], {"p": 1}
+    )
+    assert not plan.saves
+
+
+def test_resumed_request_takes_its_new_blocks(daemon):
+    eng = Engine(daemon.address, seed=5)
+    req = Req("p", _tokens(5, 3 * BS))
+    eng.scheduler.hit_tokens(req, 0)
+    eng.scheduler.after_alloc(req, [0, 1, 2], 0)
+    eng.scheduler.build_plan([NewRequest("p", [0, 1, 2], 0)], [], {"p": BS})  # chunked prefill
+    # Preempted, then resumed into other blocks: saves use the new ids, from block 0.
+    plan = eng.scheduler.build_plan([], [RunningRequest("p", [9, 10, 11], True, 0)], {"p": 3 * BS})
+    assert [s.block_ids.tolist() for s in plan.saves] == [[9, 10, 11]]
+
+
+def test_blocks_gone_before_the_load_are_reported_and_not_saved(daemon):
+    a, b = Engine(daemon.address, seed=6), Engine(daemon.address, seed=7)
+    req = Req("r", _tokens(6, 6 * BS + 1))
+    a.prefill(req, list(range(7)))
+    ids = [20, 21, 22, 23, 24, 25, 26]
+    ext = b.scheduler.hit_tokens(req, 0)
+    assert ext == 6 * BS
+    b.scheduler.after_alloc(req, ids, ext)
+    # Evicted between vLLM's lookup and the load: blocks 3.. are gone.
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(a.layout.spec(None))
+        assert c.delete(ns, req.int_hashes()[3:]) == (3, 0)
+    before = {i: b.block_bytes(i) for i in ids}
+    plan = b.scheduler.build_plan([NewRequest("r", ids, ext)], [], {"r": 1})
+    b.worker.start_step(plan)
+    b.worker.finish_step()
+    assert b.worker.take_load_errors() == {23, 24, 25}
+    assert b.worker.take_load_errors() == set()  # reported once
+    assert [b.block_bytes(i) for i in ids[:3]] == [a.block_bytes(i) for i in range(3)]
+    assert [b.block_bytes(i) for i in ids[3:]] == [before[i] for i in ids[3:]]
+    # This step's blocks were computed over missing KV: none of them was stored.
+    assert b.worker.counters.saved_blocks == 0
+    assert _stored(daemon.address, a, req) == [a.block_bytes(i) for i in range(3)]
+
+
+def test_tenants_do_not_see_each_others_blocks(daemon):
+    a, b = Engine(daemon.address, seed=8), Engine(daemon.address, seed=9)
+    req = Req("t", _tokens(7, 3 * BS + 1), cache_salt="tenant-a")
+    a.prefill(req, [0, 1, 2, 3])
+    # The same hashes under another tenant: a different namespace, no hit.
+    other = Req("t", list(req.all_token_ids), cache_salt="tenant-b")
+    other.block_hashes = list(req.block_hashes)
+    assert b.scheduler.hit_tokens(other, 0) == 0
+    assert b.scheduler.hit_tokens(req, 0) == 3 * BS
+
+
+def test_daemon_death_costs_one_warning_and_recovers(daemon_factory, caplog):
+    daemon = daemon_factory("dying", tcp=False)
+    a, b = Engine(daemon.address, seed=10), Engine(daemon.address, seed=11)
+    req = Req("r", _tokens(8, 4 * BS + 1))
+    a.prefill(req, [0, 1, 2, 3, 4])
+    assert b.scheduler.hit_tokens(req, 0) == 4 * BS
+    b.scheduler.after_alloc(req, [5, 6, 7, 8, 9], 4 * BS)
+    daemon.kill()
+    caplog.set_level(logging.WARNING, logger="connectors.vllm")
+    t0 = time.monotonic()
+    plan = b.scheduler.build_plan([NewRequest("r", [5, 6, 7, 8, 9], 4 * BS)], [], {"r": 1})
+    b.worker.start_step(plan)
+    b.worker.finish_step()
+    assert b.worker.take_load_errors() == {5, 6, 7, 8}  # vLLM recomputes exactly these
+    for i in range(20):  # many requests while it is down: no hits, no exceptions
+        assert b.scheduler.hit_tokens(Req(f"x{i}", list(req.all_token_ids)), 0) == 0
+    assert time.monotonic() - t0 < 5.0
+    warnings = [r for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in caplog.records]  # one per session
+    daemon.start()  # same socket and region file; it starts empty (no disk tier)
+    again = Req("again", _tokens(18, 2 * BS + 1))
+    deadline = time.monotonic() + 10
+    while b.scheduler.hit_tokens(Req("again", list(again.all_token_ids)), 0) == 0:
+        # Engine A keeps serving requests; its sessions come back on their own.
+        a.prefill(Req("again", list(again.all_token_ids)), [10, 11, 12])
+        assert time.monotonic() < deadline, "never reconnected"
+        time.sleep(0.1)
+    assert b.scheduler.session.reconnects == 1
+    assert a.worker.session.reconnects == 1
+    assert _stored(daemon.address, a, again) == [a.block_bytes(i) for i in (10, 11)]
+    assert any("reconnected" in r.getMessage() for r in caplog.records)
+
+
+def test_restarted_daemon_with_another_region_file_gets_exact_bytes(daemon_factory, tmp_path):
+    first = daemon_factory("first", tcp=False)
+    eng = Engine(first.address, seed=12)
+    warm = Req("w", _tokens(9, BS + 1))
+    eng.prefill(warm, [0, 1])  # connected, region mapped
+    first.kill()
+    # A new daemon on the same socket with another region file, and the namespace
+    # already declared (by some other client): calls succeed, offsets are in the new file.
+    second = daemon_factory(
+        "second",
+        tcp=False,
+        settings={
+            "server.socket_path": first.socket_path,
+            "dram.path": str(tmp_path / "other.dram"),
+        },
+    )
+    with Client(second.address) as c:
+        c.declare_namespace(eng.layout.spec(None))
+    req = Req("r", _tokens(10, 2 * BS + 1))
+    eng.prefill(req, [3, 4, 5])
+    # The connection drop was noticed: the worker mapped the new region before
+    # writing, so what the new daemon holds is exactly the engine's blocks.
+    assert eng.worker.session.reconnects == 1
+    assert _stored(second.address, eng, req) == [eng.block_bytes(i) for i in (3, 4)]
+
+
+def test_one_step_saves_many_requests_once_each(daemon):
+    eng = Engine(daemon.address, seed=13)
+    shared = _tokens(11, 2 * BS)
+    r1 = Req("r1", shared + _tokens(12, BS + 5))
+    r2 = Req("r2", shared + _tokens(13, 2 * BS + 1))
+    for req in (r1, r2):
+        assert eng.scheduler.hit_tokens(req, 0) == 0
+    eng.scheduler.after_alloc(r1, [0, 1, 2, 3], 0)
+    # Without vLLM's prefix cache both requests compute the shared blocks in this step.
+    eng.scheduler.after_alloc(r2, [4, 5, 6, 7, 8], 0)
+    eng.step(
+        [NewRequest("r1", [0, 1, 2, 3], 0), NewRequest("r2", [4, 5, 6, 7, 8], 0)],
+        scheduled={"r1": r1.num_tokens, "r2": r2.num_tokens},
+    )
+    # 2 shared + 1 + 2 distinct blocks, each stored once, from the block that computed it first.
+    assert eng.worker.counters.saved_blocks == 5
+    assert eng.worker.counters.save_skipped_blocks == 0
+    assert _stored(daemon.address, eng, r1) == [eng.block_bytes(i) for i in (0, 1, 2)]
+    assert _stored(daemon.address, eng, r2) == [eng.block_bytes(i) for i in (0, 1, 6, 7)]

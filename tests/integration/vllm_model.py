@@ -1,0 +1,289 @@
+"""A tiny randomly initialised Llama, and a vLLM runner for it, for end-to-end tests.
+
+Nothing comes from a model hub: the weights are drawn with ``transformers``
+from a fixed seed and the tokenizer is a word-level ``tokenizers`` model whose
+words are ``w0 .. w{vocab-3}``, so a prompt of N words is exactly N tokens.
+
+vLLM runs in a child process (``python -m tests.integration.vllm_model SPEC
+OUT``) so a test can restart it, run two at once, or kill the daemon under
+it; the child runs a list of steps (optionally waiting for a file first,
+writing one when done) and writes per-prompt results as JSON.
+
+Settings that keep a CPU run short (see docs/vllm.md): single-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``distributed_executor_backend="uni"``),
+``dtype="float32"`` (bf16 + an externally loaded prefix hits SIGILL on AMX
+CPUs), a 1 GiB KV cache, block size 32 (CPU kernels need multiples of 32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 512
+NUM_LAYERS = 2
+HIDDEN = 128
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = HIDDEN // NUM_HEADS  # 32: a CPU attention head size
+MAX_POSITIONS = 1024
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 512
+RUN_TIMEOUT_S = 240.0
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for a child that runs vLLM on the CPU, quickly and offline."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
+            ),
+        }
+    )
+    if extra:
+        env.update(extra)
+    return env
+
+
+def make_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
+    """Write a random tiny Llama + word-level tokenizer to ``model_dir``; returns it."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
+        return model_dir
+    vocab = {"<s>": 0, "</s>": 1}
+    vocab.update({f"w{i}": i + 2 for i in range(VOCAB_SIZE - 2)})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(model_dir)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        # A wide init spreads the logits, so greedy picks are not near-ties that
+        # float reassociation (prefix loaded vs computed in one pass) could flip.
+        initializer_range=0.2,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return model_dir
+
+
+def prompt_ids(seed: int, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
+    """Deterministic token ids (never EOS), appended to ``prefix``."""
+    import random
+
+    rng = random.Random(seed)
+    body = [rng.randrange(2, VOCAB_SIZE) for _ in range(num_tokens - len(prefix))]
+    return [*prefix, *body]
+
+
+def kv_transfer_config(address: str, **extra: Any) -> dict[str, Any]:
+    """The --kv-transfer-config for the kvstore connector (see docs/vllm.md)."""
+    return {
+        "kv_connector": "KVStoreConnector",
+        "kv_connector_module_path": "connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"address": address, **extra},
+    }
+
+
+def write_spec(path: Path, spec: Mapping[str, Any]) -> Path:
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def start_run(
+    spec_path: Path, out_path: Path, log_path: Path, python: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Start the runner child; its stdout+stderr go to ``log_path``."""
+    log = open(log_path, "wb")  # noqa: SIM115 - owned by the child's lifetime
+    try:
+        return subprocess.Popen(
+            [
+                python or sys.executable,
+                "-m",
+                "tests.integration.vllm_model",
+                str(spec_path),
+                str(out_path),
+            ],
+            cwd=REPO_ROOT,
+            env=engine_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        log.close()
+
+
+def finish_run(
+    proc: subprocess.Popen[bytes], out_path: Path, log_path: Path, timeout_s: float = RUN_TIMEOUT_S
+) -> dict[str, Any]:
+    """Wait for a runner child; its JSON results, or an error carrying the log tail."""
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        raise AssertionError(f"vLLM run timed out after {timeout_s}s:\n{_tail(log_path)}") from None
+    if rc != 0 or not out_path.exists():
+        raise AssertionError(f"vLLM run failed (rc={rc}):\n{_tail(log_path)}")
+    return json.loads(out_path.read_text())
+
+
+def run_once(tmp: Path, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    spec_path = write_spec(tmp / f"{name}.spec.json", spec)
+    out, log = tmp / f"{name}.out.json", tmp / f"{name}.log"
+    return finish_run(start_run(spec_path, out, log), out, log)
+
+
+def _tail(path: Path, nbytes: int = 6000) -> str:
+    try:
+        return path.read_bytes()[-nbytes:].decode(errors="replace")
+    except OSError:
+        return "(no log)"
+
+
+# ----------------------------------------------------------------- the child
+
+
+def _wait_for(path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s}s for {path}")
+        time.sleep(0.05)
+
+
+def _connector_counters(llm: Any) -> dict[str, int]:
+    """Counters of the in-process kvstore connector (both roles), when there is one."""
+    counters: dict[str, int] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            counters.update(get_kv_transfer_group().counters())
+    except (ImportError, AttributeError):
+        pass
+    try:
+        sched = llm.llm_engine.engine_core.engine_core.scheduler
+        if sched.connector is not None:
+            counters.update(sched.connector.counters())
+    except AttributeError:
+        pass
+    return counters
+
+
+def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Run the steps of ``spec`` in one vLLM engine; results per step and prompt."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.monotonic()
+    kwargs: dict[str, Any] = {
+        "model": spec["model_dir"],
+        "dtype": "float32",
+        "max_model_len": spec.get("max_model_len", MAX_MODEL_LEN),
+        "block_size": spec.get("block_size", BLOCK_SIZE),
+        "distributed_executor_backend": "uni",
+        "enforce_eager": True,
+        "seed": 0,
+        "enable_prefix_caching": spec.get("enable_prefix_caching", True),
+        "max_num_seqs": spec.get("max_num_seqs", 8),
+    }
+    if spec.get("kv_transfer_config"):
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    llm = LLM(**kwargs)
+    startup_s = time.monotonic() - t0
+    results = []
+    for step in spec["steps"]:
+        if step.get("wait_for"):
+            _wait_for(step["wait_for"], step.get("wait_timeout_s", 120.0))
+        time.sleep(step.get("delay_s", 0.0))
+        if step.get("reset_prefix_cache"):
+            # Forget vLLM's own prefix cache: the next hit can only come from the connector.
+            llm.reset_prefix_cache()
+        params = SamplingParams(
+            temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True
+        )
+        prompts = []
+        for p in step["prompts"]:
+            prompt: dict[str, Any] = {"prompt_token_ids": p["ids"]}
+            if p.get("cache_salt"):
+                prompt["cache_salt"] = p["cache_salt"]
+            prompts.append(prompt)
+        if step.get("kill_pid"):
+            # A crash of the daemon at a known moment inside this generation.
+            killer = threading.Timer(
+                step.get("kill_after_s", 0.05), os.kill, (step["kill_pid"], signal.SIGKILL)
+            )
+            killer.start()
+        before = _connector_counters(llm)
+        t = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        elapsed_s = time.monotonic() - t
+        after = _connector_counters(llm)
+        results.append(
+            {
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                "connector": {k: after[k] - before.get(k, 0) for k in after},
+                "elapsed_s": elapsed_s,
+            }
+        )
+        if step.get("done_file"):
+            Path(step["done_file"]).write_text("done")
+    return {"startup_s": startup_s, "steps": results}
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv and argv[0] == "make-model":  # for callers without transformers (the bench)
+        make_tiny_llama(Path(argv[1]))
+        return 0
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run_spec(spec)
+    tmp = Path(argv[1] + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.rename(argv[1])
+    # vLLM's teardown can hang on a busy 2-core box; results are on disk.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,111 @@
+"""The vLLM connector's own logic without vLLM: config, hashes, namespaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from connectors.vllm.config import DEFAULT_ADDRESS, ConnectorConfig
+from connectors.vllm.hashes import RequestHashes, block_hash_stride
+from connectors.vllm.namespace import EngineLayout, dtype_name
+from kvstore.errors import ConfigError
+from kvstore.hashing import BlockHasher, to_int_hash
+
+
+def test_config_defaults_and_overrides(monkeypatch):
+    monkeypatch.delenv("KVSTORE_ADDRESS", raising=False)
+    config = ConnectorConfig.from_extra(None)
+    assert config.resolved_address() == DEFAULT_ADDRESS
+    monkeypatch.setenv("KVSTORE_ADDRESS", "unix:/run/k.sock")
+    assert config.resolved_address() == "unix:/run/k.sock"
+    config = ConnectorConfig.from_extra(
+        {"address": "127.0.0.1:5", "timeout_s": 0.2, "save_decode": False}
+    )
+    assert (config.resolved_address(), config.timeout_s, config.save_decode) == (
+        "127.0.0.1:5",
+        0.2,
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"adress": "x"}, "unknown field `adress`"),
+        ({"timeout_s": "fast"}, "Expected `float`"),
+        ({"timeout_s": 0}, "timeout_s must be > 0"),
+        ({"retry_initial_s": 5, "retry_max_s": 1}, "retry_initial_s <= retry_max_s"),
+        ({"min_hit_blocks": 0}, "min_hit_blocks must be >= 1"),
+    ],
+)
+def test_config_errors_are_precise(extra, message):
+    with pytest.raises(ConfigError, match="kv_connector_extra_config") as info:
+        ConnectorConfig.from_extra(extra)
+    assert message in str(info.value)
+
+
+def test_request_hashes_are_the_event_int_form_of_vllm_digests():
+    ids = list(range(100, 100 + 16 * 5 + 7))
+    digests = BlockHasher(16).hash_tokens(ids)
+    hashes = RequestHashes(stride=1)
+    assert hashes.update(digests[:2]).tolist() == [to_int_hash(d) for d in digests[:2]]
+    # Growing lists convert only the new part; the result is the whole list.
+    assert hashes.update(digests).tolist() == [to_int_hash(d) for d in digests]
+    assert hashes.update(digests).dtype == np.uint64
+
+
+def test_request_hashes_with_coarser_kv_blocks_take_the_last_chunk():
+    # vLLM hashes 16-token chunks; a 32-token KV block's key is its second chunk's hash,
+    # which chains over the whole prefix (vLLM's BlockHashListWithBlockSize).
+    ids = list(range(7, 7 + 16 * 7))
+    chunks = BlockHasher(16).hash_tokens(ids)
+    hashes = RequestHashes(stride=block_hash_stride(32, 16))
+    assert hashes.update(chunks).tolist() == [to_int_hash(chunks[i]) for i in (1, 3, 5)]
+
+
+def test_request_hashes_restart_when_vllm_rewrites_the_list():
+    a = BlockHasher(16).hash_tokens(list(range(64)))
+    b = BlockHasher(16).hash_tokens(list(range(1, 65)))
+    hashes = RequestHashes(stride=1)
+    hashes.update(a)
+    assert hashes.update(b[:3]).tolist() == [to_int_hash(d) for d in b[:3]]
+    assert hashes.update(b[:1]).tolist() == [to_int_hash(b[0])]
+
+
+def test_block_hash_stride_rejects_misaligned_sizes():
+    with pytest.raises(ValueError, match="not a multiple"):
+        block_hash_stride(48, 32)
+
+
+def _layout(**kw) -> EngineLayout:
+    fields = dict(
+        model="m",
+        dtype=dtype_name("torch.float32"),
+        block_size_tokens=32,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=32,
+        block_bytes=32768,
+        page_layout="vllm-cpu-LBHNC",
+        tp_world_size=2,
+    )
+    fields.update(kw)
+    return EngineLayout(**fields)  # type: ignore[arg-type]
+
+
+def test_namespaces_separate_tenants_ranks_and_layouts():
+    layout = _layout()
+    base = layout.spec(None)
+    assert base.dtype == "float32" and base.tenant == "" and base.layout.endswith("vllm-cpu-LBHNC")
+    assert layout.spec("") == base
+    ids = {
+        base.namespace_id(),
+        layout.spec("tenant-a").namespace_id(),
+        layout.spec("tenant-b").namespace_id(),
+        layout.for_rank(tp_rank=1, pp_rank=0).spec(None).namespace_id(),
+        _layout(page_layout="vllm-cuda-NHD").spec(None).namespace_id(),
+        _layout(dtype="bfloat16").spec(None).namespace_id(),
+    }
+    assert len(ids) == 6
+    # The same engine config gives the same id in every process (scheduler and workers).
+    assert _layout().spec("tenant-a").namespace_id() == layout.spec("tenant-a").namespace_id()
