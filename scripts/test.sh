@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+# Tests that check our hashes and events against vLLM's own code run vLLM in a
+# child interpreter: the one venv here has it.
+export KVSTORE_VLLM_PYTHON=${KVSTORE_VLLM_PYTHON:-$PWD/.venv/bin/python}
 echo "[test] ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
