@@ -17,6 +17,9 @@ import msgspec
 from kvstore.errors import ConfigError
 
 DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
+# The daemon refuses pulls longer than its peer pin lifetime allows (puller's
+# MAX_PIN_TTL_S - PIN_TTL_MARGIN_S); a scheduler stall beyond this is never wanted.
+MAX_PEER_TIMEOUT_S = 30.0
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -42,6 +45,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     """Lease on blocks being stored or loaded; 0 = the daemon's default."""
     verify_checksums: bool = True
     """Check the xxh3-64 the daemon gives for blocks that crossed disk or network."""
+    peer: str = ""
+    """Default peer hint (node id of the daemon's [peer] peers, or host:port) for requests
+    without kv_transfer_params["kvstore_peer"]; "" = pull from peers only when hinted."""
+    peer_timeout_s: float = 2.0
+    """Deadline of one pull from a peer (the request waits for it in the scheduler)."""
 
     def resolved_address(self) -> str:
         return self.address or os.environ.get("KVSTORE_ADDRESS", "") or DEFAULT_ADDRESS
@@ -59,6 +67,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             problems.append("need 0 < retry_initial_s <= retry_max_s")
         if config.min_hit_blocks < 1:
             problems.append("min_hit_blocks must be >= 1")
+        if not 0 < config.peer_timeout_s <= MAX_PEER_TIMEOUT_S:
+            problems.append(f"peer_timeout_s must be in (0, {MAX_PEER_TIMEOUT_S:g}]")
         if config.lease_ttl_s < 0:
             problems.append("lease_ttl_s must be >= 0")
         if problems:

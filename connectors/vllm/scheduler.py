@@ -1,14 +1,16 @@
 """Scheduler side of the connector: external hits, and what to load and save each step.
 
     hit_tokens(request, num_computed_tokens)  one batched Lookup of the blocks
-                                              past vLLM's local hit
+                                              past vLLM's local hit (then, when
+                                              short and a peer is hinted, one
+                                              FetchFromPeer of the rest)
     after_alloc(request, block_ids, n)        remember where the hit goes
     build_plan(new, cached, num_scheduled)    StepPlan for the workers
     finished(request)                         forget the request
 
 Works on vLLM's ``Request`` (``request_id``, ``block_hashes``, ``num_tokens``,
-``num_prompt_tokens``, ``all_token_ids``, ``cache_salt``) without importing
-vLLM. Loads are synchronous (done before the step's forward), so a request is
+``num_prompt_tokens``, ``all_token_ids``, ``cache_salt``, and
+``kv_transfer_params`` when present) without importing vLLM. Loads are synchronous (done before the step's forward), so a request is
 never held back waiting for the cache.
 
 What is saved: each step, the full blocks a request completes in it
@@ -23,7 +25,8 @@ failed block, and those recomputed blocks are saved on that later step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,9 +36,15 @@ from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.hashes import RequestHashes
 from connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from connectors.vllm.namespace import EngineLayout
+from connectors.vllm.peer import PeerTarget, peer_hint
 from connectors.vllm.session import DaemonSession
+from kvstore import errors
+from kvstore.namespace import NamespaceSpec
 
 logger = logging.getLogger(__name__)
+
+# Failing peers remembered for their retry wait (oldest forgotten first).
+MAX_FAILING_PEERS = 256
 
 
 class RequestView(Protocol):
@@ -88,6 +97,12 @@ class SchedulerCounters:
     hit_blocks: int = 0
     planned_load_blocks: int = 0
     planned_save_blocks: int = 0
+    peer_fetches: int = 0  # FetchFromPeer calls made for hinted requests
+    peer_fetch_failures: int = 0  # of those, calls that failed (no extra hit)
+    peer_fetched_blocks: int = 0  # blocks the daemon moved from a peer for them
+    peer_nixl_fetched_blocks: int = 0  # of those, blocks moved by NIXL (not the gRPC fallback)
+    peer_fetches_skipped: int = 0  # hinted peer failed recently: not asked again yet
+    peer_hit_blocks: int = 0  # hit blocks beyond the local daemon's answer
 
 
 class SchedulerSide:
@@ -98,6 +113,7 @@ class SchedulerSide:
         session: DaemonSession,
         *,
         hash_stride: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.layout = layout
@@ -106,6 +122,10 @@ class SchedulerSide:
         self.hash_stride = hash_stride
         self.counters = SchedulerCounters()
         self._requests: dict[str, _Tracked] = {}
+        self._clock = clock
+        # Peers whose last pull failed -> (no pulls before, next wait): a dead peer
+        # costs one peer_timeout_s per retry wait, not one per request.
+        self._failing_peers: dict[PeerTarget, tuple[float, float]] = {}
 
     # ------------------------------------------------------------ hits
 
@@ -126,12 +146,17 @@ class SchedulerSide:
         if start >= usable:
             return 0
         wanted = hashes[start:usable]
-        result = self.session.call_in(
-            "lookup", self.layout.spec(request.cache_salt), lambda c, ns: c.lookup(ns, wanted)
-        )
+        spec = self.layout.spec(request.cache_salt)
+        result = self.session.call_in("lookup", spec, lambda c, ns: c.lookup(ns, wanted))
         self.counters.lookups += 1
         self.counters.lookup_blocks += len(wanted)
         hit = result.prefix_blocks if result is not None else 0
+        if result is not None and hit < len(wanted):
+            target = peer_hint(getattr(request, "kv_transfer_params", None), self.config.peer)
+            if target is not None:
+                gained = self._pull_from_peer(spec, wanted[hit:], target)
+                self.counters.peer_hit_blocks += gained
+                hit += gained
         if hit < self.config.min_hit_blocks:
             return 0
         self.counters.hit_blocks += hit
@@ -188,12 +213,64 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ helpers
 
+    def _pull_from_peer(self, spec: NamespaceSpec, missing: np.ndarray, target: PeerTarget) -> int:
+        """Have the local daemon pull ``missing`` from ``target``; how many of them,
+        from the first, it now holds (0 on any failure: the request goes on)."""
+        failing = self._failing_peers.get(target)
+        if failing is not None and self._clock() < failing[0]:
+            self.counters.peer_fetches_skipped += 1
+            return 0
+        ns = self.session.namespace(spec)
+        client = self.session.client()
+        if ns is None or client is None:
+            return 0
+        self.counters.peer_fetches += 1
+        try:
+            reply = client.fetch_from_peer(
+                ns,
+                missing,
+                peer_node_id=target.node_id,
+                peer_address=target.address,
+                timeout_s=self.config.peer_timeout_s,
+            )
+        except errors.KVStoreError as exc:
+            # Not routed through session.call: an unreachable peer (UNAVAILABLE)
+            # must not mark the local daemon down.
+            self.counters.peer_fetch_failures += 1
+            self._note_peer_failure(target, failing)
+            if failing is None:
+                logger.warning(
+                    "kvstore: pulling %d blocks from peer %s failed (%s); "
+                    "those requests compute them",
+                    len(missing),
+                    target,
+                    exc,
+                )
+            return 0
+        if self._failing_peers.pop(target, None) is not None:
+            logger.warning("kvstore: pulls from peer %s work again", target)
+        self.counters.peer_fetched_blocks += reply.fetched_blocks
+        if reply.transport == "nixl":
+            self.counters.peer_nixl_fetched_blocks += reply.fetched_blocks
+        return min(int(reply.prefix_blocks), len(missing))
+
     def _track(self, request: RequestView) -> _Tracked:
         tracked = self._requests.get(request.request_id)
         if tracked is None or tracked.request is not request:
             tracked = _Tracked(request=request, hashes=RequestHashes(self.hash_stride))
             self._requests[request.request_id] = tracked
         return tracked
+
+    def _note_peer_failure(self, target: PeerTarget, failing: tuple[float, float] | None) -> None:
+        wait_s = self.config.retry_initial_s if failing is None else failing[1]
+        self._failing_peers.pop(target, None)
+        if len(self._failing_peers) >= MAX_FAILING_PEERS:
+            # Hints come with requests: never let arbitrary ones grow this without bound.
+            del self._failing_peers[next(iter(self._failing_peers))]
+        self._failing_peers[target] = (
+            self._clock() + wait_s,
+            min(wait_s * 2, self.config.retry_max_s),
+        )
 
     def _plan_load(self, tracked: _Tracked, plan: StepPlan) -> None:
         if tracked.pending_load is None:

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 import xxhash
 
-from kvstore.errors import InvalidRequest, KVStoreError, Unavailable
+from kvstore.errors import DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.manager import STORE_ALLOCATED, BlockManager
 from kvstore.transfer.base import KIND_NIXL, PeerLink, ReadBatch, Transport
 from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
@@ -142,6 +142,9 @@ class Puller:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000),
+            # gRPC shares subchannels (and their backoff) between channels to one
+            # address by default; a fresh channel must really start afresh.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peers: dict[str, PeerInfo] = {}  # by address
@@ -155,6 +158,11 @@ class Puller:
             channel = grpc.aio.insecure_channel(address, options=self._options)
             self._channels[address] = channel
         return peer_pb2_grpc.PeerServiceStub(channel)
+
+    async def _drop_channel(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(None)
 
     def _transport_for(self, info: PeerInfo) -> Transport:
         if info.transport == KIND_NIXL and self.nixl is not None:
@@ -170,10 +178,21 @@ class Puller:
                 peer_pb2.GetAgentMetadataRequest(requester_node_id=self.node_id),
                 metadata=self._metadata,
                 timeout=CONTROL_TIMEOUT_S,
-                wait_for_ready=True,  # ride out a reconnect; still bounded by the deadline
             )
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc, f"peer {address} metadata") from exc
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise error_from_rpc(exc, f"peer {address} metadata") from exc
+            # The cached channel may be in reconnect backoff after the peer
+            # restarted; one fresh channel connects at once (or fails at once).
+            await self._drop_channel(address)
+            try:
+                reply = await self._stub(address).GetAgentMetadata(
+                    peer_pb2.GetAgentMetadataRequest(requester_node_id=self.node_id),
+                    metadata=self._metadata,
+                    timeout=CONTROL_TIMEOUT_S,
+                )
+            except grpc.RpcError as exc2:
+                raise error_from_rpc(exc2, f"peer {address} metadata") from exc2
         if info is not None:
             self._forget(info)
         key = ""
@@ -222,7 +241,15 @@ class Puller:
             return PullResult(local_prefix, 0, local_prefix, 0, info.transport)
 
         t_pin = time.monotonic()
-        pin = await self._pin(info, ns.spec, wanted, timeout_s)
+        try:
+            pin = await self._pin(info, ns.spec, wanted, timeout_s)
+        except DeadlineExceeded:
+            raise  # a stalled peer: waiting again would double the bound
+        except Unavailable:
+            # Refused on a channel cached from before a restart: once more on a
+            # fresh channel, with fresh metadata. A dead peer fails here at once.
+            info = await self._peer(address, refresh=True)
+            pin = await self._pin(info, ns.spec, wanted, timeout_s)
         pin_s = time.monotonic() - t_pin
         if pin.incarnation != info.incarnation:
             # The owner restarted since we cached it: its agent and region are new.
@@ -261,9 +288,11 @@ class Puller:
         )
         try:
             return await self._stub(info.address).PinForPull(
-                request, metadata=self._metadata, timeout=CONTROL_TIMEOUT_S, wait_for_ready=True
+                request, metadata=self._metadata, timeout=CONTROL_TIMEOUT_S
             )
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                await self._drop_channel(info.address)  # the next pull starts on a fresh one
             err = error_from_rpc(exc, f"pin on peer {info.node_id}")
             if isinstance(err, Unavailable):
                 self._forget(info)

@@ -9,10 +9,12 @@ Run with the vLLM environment: ``.venv-vllm/bin/python -m pytest -m vllm``.
 from __future__ import annotations
 
 import importlib.util
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvstore.client import Client
@@ -41,6 +43,8 @@ PAIR = _prompts(30, 2, 260)  # two engines on one daemon
 BEFORE_KILL = _prompts(40, 2, 200)
 DURING_KILL = _prompts(50, 6, 220)
 AFTER_RESTART = _prompts(60, 2, 240)
+PEER_PREFIX = vm.prompt_ids(700, 4 * BS)
+PEER = _prompts(70, 3, 200, PEER_PREFIX)  # stored via node A, read on node B
 MAX_TOKENS = 12
 DURING_KILL_MAX_TOKENS = 48  # long enough that the kill lands mid-generation
 ALL_SETS = {
@@ -50,6 +54,7 @@ ALL_SETS = {
     "before_kill": BEFORE_KILL,
     "during_kill": DURING_KILL,
     "after_restart": AFTER_RESTART,
+    "peer": PEER,
 }
 
 
@@ -255,5 +260,153 @@ def test_daemon_killed_mid_run_generation_completes(model_dir, workdir, referenc
     assert stats.stored_blocks == after["connector"]["worker_saved_blocks"]
 
 
-def test_peer_pull_then_hit():
-    pytest.skip("needs the connector to trigger a peer pull (P/D hint); not wired yet")
+# ------------------------------------------------------------------ peers (issue 6, case 5)
+
+HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12"))
+PEER_SECRET = "vllm-e2e-peer-secret"
+NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+
+
+def _dead_address() -> str:
+    """host:port nothing listens on (bound, then released: connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _usable_blocks(prompts: list[list[int]]) -> int:
+    """Distinct blocks an external hit can cover over ``prompts`` (shared prefixes once)."""
+    return len({tuple(p[: i * BS]) for p in prompts for i in range(1, (len(p) - 1) // BS + 1)})
+
+
+@pytest.fixture(scope="module")
+def peer_daemons(tmp_path_factory):
+    """Node A and node B, peer-enabled over NIXL (forced: no silent gRPC fallback); B lists A."""
+    from kvstore.process import DaemonProcess
+
+    def make(name: str, **peers: str) -> DaemonProcess:
+        return DaemonProcess(
+            tmp_path_factory.mktemp(name),
+            name=name,
+            dram_bytes=128 << 20,
+            settings={
+                "peer.enabled": "true",
+                "peer.secret": PEER_SECRET,
+                "peer.transport": "nixl",
+                **{f"peer.peers.{node}": address for node, address in peers.items()},
+            },
+            env=NIXL_ENV,
+        )
+
+    started = []
+    try:
+        a = make("node-a")
+        a.start()
+        started.append(a)
+        b = make("node-b", **{"node-a": a.tcp_address})
+        b.start()
+        started.append(b)
+        yield a, b
+    finally:
+        for d in started:
+            d.stop()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
+def test_peer_pull_then_hit(model_dir, workdir, reference, peer_daemons):
+    a, b = peer_daemons
+    dead = _dead_address()
+    # Node A's engine: its hint names a peer nobody runs, so every lookup comes up
+    # short and the pull fails; it computes everything, right, and stores it on A.
+    on_a = vm.run_once(workdir, "peer_a", _spec(model_dir, a.address, [_step(PEER)], peer=dead))[
+        "steps"
+    ][0]
+    assert on_a["tokens"] == reference["peer"]
+    # (vLLM's own prefix cache may still share PEER_PREFIX between the prompts.)
+    ca = on_a["connector"]
+    assert ca["scheduler_hit_blocks"] == ca["scheduler_peer_hit_blocks"] == 0
+    assert ca["scheduler_peer_fetches"] >= 1
+    assert ca["scheduler_peer_fetch_failures"] == ca["scheduler_peer_fetches"]
+    assert ca["scheduler_daemon_failures"] == 0  # a dead peer is not a dead daemon
+    full = {tuple(p[: i * BS]) for p in PEER for i in range(1, len(p) // BS + 1)}
+    assert ca["worker_saved_blocks"] == len(full)  # the shared prefix once
+    log_a = (workdir / "peer_a.log").read_text(errors="replace")
+    assert log_a.count(f"from peer {dead} failed") == 1, log_a  # one warning, not per request
+
+    # Node B's engine on B's empty daemon, hinted at node A (by node id, from B's
+    # [peer] peers): B's daemon pulls the prefix over NIXL, vLLM loads it from B.
+    with Client(b.address, map_region=False) as c:
+        assert c.stats().stored_blocks == 0
+    on_b = vm.run_once(
+        workdir, "peer_b", _spec(model_dir, b.address, [_step(PEER)], peer="node-a")
+    )["steps"][0]
+    cb = on_b["connector"]
+    usable = _usable_blocks(PEER)
+    assert on_b["num_cached_tokens"] == [_full_block_tokens(p) for p in PEER]
+    assert cb["scheduler_peer_fetch_failures"] == 0
+    assert cb["scheduler_peer_nixl_fetched_blocks"] == cb["scheduler_peer_fetched_blocks"] == usable
+    assert cb["worker_loaded_blocks"] >= usable
+    assert cb["worker_load_failed_blocks"] == 0
+    assert on_b["tokens"] == reference["peer"]
+    with Client(b.address, map_region=False) as c:
+        # What B's daemon holds: the pulled blocks, plus the last full block of each
+        # prompt that vLLM computed itself (it always computes the last token).
+        assert c.stats().stored_blocks == _usable_blocks(PEER) + sum(
+            len(p) // BS - (len(p) - 1) // BS for p in PEER
+        )
+    assert "FALLING BACK" not in b.log_path.read_text(errors="replace")
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
+def test_peer_hint_from_sampling_params_reaches_the_scheduler(peer_daemons):
+    """vLLM's own Request carries kv_transfer_params from SamplingParams.extra_args
+    (what the OpenAI server does with a request's "kv_transfer_params"): a hint
+    per request, here by address, makes B's daemon pull over NIXL."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from connectors.vllm.config import ConnectorConfig
+    from connectors.vllm.namespace import EngineLayout
+    from connectors.vllm.scheduler import SchedulerSide
+    from connectors.vllm.session import DaemonSession
+    from kvstore.hashing import BlockHasher, to_int_hashes
+
+    a, b = peer_daemons
+    layout = EngineLayout(
+        model="hint-test",
+        dtype="float32",
+        block_size_tokens=BS,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=32,
+        block_bytes=8192,
+        page_layout="vllm-cpu-LBHNC",
+    )
+    ids = vm.prompt_ids(900, 3 * BS + 7)
+    params = SamplingParams(
+        max_tokens=1, extra_args={"kv_transfer_params": {"kvstore_peer": a.tcp_address}}
+    )
+    request = Request("hinted", ids, params, None)
+    request.block_hashes = BlockHasher(BS).hash_tokens(ids)
+    hashes = to_int_hashes(request.block_hashes)
+    with Client(a.address) as c:
+        ns = c.declare_namespace(layout.spec(None))
+        data = np.random.default_rng(9).integers(0, 256, (3, layout.block_bytes), np.uint8)
+        assert c.put(ns, hashes, data).stored == 3
+    config = ConnectorConfig.from_extra({"address": b.address})
+    session = DaemonSession(
+        b.address, timeout_s=0.5, retry_initial_s=0.5, retry_max_s=1.0, map_region=False
+    )
+    sched = SchedulerSide(config, layout, session, hash_stride=1)
+    try:
+        assert request.kv_transfer_params == {"kvstore_peer": a.tcp_address}
+        assert sched.hit_tokens(request, 0) == 3 * BS
+        assert sched.counters.peer_nixl_fetched_blocks == 3
+        with Client(b.address) as c:
+            got = c.get(c.declare_namespace(layout.spec(None)), hashes)
+            assert got.found == 3
+            np.testing.assert_array_equal(got.data, data)
+    finally:
+        session.close()
