@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from kvstore import errors
+from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.namespace import NamespaceSpec
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
@@ -147,11 +148,15 @@ class Client:
         timeout_s: float = 5.0,
         map_region: bool = True,
         max_message_bytes: int = 64 * 1024 * 1024,
+        secret: str | None = None,
     ) -> None:
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
         )
         self.timeout_s = timeout_s
+        # Needed over TCP when the daemon has a cluster secret (see kvstore.auth).
+        secret = secret if secret is not None else os.environ.get("KVSTORE_SECRET", "")
+        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else None
         self._channel = grpc.insecure_channel(
             self.address,
             options=[
@@ -171,7 +176,7 @@ class Client:
 
     def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
         try:
-            return method(request, timeout=timeout_s or self.timeout_s)
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
@@ -191,7 +196,9 @@ class Client:
             os.close(fd)
         self.region = np.frombuffer(self._mmap, dtype=np.uint8)
 
-    def watch_connection(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> Callable[[], None]:
+    def watch_connection(
+        self, callback: Callable[[grpc.ChannelConnectivity], None]
+    ) -> Callable[[], None]:
         """Call `callback(state)` on every change of the connection to the daemon.
 
         It runs on a gRPC thread, so it should only flip a flag. A drop after
@@ -317,7 +324,7 @@ class Client:
         else:
             self._flush_releases(done_only=True)
             self._pending_releases.append(
-                self._stub.Release.future(request, timeout=self.timeout_s)
+                self._stub.Release.future(request, timeout=self.timeout_s, metadata=self._metadata)
             )
 
     def _flush_releases(self, done_only: bool = False) -> None:

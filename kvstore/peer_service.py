@@ -17,7 +17,6 @@ puller reads with NIXL only when both sides have it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -29,13 +28,13 @@ import grpc
 import numpy as np
 
 from kvstore import errors
+from kvstore.auth import secret_matches
 from kvstore.manager import BlockManager
 from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
 from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL, Transport
 from kvstore.transfer.grpc_stream import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
-    SECRET_METADATA_KEY,
     GrpcStreamTransport,
     iter_chunks,
 )
@@ -84,11 +83,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._pins: dict[int, _Pin] = {}
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
-        presented = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == SECRET_METADATA_KEY:
-                presented = value.encode() if isinstance(value, str) else bytes(value)
-        if not hmac.compare_digest(presented, self._secret):
+        if not secret_matches(context.invocation_metadata(), self._secret):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "wrong or missing cluster secret"
             )

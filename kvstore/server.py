@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
@@ -108,8 +109,13 @@ class Daemon:
             ("grpc.max_send_message_length", cfg.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            MetricsInterceptor(RpcMetrics(self.registry))
+        ]
+        if cfg.peer.secret:
+            interceptors.append(TcpSecretInterceptor(cfg.peer.secret))
         self.server = grpc.aio.server(
-            interceptors=[MetricsInterceptor(RpcMetrics(self.registry))],
+            interceptors=interceptors,
             options=options,
             maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs,
         )

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
+from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.errors import (
     DeadlineExceeded,
     InvalidRequest,
@@ -29,7 +30,6 @@ from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
 
