@@ -63,6 +63,9 @@ class DramConfig(_Section):
     """Touch every page at start: first touch runs at ~1 GB/s on these machines."""
     huge_pages: Literal["auto", "on", "off"] = "auto"
     """Back the region with hugetlbfs when it has room (auto), require it (on), or not."""
+    warm_restart: bool = True
+    """On SIGTERM keep the region file and write <path>.manifest, so a restart with the
+    same config serves its blocks again; false = unlink the region on exit."""
 
 
 class LeaseConfig(_Section):

@@ -56,8 +56,12 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, 32000, args.prompt_tokens).tolist()
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess(tmp, name="demo", dram_bytes=args.dram_mib << 20, chunk_bytes=16 << 20)
-        print(f"starting kvstore daemon (DRAM tier {args.dram_mib} MiB, socket {daemon.socket_path}) ...")
+        daemon = DaemonProcess(
+            tmp, name="demo", dram_bytes=args.dram_mib << 20, chunk_bytes=16 << 20
+        )
+        print(
+            f"starting kvstore daemon (DRAM tier {args.dram_mib} MiB, socket {daemon.socket_path}) ..."
+        )
         daemon.start()
         try:
             with Client(daemon.address) as client:
@@ -112,5 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 )
         finally:
             rc = daemon.stop()
-        print(f"daemon stopped (exit code {rc}). Run one yourself: kvstore serve  (then: kvstore status)")
+        print(
+            f"daemon stopped (exit code {rc}). Run one yourself: kvstore serve  (then: kvstore status)"
+        )
     return 0

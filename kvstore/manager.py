@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from kvstore.config import Config
 from kvstore.errors import (
     CapacityExhausted,
+    ConfigError,
     InvalidRequest,
     LeaseNotFound,
     NamespaceNotFound,
@@ -40,8 +43,12 @@ from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.namespace import Namespace, NamespaceSpec
-from kvstore.tiers import Tier
+from kvstore.tiers import Tier, warm
+from kvstore.tiers.disk import checksum_of
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
+from kvstore.tiers.hierarchy import CLEAN_VICTIM_WINDOW, DiskLayer
+
+log = logging.getLogger(__name__)
 
 # Per-key outcome of prepare_store; values match kvstore.v1.StoreStatus.
 STORE_ALLOCATED = 0
@@ -70,6 +77,10 @@ class Block:
     pins: int = 0
     checksum: int = 0  # xxh3-64 once computed (disk/peer paths); 0 = not yet
     doomed: bool = False  # delete asked while pinned: remove at last unpin
+    # Slot of the block's copy in the disk tier; -1 = none. A block may be in
+    # DRAM only (offset >= 0), on disk only (tier DISK, offset -1), or both
+    # ("clean": its DRAM copy can be dropped for free).
+    disk_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -142,6 +153,17 @@ class BlockManager:
         self._slot_owner: dict[int, Block] = {}
         self._pinned_blocks = 0
         self._started_s = time.monotonic()
+        # The disk tier below DRAM (recovered from its journal), if configured.
+        self.disk: DiskLayer | None = None
+        if config.disk.path:
+            if config.disk.slab_bytes < config.dram.chunk_bytes:
+                raise ConfigError(
+                    "disk.slab_bytes must be at least dram.chunk_bytes (the largest block)"
+                )
+            self.disk = DiskLayer(self, config.disk)
+        if config.dram.warm_restart:
+            self._restore_warm()
+            region.close_hooks.append(self._save_warm)
 
     # ----------------------------------------------------------- namespaces
 
@@ -158,6 +180,10 @@ class BlockManager:
             )
         ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
         self.namespaces[ns_id] = ns
+        if self.disk is not None:
+            adopted = self.disk.attach(ns)
+            if adopted:
+                self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
         return ns
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -283,6 +309,8 @@ class BlockManager:
                 parent_block_hash,
                 token_ids or None,
             )
+        if self.disk is not None and to_commit:
+            self.disk.committed(to_commit)
         return len(to_commit)
 
     # ----------------------------------------------------------------- load
@@ -312,7 +340,9 @@ class BlockManager:
         blocks = ns.blocks
         for h in hashes:
             block = blocks.get(h)
-            if block is None or block.doomed:
+            # Only DRAM blocks have bytes a client can read: prepare_load_async
+            # promotes disk blocks first.
+            if block is None or block.doomed or block.tier is not Tier.DRAM:
                 break
             found.append(block)
         if not found:
@@ -323,6 +353,16 @@ class BlockManager:
         self.counters.loaded_blocks += len(found)
         lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s)
         return LoadPlan(lease.lease_id, found)
+
+    async def prepare_load_async(
+        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0
+    ) -> LoadPlan:
+        """prepare_load after promoting the prefix's disk blocks into DRAM."""
+        if self.disk is not None:
+            ns = self.namespace(ns_id)
+            self._check_count(len(hashes))
+            await self.disk.promote(ns, list(hashes))
+        return self.prepare_load(ns_id, hashes, ttl_s)
 
     def release(self, lease_ids: Sequence[int]) -> int:
         """End leases: unpin loads, abort stores. Unknown ids raise after the rest are released."""
@@ -375,7 +415,7 @@ class BlockManager:
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
         deleted = busy = 0
-        removed: list[int] = []
+        removed: dict[str, list[int]] = {}
         for h in hashes:
             block = ns.blocks.get(h)
             if block is None:
@@ -384,11 +424,11 @@ class BlockManager:
                 block.doomed = True
                 busy += 1
             else:
-                self._remove(block, emit=False)
-                removed.append(h)
+                for medium in self._remove(block, emit=False):
+                    removed.setdefault(medium, []).append(h)
                 deleted += 1
-        if removed:
-            self.sink.blocks_removed(ns, removed, Tier.DRAM.medium)
+        for medium, removed_hashes in removed.items():
+            self.sink.blocks_removed(ns, removed_hashes, medium)
         return deleted, busy
 
     def clear(self, ns_id: str) -> int:
@@ -433,17 +473,33 @@ class BlockManager:
         self.allocator.free(block.offset)
         block.namespace.used_bytes -= block.namespace.slot_bytes
 
-    def _remove(self, block: Block, *, emit: bool) -> None:
-        """Drop a committed, unpinned block from the index and free its slot."""
+    def _remove(self, block: Block, *, emit: bool) -> list[str]:
+        """Drop a committed, unpinned block from the index and free its slots.
+
+        Returns the media it left (for the caller's events when ``emit`` is False).
+        """
         assert block.pins == 0, "removing a pinned block"
         ns = block.namespace
         del ns.blocks[block.block_hash]
-        self._policy(ns.slot_bytes).remove(block)
-        self._free_slot(block)
+        media = []
+        if self.disk is not None:
+            self.disk.forget(block)
+        if block.disk_slot >= 0 and self.disk is not None:
+            self.disk.drop_disk_copy(block, emit=False)
+            media.append(Tier.DISK.medium)
+        if block.offset >= 0:
+            self._policy(ns.slot_bytes).remove(block)
+            self._free_slot(block)
+            media.append(Tier.DRAM.medium)
         if emit:
-            self.sink.blocks_removed(ns, [block.block_hash], block.tier.medium)
+            for medium in media:
+                self.sink.blocks_removed(ns, [block.block_hash], medium)
+        return media
 
     def _evict(self, block: Block) -> None:
+        if self.disk is not None and block.disk_slot >= 0:
+            self.disk.drop_dram_copy(block)  # demoted: it lives on, on disk
+            return
         self._remove(block, emit=True)
         self.counters.evicted_blocks += 1
 
@@ -459,18 +515,37 @@ class BlockManager:
         offset = self.allocator.alloc(ns.slot_bytes)
         if offset is not None:
             return offset
+        # With a disk tier a dirty block is dropped only as a last resort: first
+        # a clean one of this size, then a chunk of another size.
+        if self.disk is not None and (
+            self._evict_one(ns.slot_bytes, clean_only=True) or self._steal_chunk(ns.slot_bytes)
+        ):
+            return self.allocator.alloc(ns.slot_bytes)
         if self._evict_one(ns.slot_bytes) or self._steal_chunk(ns.slot_bytes):
             return self.allocator.alloc(ns.slot_bytes)
         return None
 
-    def _evict_one(self, slot_bytes: int, only: Namespace | None = None) -> bool:
+    def _evict_one(
+        self, slot_bytes: int, only: Namespace | None = None, *, clean_only: bool = False
+    ) -> bool:
         """Evict the coldest unpinned block of this slot size (of one namespace if given)."""
         victim = None
-        for block in self._policy(slot_bytes).victims():
+        dirty = None
+        # With a disk tier, prefer a clean victim (its DRAM copy goes, the block
+        # stays on disk) among the coldest few before dropping a dirty one.
+        window = CLEAN_VICTIM_WINDOW if self.disk is not None else 1
+        for block in itertools.islice(self._policy(slot_bytes).victims(), 4 * window):
             assert isinstance(block, Block)
             if block.pins == 0 and (only is None or block.namespace is only):
-                victim = block
-                break
+                if self.disk is None or block.disk_slot >= 0:
+                    victim = block
+                    break
+                if dirty is None:
+                    dirty = block
+                window -= 1
+                if window <= 0:
+                    break
+        victim = victim or (None if clean_only else dirty)
         if victim is None:
             return False
         self._evict(victim)
@@ -518,7 +593,7 @@ class BlockManager:
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> Stats:
-        blocks = sum(len(ns.blocks) for ns in self.namespaces.values())
+        blocks = sum(len(p) for p in self._policies.values())  # committed, in DRAM
         pending = sum(len(ns.pending) for ns in self.namespaces.values())
         dram = TierStats(
             Tier.DRAM,
@@ -527,11 +602,124 @@ class BlockManager:
             blocks + pending,
             self._pinned_blocks,
         )
+        tiers = [dram]
+        if self.disk is not None:
+            tiers.append(
+                TierStats(
+                    Tier.DISK,
+                    self.disk.tier.capacity_bytes,
+                    self.disk.used_bytes(),
+                    self.disk.blocks(),
+                    0,
+                )
+            )
         return Stats(
             node_id=self.node_id,
             uptime_s=time.monotonic() - self._started_s,
-            tiers=[dram],
+            tiers=tiers,
             namespaces=len(self.namespaces),
             active_leases=len(self.leases),
             counters=dataclasses.replace(self.counters),
         )
+
+    # --------------------------------------------------------- warm restart
+
+    def _save_warm(self) -> None:
+        """On drain: describe the DRAM index beside the region so a restart serves it."""
+        namespaces = [ns for ns in self.namespaces.values() if ns.blocks]
+        index = {id(ns): i for i, ns in enumerate(namespaces)}
+        region = self.region.array
+        blocks = []
+        for policy in self._policies.values():
+            for block in policy.victims():  # coldest first: restored in this order
+                assert isinstance(block, Block)
+                ns = block.namespace
+                view = region[block.offset : block.offset + ns.block_bytes]
+                blocks.append(
+                    warm.WarmBlock(index[id(ns)], block.block_hash, block.offset, checksum_of(view))
+                )
+        manifest = warm.WarmManifest(
+            region_path=self.region.path,
+            capacity_bytes=self.region.capacity_bytes,
+            chunk_bytes=self.config.dram.chunk_bytes,
+            namespaces=[ns.spec for ns in namespaces],
+            blocks=blocks,
+        )
+        path = warm.save(manifest)
+        self.region.keep_on_close = True
+        log.info(
+            "wrote warm-restart manifest", extra={"fields": {"path": path, "blocks": len(blocks)}}
+        )
+
+    def _restore_warm(self) -> None:
+        manifest = warm.take(
+            self.region.path, self.region.capacity_bytes, self.config.dram.chunk_bytes
+        )
+        if manifest is None:
+            return
+        namespaces: list[Namespace | None] = []
+        for spec in manifest.namespaces:
+            try:
+                spec.validate(max_block_bytes=self.config.dram.chunk_bytes)
+            except InvalidRequest:
+                namespaces.append(None)
+                continue
+            ns_id = spec.namespace_id()
+            ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
+            self.namespaces[ns_id] = ns
+            namespaces.append(ns)
+        region = self.region.array
+        candidates = []
+        dropped = 0
+        for wb in manifest.blocks:
+            owner = namespaces[wb.namespace] if 0 <= wb.namespace < len(namespaces) else None
+            if owner is None:
+                dropped += 1
+                continue
+            view = region[wb.offset : wb.offset + owner.block_bytes]
+            # Bytes changed while no daemon owned the region: never serve them.
+            if len(view) != owner.block_bytes or checksum_of(view) != wb.checksum:
+                dropped += 1
+                continue
+            candidates.append((owner, wb))
+        rejected = set(self.allocator.rebuild((wb.offset, ns.slot_bytes) for ns, wb in candidates))
+        restored = 0
+        for ns, wb in candidates:
+            if (wb.offset, ns.slot_bytes) in rejected or wb.block_hash in ns.blocks:
+                dropped += 1
+                if wb.block_hash in ns.blocks and (wb.offset, ns.slot_bytes) not in rejected:
+                    self.allocator.free(wb.offset)  # a duplicate key: keep the first
+                continue
+            block = Block(
+                ns, wb.block_hash, Tier.DRAM, wb.offset, BlockState.COMMITTED, checksum=wb.checksum
+            )
+            self._slot_owner[wb.offset] = block
+            ns.blocks[wb.block_hash] = block
+            ns.used_bytes += ns.slot_bytes
+            self._policy(ns.slot_bytes).insert(block)
+            restored += 1
+            if self.disk is not None:
+                self.disk.dirty[block] = None
+        for declared in namespaces:
+            if declared is None:
+                continue
+            # Tell the cluster again what this node holds after its restart.
+            if declared.blocks:
+                self.sink.blocks_stored(
+                    declared, list(declared.blocks), Tier.DRAM.medium, None, None
+                )
+            if self.disk is not None:
+                adopted = self.disk.attach(declared)
+                if adopted:
+                    self.sink.blocks_stored(declared, adopted, Tier.DISK.medium, None, None)
+        if self.disk is not None:
+            self.disk.wake()
+        log.info(
+            "warm restart of the DRAM tier",
+            extra={"fields": {"restored_blocks": restored, "dropped_blocks": dropped}},
+        )
+
+    async def close(self) -> None:
+        """Stop background work and close the lower tiers (the region is the daemon's)."""
+        if self.disk is not None:
+            await self.disk.close()

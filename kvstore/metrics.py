@@ -101,9 +101,7 @@ class ManagerCollector(Collector):
                 family.add_metric([t.tier.name.lower()], getattr(t, name))
         yield from gauges.values()
         yield GaugeMetricFamily("kvstore_lease_active", "Live leases.", value=s.active_leases)
-        yield GaugeMetricFamily(
-            "kvstore_namespaces", "Declared namespaces.", value=s.namespaces
-        )
+        yield GaugeMetricFamily("kvstore_namespaces", "Declared namespaces.", value=s.namespaces)
         c = s.counters
         for name, doc, value in (
             (

@@ -9,6 +9,8 @@ line on stdout (bound ports included, so port 0 works). Waits are bounded.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import select
@@ -45,7 +47,7 @@ class DaemonProcess:
             "server.socket_path": self.socket_path,
             "server.tcp_address": "127.0.0.1:0" if tcp else "",
             "server.drain_timeout_s": 2,
-            "dram.path": str(self.workdir / f"{name}.dram"),
+            "dram.path": self.default_region_path(self.workdir, name),
             "dram.capacity_bytes": dram_bytes,
             "dram.chunk_bytes": chunk_bytes,
             "metrics.address": "127.0.0.1:0" if metrics else "",
@@ -57,6 +59,26 @@ class DaemonProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.info: dict[str, Any] = {}
         self.log_path = self.workdir / f"{name}.log"
+
+    @staticmethod
+    def default_region_path(workdir: Path, name: str) -> str:
+        """A region in shared memory (/dev/shm), named after workdir and node.
+
+        Not in workdir: a region on a disk filesystem would be written back to
+        disk. Derived from workdir, so a node restarted on the same workdir finds
+        its region again (warm restart); remove_region() deletes it.
+        """
+        tag = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() else workdir
+        return str(base / f"kvstore-test-{tag}-{name}.dram")
+
+    def remove_region(self) -> None:
+        """Delete the region file and its warm-restart manifest (after the daemon stopped)."""
+        region = str(self.settings["dram.path"])
+        for path in (region, region + ".manifest"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     @property
     def address(self) -> str:
@@ -105,7 +127,7 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 break
         rc = self.proc.poll()
-        self.kill()
+        self.kill()  # removes a region it may have created
         raise Unavailable(
             f"daemon {self.name} did not become ready (rc={rc}); log tail:\n{self.log_tail()}"
         )
@@ -116,8 +138,12 @@ class DaemonProcess:
         except OSError:
             return ""
 
-    def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, wait for the drain; return the exit code."""
+    def stop(self, timeout_s: float = 15.0, *, keep_region: bool = False) -> int:
+        """SIGTERM, wait for the drain; return the exit code.
+
+        The daemon keeps its region for a warm restart; unless keep_region, it
+        is removed here, so test and bench runs leave nothing in /dev/shm.
+        """
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
@@ -128,16 +154,24 @@ class DaemonProcess:
             self.proc.kill()
             rc = self.proc.wait(timeout=5)
         self._reap()
+        if not keep_region:
+            self.remove_region()
         return rc
 
-    def kill(self) -> None:
-        """SIGKILL: a crash, as far as the daemon is concerned."""
+    def kill(self, *, keep_region: bool = False) -> None:
+        """SIGKILL: a crash, as far as the daemon is concerned.
+
+        A crashed daemon leaves no manifest, so its region is never reused;
+        unless keep_region, it is removed here so nothing is left in /dev/shm.
+        """
         if self.proc is None:
             return
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
         self._reap()
+        if not keep_region:
+            self.remove_region()
 
     def _reap(self) -> None:
         if self.proc is not None and self.proc.stdout is not None:
@@ -150,3 +184,4 @@ class DaemonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        self.remove_region()

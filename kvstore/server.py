@@ -74,6 +74,7 @@ class Daemon:
         self._tasks: list[asyncio.Task[Any]] = []
         self._sink: EventSink | None = None
         self._stopping = asyncio.Event()
+        self._socket_bound = False
 
     def _make_sink(self) -> EventSink | None:
         if not self.config.events.enabled:
@@ -84,12 +85,16 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        if cfg.server.socket_path:
+            # Before anything is allocated: a second daemon on one socket stops here.
+            _claim_socket_path(cfg.server.socket_path)
         self.region = Region(
             cfg.dram.path,
             cfg.dram.capacity_bytes,
             prefault=cfg.dram.prefault,
             huge_pages=cfg.dram.huge_pages,
         )
+        self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
         if cfg.peer.enabled:
@@ -132,8 +137,8 @@ class Daemon:
             self.server,
         )
         if cfg.server.socket_path:
-            _claim_socket_path(cfg.server.socket_path)
             self.server.add_insecure_port(f"unix:{cfg.server.socket_path}")
+            self._socket_bound = True
         if cfg.server.tcp_address:
             try:
                 self.tcp_port = self.server.add_insecure_port(cfg.server.tcp_address)
@@ -214,9 +219,11 @@ class Daemon:
             self._sink.close()
         if self.peer is not None:
             await self.peer.close()  # NIXL deregisters before the region is unmapped
+        if self.manager is not None:
+            await self.manager.close()  # background demotion stops, disk files close
         if self.region is not None:
-            self.region.close(unlink=True)
-        if self.config.server.socket_path:
+            self.region.close(unlink=True)  # the warm-restart hook may keep it
+        if self._socket_bound:  # never another daemon's socket after a failed start
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.server.socket_path)
 
@@ -230,6 +237,8 @@ async def serve(config: Config) -> int:
     try:
         await daemon.start()
     except BaseException:
+        if daemon.region is not None:
+            daemon.region.close_hooks.clear()  # nothing was served: no warm-restart manifest
         await daemon.stop()
         raise
     info = daemon.ready_info()

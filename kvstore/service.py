@@ -162,9 +162,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call(context, run)
 
     async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        def run() -> Any:
+        async def run() -> Any:
             hashes = unpack_u64(request.block_hashes)
-            plan = self.manager.prepare_load(request.namespace_id, hashes, request.lease_ttl_s)
+            plan = await self.manager.prepare_load_async(
+                request.namespace_id, hashes, request.lease_ttl_s
+            )
             return pb.PrepareLoadResponse(
                 lease_id=plan.lease_id,
                 found_blocks=len(plan.blocks),
@@ -172,7 +174,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 checksums=pack_u64([b.checksum for b in plan.blocks]),
             )
 
-        return await call(context, run)
+        return await call_async(context, run)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         n = await call(context, lambda: self.manager.release(list(request.lease_ids)))
@@ -248,7 +250,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call(context, run)
 
     async def GetInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        def run() -> Any:
+        async def run() -> Any:
             m = self.manager
             hashes = unpack_u64(request.block_hashes)
             ns = m.namespace(request.namespace_id)
@@ -258,7 +260,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
                     f"{len(hashes)} blocks of {ns.block_bytes} bytes exceed the "
                     f"{self.config.server.max_message_bytes}-byte message limit; ask for fewer"
                 )
-            plan = m.prepare_load(ns.namespace_id, hashes)
+            plan = await m.prepare_load_async(ns.namespace_id, hashes)
             try:
                 region = m.region.array
                 data = b"".join(region[o : o + ns.block_bytes].tobytes() for o in plan.offsets)
@@ -267,7 +269,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
                     m.release([plan.lease_id])
             return pb.GetInlineResponse(found_blocks=len(plan.blocks), data=data)
 
-        return await call(context, run)
+        return await call_async(context, run)
 
 
 def tier_name(tier: int) -> str:

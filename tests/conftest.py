@@ -40,6 +40,7 @@ def daemon_factory(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
     yield start
     for d in started:
         d.stop()
+        d.remove_region()
 
 
 @pytest.fixture

@@ -14,14 +14,18 @@ shared pool, so namespaces with different block sizes share the region.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kvstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SLOT_ALIGN_BYTES = 64
 PAGE_BYTES = 4096
@@ -32,6 +36,28 @@ HUGETLBFS_DIR = Path("/dev/hugepages")
 def slot_bytes_for(block_bytes: int) -> int:
     """Slot stride for a block size: rounded up to a cache line."""
     return -(-block_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+
+MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding path (longest mount point that contains it)."""
+    real = os.path.realpath(path)
+    best, best_type = "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount_point = fields[1].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, best_type = mount_point, fields[2]
+    except OSError:
+        return ""
+    return best_type
 
 
 def _free_huge_pages_bytes() -> int:
@@ -79,6 +105,11 @@ class Region:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base_address = self.array.ctypes.data
+        # Run first thing in close(), while the bytes are still mapped (the
+        # manager writes its warm-restart manifest there); one that sets
+        # keep_on_close keeps the file for the next daemon.
+        self.close_hooks: list[Callable[[], None]] = []
+        self.keep_on_close = False
 
     @staticmethod
     def _choose_path(path: str, capacity_bytes: int, huge_pages: str) -> str:
@@ -98,10 +129,27 @@ class Region:
             )
         return path
 
+    def warn_if_not_memory(self) -> None:
+        """A region on a disk filesystem works, but every store is written back to disk."""
+        fs = filesystem_type(self.path)
+        if fs not in MEMORY_FILESYSTEMS:
+            log.warning(
+                "dram.path %s is on a %s filesystem, not tmpfs or hugetlbfs: the DRAM tier "
+                "will be written back to disk; put it under /dev/shm",
+                self.path,
+                fs or "unknown",
+            )
+
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         return self.array[offset : offset + nbytes]
 
     def close(self, *, unlink: bool) -> None:
+        hooks, self.close_hooks = self.close_hooks, []
+        for hook in hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("region close hook failed")
         # Views handed out (self.array) keep the mmap alive; drop ours first.
         self.array = np.empty(0, dtype=np.uint8)
         try:
@@ -109,7 +157,7 @@ class Region:
         except BufferError:
             # Someone still holds a view; the mapping dies with the process.
             pass
-        if unlink:
+        if unlink and not self.keep_on_close:
             try:
                 os.unlink(self.path)
             except FileNotFoundError:
@@ -187,6 +235,54 @@ class SlabAllocator:
             self._free_chunks.append(chunk)
         else:
             cls.partial.add(chunk)
+
+    def rebuild(self, slots: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Mark ``(offset, slot_bytes)`` slots used, on an empty allocator (after a restart).
+
+        Returns the pairs that cannot be slots here (outside the region,
+        misaligned, another size than their chunk's, or a duplicate); they stay
+        free. One pass, O(slots + chunks touched x slots per chunk).
+        """
+        assert self.used_bytes == 0, "rebuild needs an empty allocator"
+        rejected: list[tuple[int, int]] = []
+        taken: dict[int, set[int]] = {}
+        sizes: dict[int, int] = {}
+        for offset, slot_bytes in slots:
+            chunk, rel = divmod(offset, self.chunk_bytes)
+            ok = (
+                0 < slot_bytes <= self.chunk_bytes
+                and 0 <= chunk < self.num_chunks
+                and rel % slot_bytes == 0
+                and rel + slot_bytes <= self.chunk_bytes
+                and sizes.get(chunk, slot_bytes) == slot_bytes
+                and offset not in taken.get(chunk, ())
+            )
+            if not ok:
+                rejected.append((offset, slot_bytes))
+                continue
+            sizes[chunk] = slot_bytes
+            taken.setdefault(chunk, set()).add(offset)
+        for chunk, used in taken.items():
+            slot_bytes = sizes[chunk]
+            cls = self._classes.get(slot_bytes)
+            if cls is None:
+                cls = self._classes[slot_bytes] = _SizeClass(
+                    slot_bytes, self.chunk_bytes // slot_bytes
+                )
+            base = chunk * self.chunk_bytes
+            free = [
+                base + i * slot_bytes
+                for i in range(cls.slots_per_chunk - 1, -1, -1)
+                if base + i * slot_bytes not in used
+            ]
+            cls.free_by_chunk[chunk] = free
+            cls.used_by_chunk[chunk] = len(used)
+            if free:
+                cls.partial.add(chunk)
+            self._chunk_class[chunk] = slot_bytes
+            self.used_bytes += slot_bytes * len(used)
+        self._free_chunks = [c for c in self._free_chunks if c not in taken]
+        return rejected
 
     def slot_bytes_at(self, offset: int) -> int:
         return self._chunk_class[offset // self.chunk_bytes]

@@ -150,7 +150,8 @@ def test_sigterm_drains_and_exits_zero(daemon_factory):
     os.kill(d.pid, signal.SIGTERM)
     assert d.proc.wait(timeout=15) == 0
     assert not os.path.exists(d.socket_path)
-    assert not os.path.exists(d.settings["dram.path"])
+    # The region stays for a warm restart, described by the manifest beside it.
+    assert os.path.exists(d.settings["dram.path"] + ".manifest")
 
 
 def test_stale_socket_is_reclaimed_and_live_one_refused(daemon_factory, tmp_path):
@@ -164,6 +165,8 @@ def test_stale_socket_is_reclaimed_and_live_one_refused(daemon_factory, tmp_path
 
     with pytest.raises(Unavailable, match="another process is serving"):
         daemon_factory("a3", settings={"server.socket_path": a.socket_path})
+    with Client(b.address) as c:  # the refused daemon left the live one's socket alone
+        assert c.stats().node_id == "a2"
 
 
 def test_print_config_and_status_cli(daemon, tmp_path):

@@ -1,0 +1,121 @@
+"""S3-FIFO: a scan-resistant order over a tier's blocks.
+
+Three FIFO queues (Yang et al., "FIFO queues are all you need for cache
+eviction", SOSP 2023):
+
+    small  new blocks land here (about a tenth of the tier)
+    main   blocks that were hit while in small, or that came back from ghost
+    ghost  keys (no bytes) recently evicted from small, about main's length
+
+A block read once and never again (a one-shot scan, a context that is not
+re-sent) leaves from ``small`` without disturbing ``main``, where the long
+shared prefixes and re-sent agent contexts live. Hits only bump a 2-bit
+counter, so a hit costs a dict lookup, not a list relink.
+
+Each queue is an insertion-ordered dict, so every primitive is O(1) and
+``victims()`` does O(1) amortised work per key it yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+
+_FREQ_MAX = 3
+
+
+class S3FIFOPolicy:
+    """Coldest first by S3-FIFO. ``small_ratio`` is small's share of resident keys."""
+
+    def __init__(self, small_ratio: float = 0.1, ghost_min: int = 1024) -> None:
+        assert 0.0 < small_ratio < 1.0
+        self._small_ratio = small_ratio
+        self._ghost_min = ghost_min
+        self._small: dict[Hashable, None] = {}
+        self._main: dict[Hashable, None] = {}
+        self._ghost: dict[Hashable, None] = {}
+        self._freq: dict[Hashable, int] = {}
+        # Keys a victims() walk has handed out and the manager has not removed
+        # yet, with the queue they came from: they go back to its head when the
+        # walk ends, so a skipped (pinned) key stays resident.
+        self._held: list[tuple[Hashable, dict[Hashable, None]]] = []
+
+    def insert(self, key: Hashable) -> None:
+        self._restore()
+        if key in self._freq:
+            self.touch(key)
+            return
+        self._freq[key] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None  # evicted too early last time: it was worth keeping
+        else:
+            self._small[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        freq = self._freq.get(key)
+        if freq is not None and freq < _FREQ_MAX:
+            self._freq[key] = freq + 1
+
+    def remove(self, key: Hashable) -> None:
+        self._restore()
+        if self._freq.pop(key, None) is None:
+            return
+        if key in self._small:
+            del self._small[key]
+            # Left from small unread: remember it, so a quick return goes to main.
+            self._ghost[key] = None
+            limit = max(self._ghost_min, len(self._main))
+            while len(self._ghost) > limit:
+                del self._ghost[next(iter(self._ghost))]
+        else:
+            self._main.pop(key, None)
+
+    def victims(self) -> Iterator[Hashable]:
+        self._restore()
+        return self._walk()
+
+    def _walk(self) -> Iterator[Hashable]:
+        # Every step either yields a key (taking it out of its queue), moves a
+        # hit key from small to main, or lowers a main key's counter: at most
+        # 1 + 1 + 3 steps per key.
+        budget = 5 * len(self._freq) + 1
+        while budget > 0 and (self._small or self._main):
+            budget -= 1
+            resident = len(self._freq)
+            if self._small and (len(self._small) >= self._small_ratio * resident or not self._main):
+                queue = self._small
+                key = next(iter(queue))
+                del queue[key]
+                if self._freq[key] > 0:
+                    self._freq[key] = 0
+                    self._main[key] = None
+                    continue
+            else:
+                queue = self._main
+                key = next(iter(queue))
+                del queue[key]
+                if self._freq[key] > 0:
+                    self._freq[key] -= 1
+                    queue[key] = None
+                    continue
+            self._held.append((key, queue))
+            yield key
+
+    def _restore(self) -> None:
+        """Put keys a walk handed out, and that are still resident, back in their queue.
+
+        They go to the tail: a key the manager skipped is pinned, i.e. being
+        read right now, and a dict cannot take a key back at its head in O(1).
+        """
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        for key, queue in held:
+            if key in self._freq:
+                queue[key] = None
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq

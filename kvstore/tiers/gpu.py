@@ -1,0 +1,213 @@
+"""The GPU tier: a pool in spare HBM, carved into slots like the DRAM region.
+
+The pool is one ``torch.uint8`` tensor of ``capacity_bytes`` on ``cuda:N``,
+allocated once at start (a hard cap). Slots come from the same
+``SlabAllocator`` as the DRAM tier and are addressed by byte offset, so the
+manager moves a block between tiers with one ``copy_`` of a slice. Local
+engines map the pool through a CUDA IPC handle (``export_handle`` ->
+``open_handle`` in the engine's process) and copy device to device.
+
+The slot logic never looks at the device: unit tests run it over a CPU tensor,
+only ``export_handle``/``open_handle`` and ``pin_host_memory`` need CUDA.
+
+torch is imported here and only here in the daemon, when a GPU tier is
+configured.
+
+Primitives:
+    GpuTier(capacity_bytes, chunk_bytes, device)
+    allocate(nbytes) -> offset | None    free(offset)
+    view(offset, nbytes) -> tensor       a slice of the pool
+    copy_in(offset, src)                 host (numpy/tensor) or device bytes -> slot
+    copy_out(offset, dst)                slot -> host or device bytes
+    export_handle() -> GpuPoolHandle     open_handle(handle) -> tensor (engine side)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from kvstore.errors import BackendError, ConfigError, InvalidRequest
+from kvstore.tiers.dram import SlabAllocator, slot_bytes_for
+
+if TYPE_CHECKING:
+    import torch
+
+
+class GpuPoolHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine on this node needs to map the pool (CUDA IPC), wire-safe.
+
+    The fields are those of ``torch.UntypedStorage._share_cuda_()``; the
+    producer's reference counter keeps the pool alive while any consumer maps it.
+    """
+
+    device_index: int
+    nbytes: int
+    storage_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int
+
+
+def _as_tensor(data: Any) -> torch.Tensor:
+    import torch
+
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            raise InvalidRequest("block buffers must be contiguous")
+        return data.reshape(-1).view(torch.uint8)
+    array = np.asarray(data)
+    if not array.flags.c_contiguous:
+        raise InvalidRequest("block buffers must be contiguous")
+    return torch.from_numpy(array.reshape(-1).view(np.uint8))
+
+
+class GpuTier:
+    """Block slots over one device tensor."""
+
+    def __init__(self, capacity_bytes: int, chunk_bytes: int, device: str | torch.device) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ConfigError(f"gpu tier on {self.device}: CUDA is not available")
+            index = self.device.index if self.device.index is not None else 0
+            if index >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"gpu tier on {self.device}: only {torch.cuda.device_count()} CUDA devices"
+                )
+            self.device = torch.device("cuda", index)
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            if capacity_bytes > free_bytes:
+                raise ConfigError(
+                    f"gpu tier on {self.device}: capacity_bytes {capacity_bytes} exceeds the "
+                    f"{free_bytes} bytes of free device memory"
+                )
+        if capacity_bytes < chunk_bytes:
+            raise ConfigError("gpu tier: capacity_bytes must be at least chunk_bytes")
+        self.allocator = SlabAllocator(capacity_bytes, chunk_bytes)
+        self.capacity_bytes = self.allocator.capacity_bytes
+        try:
+            self.pool = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            raise ConfigError(
+                f"gpu tier on {self.device}: cannot allocate the pool: {exc}"
+            ) from None
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def max_block_bytes(self) -> int:
+        return self.allocator.chunk_bytes
+
+    def can_allocate(self, nbytes: int) -> bool:
+        return self.allocator.can_alloc_without_eviction(slot_bytes_for(nbytes))
+
+    def allocate(self, nbytes: int) -> int | None:
+        if nbytes <= 0 or nbytes > self.allocator.chunk_bytes:
+            raise InvalidRequest(
+                f"block of {nbytes} bytes: must be 1..{self.allocator.chunk_bytes}"
+            )
+        return self.allocator.alloc(slot_bytes_for(nbytes))
+
+    def free(self, offset: int) -> None:
+        self.allocator.free(offset)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if nbytes > self.allocator.slot_bytes_at(offset):
+            raise InvalidRequest(f"{nbytes} bytes overrun the slot at {offset}")
+        return self.pool[offset : offset + nbytes]
+
+    def copy_in(self, offset: int, src: Any, *, non_blocking: bool = False) -> None:
+        """Copy a block (host numpy/tensor or device tensor) into its slot."""
+        data = _as_tensor(src)
+        self.view(offset, data.numel()).copy_(data, non_blocking=non_blocking)
+
+    def copy_out(self, offset: int, dst: Any, *, non_blocking: bool = False) -> None:
+        """Copy a slot's block into ``dst`` (host numpy/tensor or device tensor)."""
+        out = _as_tensor(dst)
+        out.copy_(self.view(offset, out.numel()), non_blocking=non_blocking)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def export_handle(self) -> GpuPoolHandle:
+        """A CUDA IPC handle for the whole pool, for an engine process on this node."""
+        if self.device.type != "cuda":
+            raise BackendError(f"gpu tier on {self.device}: IPC export needs a CUDA pool")
+        storage = self.pool.untyped_storage()
+        (
+            device_index,
+            handle,
+            size_bytes,
+            offset_bytes,
+            ref_handle,
+            ref_offset,
+            event_handle,
+            event_sync,
+        ) = storage._share_cuda_()
+        return GpuPoolHandle(
+            device_index=int(device_index),
+            nbytes=self.capacity_bytes,
+            storage_handle=bytes(handle),
+            storage_size_bytes=int(size_bytes),
+            storage_offset_bytes=int(offset_bytes),
+            ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset),
+            event_handle=bytes(event_handle) if event_handle else b"",
+            event_sync_required=bool(event_sync),
+            tensor_offset=int(self.pool.storage_offset()),
+        )
+
+
+def open_handle(handle: GpuPoolHandle) -> torch.Tensor:
+    """Map a daemon's GPU pool in this (engine) process: a uint8 tensor on its device."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size([handle.nbytes]),
+        (1,),
+        handle.tensor_offset,
+        torch.UntypedStorage,
+        torch.uint8,
+        handle.device_index,
+        handle.storage_handle,
+        handle.storage_size_bytes,
+        handle.storage_offset_bytes,
+        False,
+        handle.ref_counter_handle,
+        handle.ref_counter_offset,
+        handle.event_handle or None,
+        handle.event_sync_required,
+    )
+
+
+def pin_host_memory(array: np.ndarray) -> bool:
+    """Page-lock a host buffer (the DRAM region) so copies to and from HBM are DMA.
+
+    Best effort: False when CUDA is absent or registration fails; copies then
+    stage through pageable memory, slower but correct.
+    """
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+    except (ImportError, RuntimeError, AttributeError):
+        return False
+    return int(rc) == 0

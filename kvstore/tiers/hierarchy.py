@@ -1,0 +1,385 @@
+"""Demotion and promotion between the DRAM region and the disk tier.
+
+The manager stays synchronous (every call atomic on the event loop); the disk
+moves bytes asynchronously. The two meet through *clean* blocks:
+
+- A background demoter copies DRAM blocks to disk ahead of need, oldest
+  commit first, keeping at least ``disk.demote_free_fraction`` of the DRAM
+  tier free or clean (clean = also on disk). It reads the region in place: the
+  block is pinned while its write runs, committed bytes never change.
+- When DRAM needs room, the manager's eviction prefers a clean victim: its DRAM
+  copy is dropped and the block lives on, on disk (``BlockRemoved`` CPU). Only
+  when no clean victim is near the cold end is a dirty block dropped.
+- A load whose prefix reaches disk-only blocks promotes them first: DRAM slots
+  are reserved, the disk reads (verified by checksum) fill them, then the load
+  lease is issued. A block that fails its checksum is dropped and the prefix
+  ends before it.
+- Disk full: the disk's own policy drops its coldest unpinned copies; a block
+  with no other copy leaves the store (``BlockRemoved`` DISK). If the disk
+  cannot take a block at all (every slot busy, or the filesystem is out of
+  space), demotion pauses and retries; the daemon keeps serving from DRAM.
+
+Disk blocks recovered at start wait, parked by namespace id, until a client
+declares that namespace (ids are fingerprints of the spec, so they match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, cast
+
+from kvstore.errors import CapacityExhausted, ConfigError, DataCorruption, KVStoreError
+from kvstore.eviction import make_policy
+from kvstore.eviction.base import EvictionPolicy
+from kvstore.tiers import Tier
+from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from kvstore.config import DiskConfig
+    from kvstore.manager import Block, BlockManager
+    from kvstore.namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+# Victims looked at for a clean one before a dirty block is dropped instead.
+CLEAN_VICTIM_WINDOW = 64
+# Disk victims looked at per slot the demoter needs.
+DISK_VICTIM_WINDOW = 64
+# Pause after the disk refused a block (full of busy slots or out of space).
+DISK_FULL_BACKOFF_S = 0.5
+
+
+class DiskLayer:
+    """The disk tier as the manager's lower tier: demoter, promoter, recovery."""
+
+    def __init__(self, manager: BlockManager, config: DiskConfig) -> None:
+        if not 0.0 <= config.demote_free_fraction <= 1.0:
+            raise ConfigError("disk.demote_free_fraction must be within [0, 1]")
+        if config.capacity_bytes <= 0:
+            raise ConfigError(f"disk tier path {config.path}: disk.capacity_bytes must be > 0")
+        self.manager = manager
+        self.config = config
+        self.tier = DiskTier(
+            config.path,
+            config.capacity_bytes,
+            slab_bytes=config.slab_bytes,
+            io_threads=config.io_threads,
+            direct_io=config.direct_io,
+        )
+        self.policies: dict[int, EvictionPolicy] = {}  # by disk slot size
+        self.parked: dict[str, dict[int, DiskEntry]] = {}
+        for entry in self.tier.recover():
+            self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
+        self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
+        # DRAM blocks with no disk copy, oldest commit first: what the demoter
+        # copies down. Commit order, not the DRAM policy's order: demotion only
+        # makes a copy (the policy still decides what leaves DRAM), and a FIFO
+        # finds the next dirty block in O(1) where the policy's cold end fills
+        # up with blocks already clean.
+        self.dirty: dict[Block, None] = {}
+        self.max_inflight = max(1, 2 * config.io_threads)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._paused_until_s = 0.0
+        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight_bytes = 0
+        self._promoting: dict[int, asyncio.Task[None]] = {}  # id(block) -> read
+        self._closed = False
+
+    # ------------------------------------------------------------- recovery
+
+    @property
+    def parked_blocks(self) -> int:
+        return sum(len(p) for p in self.parked.values())
+
+    def attach(self, ns: Namespace) -> list[int]:
+        """Adopt the recovered disk blocks of a namespace just declared; their hashes."""
+        entries = self.parked.pop(ns.namespace_id, None)
+        if not entries:
+            return []
+        from kvstore.manager import Block, BlockState
+
+        adopted = []
+        for h, entry in entries.items():
+            if entry.nbytes != ns.block_bytes:
+                self.tier.free(entry.slot)  # a block of another layout: stale
+                continue
+            block = ns.blocks.get(h)
+            if block is not None:
+                if block.disk_slot >= 0:
+                    self.tier.free(entry.slot)
+                    continue
+                block.disk_slot = entry.slot  # in DRAM already (warm restart): now clean
+                self.dirty.pop(block, None)
+                block.checksum = entry.checksum
+                self.clean_bytes += ns.slot_bytes
+            else:
+                block = Block(ns, h, Tier.DISK, -1, BlockState.COMMITTED, checksum=entry.checksum)
+                block.disk_slot = entry.slot
+                ns.blocks[h] = block
+            self._policy(ns).insert(block)
+            adopted.append(h)
+        return adopted
+
+    # ------------------------------------------------------------ eviction
+
+    def _policy(self, ns: Namespace) -> EvictionPolicy:
+        size = align_up(ns.block_bytes)
+        policy = self.policies.get(size)
+        if policy is None:
+            policy = self.policies[size] = make_policy(self.config.eviction_policy)
+        return policy
+
+    def drop_dram_copy(self, block: Block) -> None:
+        """DRAM eviction of a clean block: it stays, on disk only."""
+        m = self.manager
+        ns = block.namespace
+        m._policy(ns.slot_bytes).remove(block)
+        m._free_slot(block)
+        self.clean_bytes -= ns.slot_bytes
+        block.offset = -1
+        block.tier = Tier.DISK
+        m.counters.demoted_blocks += 1
+        m.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
+
+    def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
+        """Forget a block's disk copy (it must not be pinned by a disk read)."""
+        self._policy(block.namespace).remove(block)
+        self.tier.free(block.disk_slot)
+        block.disk_slot = -1
+        if block.offset >= 0:
+            self.clean_bytes -= block.namespace.slot_bytes
+        if emit:
+            self.manager.sink.blocks_removed(block.namespace, [block.block_hash], Tier.DISK.medium)
+
+    def _disk_slot(self, ns: Namespace) -> int | None:
+        """A disk slot for one block of ns, dropping the disk's coldest copies if needed."""
+        slot = self.tier.allocate(ns.block_bytes)
+        if slot is not None:
+            return slot
+        m = self.manager
+        policy = self._policy(ns)
+        coldest = itertools.islice(policy.victims(), DISK_VICTIM_WINDOW)
+        victims = [b for b in cast("Iterator[Block]", coldest) if not b.pins]
+        for victim in victims:
+            if victim.offset >= 0:
+                self.drop_disk_copy(victim, emit=True)  # still in DRAM: only its disk copy goes
+            else:
+                m._remove(victim, emit=True)  # its only copy: the block leaves the store
+                m.counters.evicted_blocks += 1
+            slot = self.tier.allocate(ns.block_bytes)
+            if slot is not None:
+                return slot
+        # Recovered blocks nobody declared yet are the coldest of all.
+        for ns_id in list(self.parked):
+            entries = self.parked[ns_id]
+            while entries:
+                _, entry = entries.popitem()
+                self.tier.free(entry.slot)
+                slot = self.tier.allocate(ns.block_bytes)
+                if slot is not None:
+                    return slot
+            del self.parked[ns_id]
+        return None
+
+    # ------------------------------------------------------------ demotion
+
+    def committed(self, blocks: list[Block]) -> None:
+        """New DRAM blocks: queue them for demotion and nudge the demoter."""
+        self.dirty.update(dict.fromkeys(blocks))
+        self.wake()
+
+    def forget(self, block: Block) -> None:
+        """The block left the store."""
+        self.dirty.pop(block, None)
+
+    def wake(self) -> None:
+        """Start or nudge the demoter."""
+        if self._closed:
+            return
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # not serving yet: the first commit starts it
+            self._task = loop.create_task(self._run(), name="kvstore-demoter")
+
+    def _need_bytes(self) -> int:
+        """DRAM bytes still to make clean (free + clean + being written vs the target)."""
+        alloc = self.manager.allocator
+        target = int(self.config.demote_free_fraction * alloc.capacity_bytes)
+        have = alloc.capacity_bytes - alloc.used_bytes + self.clean_bytes + self._inflight_bytes
+        return target - have
+
+    async def _run(self) -> None:
+        """Keep up to ``max_inflight`` demotion writes running while DRAM needs them.
+
+        A pipeline, not rounds: each finished write frees a place for the next,
+        so the disk always has work queued and group commits overlap writes.
+        """
+        assert self._wake is not None
+        while not self._closed:
+            self._start_writes()
+            if self._inflight or self._need_bytes() <= 0:
+                await self._wake.wait()
+            else:
+                # Behind, yet nothing startable (all pinned, or the disk refused):
+                # look again shortly rather than only at the next commit.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+            self._wake.clear()
+
+    def _start_writes(self) -> None:
+        m = self.manager
+        if time.monotonic() < self._paused_until_s:
+            return
+        # Bounded look-ahead past pinned blocks at the head of the queue.
+        for block in list(itertools.islice(self.dirty, 16 * self.max_inflight)):
+            if len(self._inflight) >= self.max_inflight or self._need_bytes() <= 0:
+                return
+            if block.pins or block.offset < 0:
+                continue
+            slot = self._disk_slot(block.namespace)
+            if slot is None:
+                self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
+                log.warning("disk tier full of busy blocks; demotion paused")
+                return
+            m._pin(block)  # its DRAM bytes are read in place by the write
+            self._inflight_bytes += block.namespace.slot_bytes
+            task = asyncio.get_running_loop().create_task(self._demote(block, slot))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
+
+    async def _demote(self, block: Block, slot: int) -> None:
+        m = self.manager
+        ns = block.namespace
+        try:
+            view = m.region.view(block.offset, ns.block_bytes)
+            checksum = await self.tier.write(slot, view, (ns.namespace_id, block.block_hash))
+        except Exception as exc:
+            if isinstance(exc, CapacityExhausted):
+                self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
+            log.warning("demotion of a block failed: %s", exc)
+        else:
+            if ns.blocks.get(block.block_hash) is block and block.offset >= 0:
+                self.dirty.pop(block, None)
+                block.disk_slot = slot
+                block.checksum = checksum
+                self.clean_bytes += ns.slot_bytes
+                self._policy(ns).insert(block)
+                m.sink.blocks_stored(ns, [block.block_hash], Tier.DISK.medium, None, None)
+            else:
+                self.tier.free(slot)  # deleted while it was written
+        finally:
+            self._inflight_bytes -= ns.slot_bytes
+            m._unpin(block)
+            # Leave the in-flight set before waking the loop (a done callback
+            # would run only after the loop looked, and it would sleep forever).
+            task = asyncio.current_task()
+            if task is not None:
+                self._inflight.discard(task)
+            if self._wake is not None:
+                self._wake.set()
+
+    # ----------------------------------------------------------- promotion
+
+    async def promote(self, ns: Namespace, hashes: list[int]) -> None:
+        """Bring the disk-only blocks of the longest present prefix into DRAM."""
+        prefix: list[Block] = []
+        for h in hashes:
+            block = ns.blocks.get(h)
+            if block is None or block.doomed:
+                break
+            prefix.append(block)
+        if all(b.tier is not Tier.DISK for b in prefix):
+            return
+        m = self.manager
+        for block in prefix:
+            m._pin(block)  # nothing in the prefix moves while the reads run
+        try:
+            reads = []
+            for block in prefix:
+                if block.tier is not Tier.DISK:
+                    continue
+                task = self._promoting.get(id(block))
+                if task is None:
+                    offset = m._allocate(ns)
+                    if offset is None:
+                        break  # DRAM full of pinned blocks: the prefix ends here
+                    m._slot_owner[offset] = block
+                    ns.used_bytes += ns.slot_bytes
+                    task = asyncio.get_running_loop().create_task(self._read(block, offset))
+                    self._promoting[id(block)] = task
+                reads.append(task)
+            if reads:
+                await asyncio.gather(*(asyncio.shield(t) for t in reads), return_exceptions=True)
+        finally:
+            for block in prefix:
+                m._unpin(block)
+
+    async def _read(self, block: Block, offset: int) -> None:
+        m = self.manager
+        ns = block.namespace
+        done = False
+        try:
+            await self.tier.read(block.disk_slot, m.region.view(offset, ns.block_bytes))
+            done = True
+        except DataCorruption as exc:
+            # The tier dropped its copy. The block had no other: it leaves the
+            # store at its last unpin (the promoting load holds a pin).
+            log.error("%s", exc)
+            self._policy(ns).remove(block)
+            block.disk_slot = -1
+            block.doomed = True
+            m.sink.blocks_removed(ns, [block.block_hash], Tier.DISK.medium)
+        except KVStoreError as exc:
+            log.warning("promotion of a block failed: %s", exc)
+        finally:
+            self._promoting.pop(id(block), None)
+            if not done:
+                del m._slot_owner[offset]
+                m.allocator.free(offset)
+                ns.used_bytes -= ns.slot_bytes
+        if done:
+            block.offset = offset
+            block.tier = Tier.DRAM
+            self.clean_bytes += ns.slot_bytes
+            m._policy(ns.slot_bytes).insert(block)
+            m.counters.promoted_blocks += 1
+            m.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
+
+    # --------------------------------------------------------------- stats
+
+    def used_bytes(self) -> int:
+        return self.tier.used_bytes
+
+    def blocks(self) -> int:
+        return len(self.tier)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) until no demotion is running or needed: for tests and benches."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (self._inflight or self._need_bytes() > 0):
+            if not self._inflight and (self._task is None or self._task.done()):
+                break
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for task in [*self._inflight, *self._promoting.values()]:
+            with contextlib.suppress(BaseException):
+                await task
+        await self.tier.close()

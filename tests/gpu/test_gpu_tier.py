@@ -1,0 +1,106 @@
+"""The GPU tier on real CUDA: IPC export to another process, and HBM<->DRAM copy rates.
+
+Run where a GPU is available: ``pytest -m gpu tests/gpu -s`` (figures print with -s).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+CHUNK = 64 * 1024 * 1024
+
+
+def _engine(handle_bytes: bytes, offset: int, nbytes: int, queue) -> None:  # runs in a child
+    import msgspec
+    import torch
+
+    from kvstore.tiers.gpu import GpuPoolHandle, open_handle
+
+    pool = open_handle(msgspec.msgpack.decode(handle_bytes, type=GpuPoolHandle))
+    seen = int(pool[offset : offset + nbytes].to(torch.int64).sum().item())
+    pool[offset : offset + nbytes] = 7  # the engine writes a block device to device
+    torch.cuda.synchronize()
+    queue.put(seen)
+
+
+def test_engine_maps_the_pool_through_ipc():
+    import msgspec
+
+    from kvstore.tiers.gpu import GpuTier
+
+    tier = GpuTier(2 * CHUNK, CHUNK, "cuda:0")
+    offset = tier.allocate(1 << 20)
+    assert offset is not None
+    block = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    tier.copy_in(offset, block)
+    tier.synchronize()
+    handle = msgspec.msgpack.encode(tier.export_handle())
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_engine, args=(handle, offset, 1 << 20, queue))
+    proc.start()
+    seen = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert seen == int(block.astype(np.int64).sum())  # the child read our bytes
+    out = np.empty(1 << 20, dtype=np.uint8)
+    tier.copy_out(offset, out)
+    assert (out == 7).all()  # and we see the child's
+
+
+def _gbps(fn, nbytes: int, repeats: int = 7) -> tuple[float, float, float]:
+    rates = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates), min(rates), max(rates)
+
+
+def test_hbm_dram_copy_rate_against_torch():
+    from kvstore.tiers.gpu import GpuTier, pin_host_memory
+
+    block_bytes, blocks = 2 << 20, 256  # 512 MiB
+    tier = GpuTier(blocks * block_bytes, CHUNK, "cuda:0")
+    host = np.zeros(blocks * block_bytes, dtype=np.uint8)
+    assert pin_host_memory(host)
+    offsets = [tier.allocate(block_bytes) for _ in range(blocks)]
+    assert None not in offsets
+    views = [host[i * block_bytes : (i + 1) * block_bytes] for i in range(blocks)]
+
+    def promote() -> None:
+        for off, view in zip(offsets, views, strict=True):
+            tier.copy_in(off, view, non_blocking=True)
+
+    def demote() -> None:
+        for off, view in zip(offsets, views, strict=True):
+            tier.copy_out(off, view, non_blocking=True)
+
+    ref_host = torch.from_numpy(host)
+    ref_dev = torch.empty(blocks * block_bytes, dtype=torch.uint8, device="cuda:0")
+    h2d = _gbps(promote, host.nbytes)
+    d2h = _gbps(demote, host.nbytes)
+    ref_h2d = _gbps(lambda: ref_dev.copy_(ref_host, non_blocking=True), host.nbytes)
+    ref_d2h = _gbps(lambda: ref_host.copy_(ref_dev, non_blocking=True), host.nbytes)
+    print(
+        f"\nDRAM->HBM per 2 MiB block: {h2d[0]:.1f} GB/s ({h2d[1]:.1f}..{h2d[2]:.1f}), "
+        f"torch one copy: {ref_h2d[0]:.1f} GB/s, ratio {h2d[0] / ref_h2d[0]:.2f}x\n"
+        f"HBM->DRAM per 2 MiB block: {d2h[0]:.1f} GB/s ({d2h[1]:.1f}..{d2h[2]:.1f}), "
+        f"torch one copy: {ref_d2h[0]:.1f} GB/s, ratio {d2h[0] / ref_d2h[0]:.2f}x"
+    )
+    assert h2d[0] > 0.5 * ref_h2d[0]
+    assert d2h[0] > 0.5 * ref_d2h[0]

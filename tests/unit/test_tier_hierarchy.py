@@ -1,0 +1,266 @@
+"""DRAM <-> disk in-process: demotion, promotion, per-tier lookup, pins, caps, events, warm restart."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvstore.config import load_config
+from kvstore.manager import BlockManager
+from kvstore.tiers import Tier
+from kvstore.tiers.disk import DATA_FILE
+from kvstore.tiers.dram import Region
+from tests.conftest import make_spec
+
+BLOCK = 16 * 1024
+
+
+class RecordingSink:
+    def __init__(self):
+        self.events = []
+
+    def blocks_stored(self, ns, hashes, medium, parent, tokens):
+        self.events.append(("stored", medium, list(hashes)))
+
+    def blocks_removed(self, ns, hashes, medium):
+        self.events.append(("removed", medium, list(hashes)))
+
+    def all_cleared(self, ns):
+        self.events.append(("cleared", None, []))
+
+    def hashes(self, kind, medium):
+        return [h for k, m, hs in self.events if (k, m) == (kind, medium) for h in hs]
+
+
+def data(h: int) -> np.ndarray:
+    return np.random.default_rng(h).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+class Node:
+    """A manager over a real region file and a real disk tier, as the daemon builds it."""
+
+    def __init__(self, tmp_path, *, dram="256KiB", disk="1MiB", fraction=1.0, **extra):
+        (tmp_path / "disk").mkdir(exist_ok=True)
+        settings = {
+            "dram.capacity_bytes": dram,
+            "dram.chunk_bytes": "64KiB",
+            "dram.path": str(tmp_path / "region"),
+            "disk.path": str(tmp_path / "disk"),
+            "disk.capacity_bytes": disk,
+            "disk.slab_bytes": "64KiB",
+            "disk.io_threads": 2,
+            "disk.demote_free_fraction": fraction,
+            **extra,
+        }
+        config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
+        self.region = Region(
+            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
+        )
+        self.sink = RecordingSink()
+        self.m = BlockManager(config, self.region, self.sink)
+        self.ns = self.m.declare_namespace(make_spec(BLOCK))
+
+    def put(self, hashes):
+        plan = self.m.prepare_store(self.ns.namespace_id, hashes)
+        for h, off, status in zip(hashes, plan.offsets, plan.statuses, strict=True):
+            if status == 0:
+                self.region.array[off : off + BLOCK] = data(h)
+        if plan.lease_id:
+            self.m.commit_store(plan.lease_id)
+        return plan
+
+    async def get(self, hashes):
+        plan = await self.m.prepare_load_async(self.ns.namespace_id, hashes)
+        out = [self.region.array[o : o + BLOCK].copy() for o in plan.offsets]
+        if plan.lease_id:
+            self.m.release([plan.lease_id])
+        return out
+
+    async def settle(self):
+        assert self.m.disk is not None
+        await self.m.disk.drain(timeout_s=10)
+
+    async def close(self, *, graceful=False):
+        await self.m.close()
+        self.region.close(unlink=not graceful)
+
+    def tier_of(self, h):
+        return self.ns.blocks[h].tier
+
+
+async def test_blocks_beyond_dram_live_on_disk_and_come_back(tmp_path):
+    node = Node(tmp_path)  # DRAM holds 16 blocks, disk 64
+    hashes = list(range(1, 41))
+    for i in range(0, 40, 8):
+        node.put(hashes[i : i + 8])
+        await node.settle()
+    res = node.m.lookup(node.ns.namespace_id, hashes)
+    assert res.prefix_blocks == 40
+    assert res.by_tier[Tier.DISK] >= 24 and sum(res.by_tier.values()) == 40
+    assert node.m.stats().counters.evicted_blocks == 0  # demoted, none dropped
+    # The cold head of the context is on disk: a load promotes it first.
+    assert node.tier_of(1) is Tier.DISK
+    got = await node.get(hashes[:12])
+    assert len(got) == 12
+    for h, block in zip(hashes, got, strict=False):
+        assert np.array_equal(block, data(h))
+    assert node.tier_of(1) is Tier.DRAM
+    assert node.m.stats().counters.promoted_blocks >= 12 - 0
+    assert set(range(1, 13)) <= set(node.sink.hashes("stored", "DISK"))
+    assert set(range(1, 13)) <= set(node.sink.hashes("removed", "CPU"))  # left DRAM, kept on disk
+    await node.close()
+
+
+async def test_write_behind_puts_every_block_on_disk(tmp_path):
+    node = Node(tmp_path, dram="1MiB", disk="16MiB")
+    m = node.m
+    ns = m.declare_namespace(make_spec(4096))  # 256 DRAM slots, 4 writes in flight at most
+    for i in range(0, 1024, 64):
+        plan = m.prepare_store(ns.namespace_id, list(range(i, i + 64)))
+        m.commit_store(plan.lease_id)
+        await node.settle()
+        assert m.disk.blocks() == i + 64  # the demoter never stalls
+        assert not m.disk.dirty
+    assert m.stats().counters.evicted_blocks == 0
+    await node.close()
+
+
+async def test_pinned_blocks_never_move(tmp_path):
+    node = Node(tmp_path, dram="128KiB")  # 8 blocks
+    node.put([1, 2, 3, 4])
+    await node.settle()
+    plan = await node.m.prepare_load_async(node.ns.namespace_id, [1, 2, 3, 4])
+    offsets = list(plan.offsets)
+    for start in range(10, 60, 4):
+        node.put(list(range(start, start + 4)))
+        await node.settle()
+    assert [node.ns.blocks[h].offset for h in [1, 2, 3, 4]] == offsets
+    assert all(node.tier_of(h) is Tier.DRAM for h in [1, 2, 3, 4])
+    node.m.release([plan.lease_id])
+    await node.close()
+
+
+async def test_disk_cap_is_hard_and_drops_the_coldest(tmp_path):
+    node = Node(tmp_path, dram="128KiB", disk="256KiB")  # 8 in DRAM, 16 on disk
+    for start in range(0, 64, 4):
+        node.put(list(range(start, start + 4)))
+        await node.settle()
+        assert node.m.disk.used_bytes() <= 256 * 1024
+    assert os.path.getsize(tmp_path / "disk" / DATA_FILE) == 256 * 1024
+    res = node.m.lookup(node.ns.namespace_id, list(range(64)))
+    assert res.prefix_blocks == 0  # the oldest blocks are gone
+    present = [h for h in range(64) if h in node.ns.blocks]
+    assert len(present) <= 24 and present == list(range(64 - len(present), 64))
+    assert node.sink.hashes("removed", "DISK")
+    assert node.m.stats().counters.evicted_blocks > 0
+    for i in range(0, len(present), 4):  # a load must fit in DRAM: 4 at a time
+        chunk = present[i : i + 4]
+        for h, block in zip(chunk, await node.get(chunk), strict=True):
+            assert np.array_equal(block, data(h))
+    await node.close()
+
+
+async def test_corrupt_disk_block_is_dropped_not_served(tmp_path):
+    node = Node(tmp_path, dram="128KiB")
+    node.put(list(range(1, 9)))
+    await node.settle()
+    for start in range(20, 44, 8):
+        node.put(list(range(start, start + 8)))  # pushes 1..8 out of DRAM
+        await node.settle()
+    assert node.tier_of(3) is Tier.DISK
+    slot = node.ns.blocks[3].disk_slot
+    fd = os.open(tmp_path / "disk" / DATA_FILE, os.O_RDWR)
+    os.pwrite(fd, b"\xff\xfe", slot + 5)
+    os.close(fd)
+    got = await node.get(list(range(1, 9)))
+    assert len(got) == 2  # the prefix ends before the corrupt block
+    assert 3 not in node.ns.blocks
+    assert 3 in node.sink.hashes("removed", "DISK")
+    assert node.m.lookup(node.ns.namespace_id, [1, 2, 3]).prefix_blocks == 2
+    await node.close()
+
+
+async def test_disk_blocks_recovered_after_a_crash(tmp_path):
+    node = Node(tmp_path)
+    node.put(list(range(1, 11)))
+    await node.settle()
+    # A crash: the DRAM index dies with the process; the disk journal does not.
+    node.m.disk.tier.close_sync()
+    node.region.close_hooks.clear()  # no drain, so no warm-restart manifest
+    node.region.close(unlink=True)
+    node2 = Node(tmp_path)
+    res = node2.m.lookup(node2.ns.namespace_id, list(range(1, 11)))
+    assert res.prefix_blocks == 10 and res.by_tier == {Tier.DISK: 10}
+    assert sorted(node2.sink.hashes("stored", "DISK")) == list(range(1, 11))
+    for h, block in zip(range(1, 11), await node2.get(list(range(1, 11))), strict=True):
+        assert np.array_equal(block, data(h))
+    await node2.close()
+
+
+async def test_warm_restart_serves_dram_blocks(tmp_path):
+    node = Node(tmp_path, fraction=0.0)  # nothing demoted: DRAM only
+    node.put(list(range(1, 9)))
+    await node.close(graceful=True)  # the daemon's drain: manifest beside the region
+    assert os.path.exists(str(tmp_path / "region") + ".manifest")
+    node2 = Node(tmp_path, fraction=0.0)
+    assert not os.path.exists(str(tmp_path / "region") + ".manifest")  # used once
+    res = node2.m.lookup(node2.ns.namespace_id, list(range(1, 9)))
+    assert res.prefix_blocks == 8 and res.by_tier == {Tier.DRAM: 8}
+    assert sorted(node2.sink.hashes("stored", "CPU")) == list(range(1, 9))  # re-announced
+    for h, block in zip(range(1, 9), await node2.get(list(range(1, 9))), strict=True):
+        assert np.array_equal(block, data(h))
+    # A block scribbled on while no daemon owned the region is not served.
+    await node2.close(graceful=True)
+    region = np.memmap(tmp_path / "region", dtype=np.uint8, mode="r+")
+    off = node2.ns.blocks[5].offset
+    region[off] ^= 0xFF
+    region.flush()
+    del region
+    node3 = Node(tmp_path, fraction=0.0)
+    assert node3.m.lookup(node3.ns.namespace_id, list(range(1, 9))).prefix_blocks == 4
+    await node3.close()
+
+
+def test_disk_path_missing_is_a_config_error(tmp_path):
+    from kvstore.errors import ConfigError
+
+    config = load_config(
+        environ={},
+        assignments=[
+            f"dram.path={tmp_path}/r",
+            "dram.capacity_bytes=1MiB",
+            "dram.chunk_bytes=64KiB",
+            f"disk.path={tmp_path}/missing",
+            "disk.capacity_bytes=1MiB",
+        ],
+    )
+    region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
+    with pytest.raises(ConfigError, match=f"{tmp_path}/missing"):
+        BlockManager(config, region)
+    region.close(unlink=True)
+
+
+def test_allocator_rebuild_keeps_good_slots_and_rejects_impossible_ones():
+    from kvstore.tiers.dram import SlabAllocator
+
+    alloc = SlabAllocator(4 * 65536, 65536)
+    rejected = alloc.rebuild(
+        [
+            (0, 4096),
+            (4096, 4096),
+            (4096, 4096),  # duplicate
+            (65536 + 100, 4096),  # misaligned
+            (8192, 8192),  # another size in a chunk of 4 KiB slots
+            (131072, 16384),
+            (10 * 65536, 4096),  # outside the range
+        ]
+    )
+    assert sorted(rejected) == [(4096, 4096), (8192, 8192), (65536 + 100, 4096), (655360, 4096)]
+    assert alloc.used_bytes == 2 * 4096 + 16384
+    taken = {0, 4096, 131072}
+    fresh = [alloc.alloc(4096) for _ in range(14)]
+    assert None not in fresh and not taken & set(fresh)  # never hands out a rebuilt slot
+    alloc.free(4096)
+    assert alloc.alloc(4096) == 4096
