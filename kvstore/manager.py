@@ -26,8 +26,11 @@ import enum
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
+from operator import attrgetter
 
 from kvstore.config import Config
 from kvstore.errors import (
@@ -55,6 +58,8 @@ STORE_ALLOCATED = 0
 STORE_PRESENT = 1
 STORE_IN_FLIGHT = 2
 STORE_NO_ROOM = 3
+
+_TIER_OF = attrgetter("tier")
 
 # Bound on the work one reaper pass does, so a burst of expiries cannot stall the loop.
 MAX_EXPIRED_PER_PASS = 4096
@@ -318,16 +323,15 @@ class BlockManager:
     def lookup(self, ns_id: str, hashes: Sequence[int]) -> LookupResult:
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
-        blocks = ns.blocks
-        by_tier: dict[Tier, int] = {}
-        n = 0
-        # The hot loop of a 195k-token request (12k hashes): dict probes only.
-        for h in hashes:
-            block = blocks.get(h)
-            if block is None:
-                break
-            n += 1
-            by_tier[block.tier] = by_tier.get(block.tier, 0) + 1
+        # The hot path of a 195k-token request (12k hashes). map/index/Counter
+        # run in C: ~2x faster than a Python loop. Probing past the first miss
+        # costs a little for short hits and nothing for the long ones that matter.
+        found = list(map(ns.blocks.get, hashes))
+        try:
+            n = found.index(None)
+        except ValueError:
+            n = len(found)
+        by_tier = dict(Counter(map(_TIER_OF, islice(found, n))))
         self.counters.lookup_hit_blocks += n
         self.counters.lookup_miss_blocks += len(hashes) - n
         return LookupResult(n, by_tier)
@@ -432,16 +436,25 @@ class BlockManager:
         return deleted, busy
 
     def clear(self, ns_id: str) -> int:
+        """Remove every unpinned block of one namespace (pinned ones go at release).
+
+        Reported as exact BlockRemoved events, not AllBlocksCleared: indexers
+        key by model, so a clear would also forget the node's other tenants
+        and ranks of that model.
+        """
         ns = self.namespace(ns_id)
-        removed = 0
+        removed: dict[str, list[int]] = {}
+        count = 0
         for block in list(ns.blocks.values()):
             if block.pins:
                 block.doomed = True
             else:
-                self._remove(block, emit=False)
-                removed += 1
-        self.sink.all_cleared(ns)
-        return removed
+                for medium in self._remove(block, emit=False):
+                    removed.setdefault(medium, []).append(block.block_hash)
+                count += 1
+        for medium, hashes in removed.items():
+            self.sink.blocks_removed(ns, hashes, medium)
+        return count
 
     # ------------------------------------------------------------ internals
 

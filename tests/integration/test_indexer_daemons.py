@@ -101,8 +101,7 @@ stored = [h for ev in seen["BlockStored"] for h in ev.block_hashes]
 assert all(ev.medium == "CPU" and ev.block_size == 16 for ev in seen["BlockStored"])
 removed = [h for ev in seen["BlockRemoved"] for h in ev.block_hashes]
 print(sorted(stored) == sorted(map(int, sys.argv[2].split(","))),
-      sorted(removed) == sorted(map(int, sys.argv[3].split(","))),
-      "AllBlocksCleared" in seen)
+      sorted(removed) == sorted(map(int, sys.argv[3].split(","))))
 """
 
 
@@ -161,7 +160,9 @@ def test_vllm_classes_decode_what_a_daemon_publishes(daemon_factory, tmp_path):
             _DECODE_WITH_VLLM,
             str(dump),
             ",".join(map(str, hashes)),
-            ",".join(map(str, hashes[8:])),
+            # delete() removed the last 4, clear() the other 8: exact BlockRemoved
+            # events (a clear is not AllBlocksCleared, which would hit other tenants)
+            ",".join(map(str, hashes)),
         ],
         capture_output=True,
         text=True,
@@ -169,4 +170,4 @@ def test_vllm_classes_decode_what_a_daemon_publishes(daemon_factory, tmp_path):
         cwd=root,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["True", "True", "True"]
+    assert proc.stdout.split() == ["True", "True"]

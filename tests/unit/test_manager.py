@@ -266,7 +266,8 @@ def test_clear(make_manager):
     store(m, other, [1])
     assert m.clear(ns.namespace_id) == 3
     assert m.lookup(other.namespace_id, [1]).prefix_blocks == 1
-    assert m.sink_record.events[-1] == ("cleared",)
+    # exact removals: an indexer keyed by model keeps `other`'s block
+    assert m.sink_record.events[-1] == ("removed", [1, 2, 3], "CPU")
 
 
 def test_release_reports_unknown_after_releasing_the_rest(make_manager):
