@@ -224,12 +224,23 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """KVSTORE_DRAM__CAPACITY_BYTES=1G -> {"dram": {"capacity_bytes": "1G"}}."""
+    """KVSTORE_DRAM__CAPACITY_BYTES=1G -> {"dram": {"capacity_bytes": "1G"}}.
+
+    Config variables are the nested ones (SECTION__KEY) and the top-level
+    fields (KVSTORE_NODE_ID). Other KVSTORE_* variables belong to clients and
+    tools (KVSTORE_ADDRESS, KVSTORE_SECRET, KVSTORE_CONFIG, ...) and are not
+    config; a typo inside a section (KVSTORE_DRAM__CAPCITY_BYTES) still fails.
+    """
+    top_level = {
+        f for f in Config.__struct_fields__ if not isinstance(getattr(Config(), f), msgspec.Struct)
+    }
     tree: dict[str, Any] = {}
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name != "KVSTORE_CONFIG":
-            dotted = name[len(ENV_PREFIX) :].lower().replace("__", ".")
-            _set_path(tree, dotted, value)
+        if not name.startswith(ENV_PREFIX):
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if "__" in key or key in top_level:
+            _set_path(tree, key.replace("__", "."), value)
     return tree
 
 

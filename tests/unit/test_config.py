@@ -75,3 +75,12 @@ def test_print_config_round_trips(tmp_path):
     f = tmp_path / "out.toml"
     f.write_text(to_toml(c))
     assert load_config(f, environ={}) == c
+
+
+def test_client_and_tool_variables_are_not_config():
+    env = {"KVSTORE_ADDRESS": "unix:/x.sock", "KVSTORE_SECRET": "s", "KVSTORE_VLLM_PYTHON": "/p"}
+    assert load_config(environ=env).server.socket_path == "/tmp/kvstore.sock"
+    with pytest.raises(ConfigError, match=r"capcity_bytes"):
+        load_config(environ={"KVSTORE_DRAM__CAPCITY_BYTES": "1"})
+    with pytest.raises(ConfigError, match=r"dramm"):
+        load_config(environ={"KVSTORE_DRAMM__CAPACITY_BYTES": "1"})
