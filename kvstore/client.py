@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -104,7 +106,8 @@ class LookupResult:
 @dataclass(frozen=True, slots=True)
 class PutResult:
     stored: int
-    skipped: int
+    skipped: int  # already present, or being stored by another client
+    no_room: int = 0  # refused: the tier is full of pinned or in-flight blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +170,7 @@ class Client:
         self._stub = pb_grpc.StoreServiceStub(self._channel)
         self._mmap: mmap.mmap | None = None
         self.region: np.ndarray | None = None
-        self._pending_releases: list[Any] = []
+        self._releaser: _Releaser | None = None
         self.info = self._call(self._stub.Hello, pb.HelloRequest())
         if map_region:
             self._map_region()
@@ -314,30 +317,26 @@ class Client:
         )
 
     def release(self, handle: LoadHandle | StoreHandle | int, *, wait: bool = True) -> None:
-        """End a lease. wait=False sends it without waiting (errors are ignored)."""
+        """End a lease. wait=False hands it to a background thread and returns at once.
+
+        The thread sends whatever has queued up as one Release call, so a burst
+        of loads costs one extra RPC, off the caller's path; errors there are
+        ignored (a lease that is not released expires anyway).
+        """
         lease_id = handle if isinstance(handle, int) else handle.lease_id
         if not lease_id:
             return
-        request = pb.ReleaseRequest(lease_ids=[lease_id])
         if wait:
-            self._call(self._stub.Release, request)
-        else:
-            self._flush_releases(done_only=True)
-            self._pending_releases.append(
-                self._stub.Release.future(request, timeout=self.timeout_s, metadata=self._metadata)
-            )
+            self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=[lease_id]))
+            return
+        if self._releaser is None:
+            self._releaser = _Releaser(self._stub, self.timeout_s, self._metadata)
+        self._releaser.put(lease_id)
 
-    def _flush_releases(self, done_only: bool = False) -> None:
-        keep = []
-        for fut in self._pending_releases:
-            if done_only and not fut.done():
-                keep.append(fut)
-                continue
-            try:
-                fut.result()
-            except grpc.RpcError:
-                pass  # the lease expired meanwhile: nothing is held either way
-        self._pending_releases = keep
+    def _flush_releases(self) -> None:
+        if self._releaser is not None:
+            self._releaser.close()
+            self._releaser = None
 
     def delete(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> tuple[int, int]:
         reply = self._call(
@@ -399,7 +398,7 @@ class Client:
                     data=data.tobytes(),
                 ),
             )
-            return PutResult(reply.stored, reply.skipped)
+            return PutResult(reply.stored, reply.skipped, reply.no_room)
         if _is_cuda(blocks):
             return self._put_cuda(ns, hashes, blocks)
         data = _as_rows(blocks, n, ns.block_bytes)
@@ -412,7 +411,7 @@ class Client:
                 self.release(handle, wait=False)  # abort: the slots go back
                 raise
             self.commit_store(handle)
-        return PutResult(len(idx), n - len(idx))
+        return _put_result(handle, len(idx))
 
     def get(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: Any = None) -> GetResult:
         """Read the longest present prefix of `hashes` into `out` (or a new array).
@@ -469,7 +468,7 @@ class Client:
             self.release(handle, wait=False)
             raise
         self.commit_store(handle)
-        return PutResult(len(idx), n - len(idx))
+        return _put_result(handle, len(idx))
 
     def _get_cuda(
         self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: torch.Tensor
@@ -508,6 +507,62 @@ def _cuda_rows(tensor: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:
             f"blocks have {rows.shape[1]} bytes each; namespace needs {block_bytes}"
         )
     return rows
+
+
+class _Releaser:
+    """One thread that sends queued lease releases, batched, so callers never wait."""
+
+    MAX_QUEUED = 65536  # beyond this, put() blocks: a bound, never a leak
+    MAX_BATCH = 4096
+
+    def __init__(self, stub: Any, timeout_s: float, metadata: Any) -> None:
+        self._stub = stub
+        self._timeout_s = timeout_s
+        self._metadata = metadata
+        self._queue: queue.Queue[int | None] = queue.Queue(self.MAX_QUEUED)
+        self._thread = threading.Thread(target=self._run, name="kvstore-releaser", daemon=True)
+        self._thread.start()
+
+    def put(self, lease_id: int) -> None:
+        self._queue.put(lease_id)
+
+    def close(self) -> None:
+        """Send what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(timeout=self._timeout_s + 1.0)
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            batch: list[int] = []
+            if first is None:
+                stopping = True
+            else:
+                batch.append(first)
+            while len(batch) < self.MAX_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    batch.append(item)
+            if batch:
+                try:
+                    self._stub.Release(
+                        pb.ReleaseRequest(lease_ids=batch),
+                        timeout=self._timeout_s,
+                        metadata=self._metadata,
+                    )
+                except grpc.RpcError:
+                    pass  # expired or daemon gone: nothing is held either way
+
+
+def _put_result(handle: StoreHandle, stored: int) -> PutResult:
+    no_room = int(np.count_nonzero(handle.statuses == pb.STORE_NO_ROOM))
+    return PutResult(stored, len(handle.statuses) - stored - no_room, no_room)
 
 
 def _spec_fields(spec: NamespaceSpec) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from kvstore import __version__, errors
-from kvstore.manager import STORE_ALLOCATED, BlockManager
+from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
 from kvstore.v1 import store_pb2 as pb
@@ -245,7 +245,10 @@ class StoreService(pb_grpc.StoreServiceServicer):
                     stored += 1
             if plan.lease_id:
                 m.commit_store(plan.lease_id)
-            return pb.PutInlineResponse(stored=stored, skipped=len(hashes) - stored)
+            no_room = plan.statuses.count(STORE_NO_ROOM)
+            return pb.PutInlineResponse(
+                stored=stored, skipped=len(hashes) - stored - no_room, no_room=no_room
+            )
 
         return await call(context, run)
 

@@ -284,12 +284,14 @@ class PutInlineRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutInlineResponse(_message.Message):
-    __slots__ = ("stored", "skipped")
+    __slots__ = ("stored", "skipped", "no_room")
     STORED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    NO_ROOM_FIELD_NUMBER: _ClassVar[int]
     stored: int
     skipped: int
-    def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ...) -> None: ...
+    no_room: int
+    def __init__(self, stored: _Optional[int] = ..., skipped: _Optional[int] = ..., no_room: _Optional[int] = ...) -> None: ...
 
 class GetInlineRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes")

@@ -213,3 +213,31 @@ def test_store_status_values_match_proto():
     assert manager.STORE_PRESENT == store_pb2.STORE_PRESENT
     assert manager.STORE_IN_FLIGHT == store_pb2.STORE_IN_FLIGHT
     assert manager.STORE_NO_ROOM == store_pb2.STORE_NO_ROOM
+
+
+def test_put_result_tells_no_room_from_present(daemon_factory):
+    d = daemon_factory(dram_bytes=256 << 10, chunk_bytes=256 << 10)  # 64 slots of 4 KiB
+    for mapped in (True, False):
+        with Client(d.address, map_region=mapped) as c:
+            ns = c.declare_namespace(make_spec(4096, model=f"m{mapped}"))
+            c.clear(ns)
+            first = c.put(ns, range(60), blocks_for(range(60), 4096))
+            pin = c.prepare_load(ns, list(range(60)))  # nothing evictable now
+            r = c.put(ns, range(58, 66), blocks_for(range(58, 66), 4096))
+            assert (r.stored, r.skipped, r.no_room) == (4, 2, 2), mapped
+            assert first.no_room == 0
+            c.release(pin)
+            c.clear(ns)
+
+
+def test_background_releases_unpin_in_batches(daemon):
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(make_spec(4096))
+        c.put(ns, range(50), blocks_for(range(50), 4096))
+        for i in range(50):
+            c.release(c.prepare_load(ns, [i]), wait=False)
+        deadline = time.monotonic() + 5
+        while c.stats().active_leases and time.monotonic() < deadline:
+            time.sleep(0.02)
+        s = c.stats()
+        assert s.active_leases == 0 and s.tiers[0].pinned_blocks == 0 and s.expired_leases == 0

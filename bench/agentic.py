@@ -1,0 +1,1031 @@
+"""`kvstore-bench agentic`: an agentic trace replayed on a cluster, per routing strategy.
+
+The cluster: N nodes on this machine, each
+  - a real `kvstore serve` daemon (DRAM tier, and a disk tier when asked),
+    publishing KV events over ZMQ, sized down to `--dram-blocks` /
+    `--disk-blocks` of `--block-bytes` real bytes each;
+  - a model of its engine's GPU prefix cache: an LRU of block hashes holding
+    what fits in the GPU (from the cost model), publishing vLLM-format KV
+    events (medium GPU) as a vLLM engine does;
+and the indexer's index fed by all those event streams.
+
+Routing strategies (one fresh cluster each, same trace):
+  random        a uniformly random node.
+  round-robin   the next node.
+  approximate   like llm-d's estimated prefix scorer: remembers which blocks
+                it routed where (an LRU per node as large as a GPU cache),
+                knows nothing of evictions or tiers; plus a queue-length load
+                score.
+  precise       the indexer's per-node, per-tier prefix score; plus the same
+                load score.
+
+The replay runs in modelled time (a discrete-event simulation): a request
+arrives when the requests it waits for have finished plus its think time;
+its node serves requests one at a time. When a request starts, the bench
+*measures* its sources against the real system: the GPU-cache model's
+prefix, then the local daemon's Lookup and a real load of those blocks
+(bytes verified), then, with peers on, a real pull of the rest of the
+prefix from the peer daemon holding most of it (read from the peer, stored
+into the local daemon, verified). Whatever is left is recomputed. When it
+finishes, its blocks (input and output) enter the GPU cache model and are
+stored into the local daemon, as a connector does. TTFT and throughput come
+from bench/costmodel.py (*modelled*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from bench import _common
+from bench import trace as T
+from bench.costmodel import CostModel
+
+STRATEGIES = ("random", "round-robin", "approximate", "precise", "approximate-gpu-only")
+# Baseline without kvstore at all: approximate routing, engines with their GPU
+# prefix cache only (no daemon loads, stores or peer pulls) — llm-d's estimated
+# scorer in front of plain vLLM, the setting of the published +79% figure.
+GPU_ONLY = "approximate-gpu-only"
+MODEL = "kvstore-bench/agentic"
+START_TIMEOUT_S = 60.0
+# llm-d's default scorer weights: prefix 3, queue 2 (same for approximate and precise).
+PREFIX_WEIGHT = 3.0
+LOAD_WEIGHT = 2.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(T.PRESETS), default="cybergym")
+    p.add_argument("--trace", help="replay this JSONL trace instead of generating one")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="CI shape: fewer agents/turns, 4 nodes")
+    p.add_argument("--agents", type=int)
+    p.add_argument("--turns", type=int)
+    p.add_argument("--tasks", type=int)
+    p.add_argument("--nodes", type=int, help="default 8 (4 with --quick)")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--block-tokens", type=int, default=256)
+    p.add_argument(
+        "--block-bytes",
+        type=int,
+        default=4096,
+        help="real bytes stored per block (a real block is block-tokens x KV bytes/token)",
+    )
+    p.add_argument(
+        "--dram-gb",
+        type=float,
+        default=256.0,
+        help="modelled host DRAM for KV per node (GB); sizes the daemon in blocks",
+    )
+    p.add_argument(
+        "--disk-gb",
+        type=float,
+        default=0.0,
+        help="modelled NVMe for KV per node (GB); 0 = no disk tier",
+    )
+    p.add_argument(
+        "--peers",
+        choices=("on", "off"),
+        default="on",
+        help="pull missing prefix blocks from the peer daemon that holds them",
+    )
+    p.add_argument(
+        "--daemon-events",
+        choices=("on", "off"),
+        default="on",
+        help="daemons publish KV events to the indexer (off: it sees engine GPU events only)",
+    )
+    p.add_argument(
+        "--indexer",
+        choices=("service", "in-process"),
+        default="service",
+        help="service: the `kvstore.indexer` process over gRPC; in-process: its index "
+        "fed in this process, drained before every decision (no ingest lag)",
+    )
+    p.add_argument("--max-requests", type=int, default=0, help="stop after this many (0 = all)")
+    p.add_argument("--results", default="results")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+
+
+# -- cluster processes -----------------------------------------------------------
+
+
+@dataclass
+class NodeProcs:
+    name: str
+    socket: Path
+    events: str
+    proc: subprocess.Popen
+    engine_events: str = ""
+
+
+@contextlib.contextmanager
+def cluster(
+    n: int, tmp: Path, dram_bytes: int, disk_bytes: int, chunk_bytes: int, events: bool = True
+) -> Iterator[list[NodeProcs]]:
+    """Start n daemons; stop them (SIGTERM, then kill) and remove their files."""
+    nodes: list[NodeProcs] = []
+    tag = f"{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
+    try:
+        for i in range(n):
+            name = f"node{i}"
+            sock = tmp / f"{name}.sock"
+            pub = f"ipc://{tmp}/{name}.events"
+            args = [
+                sys.executable,
+                "-m",
+                "kvstore",
+                "serve",
+                "--set",
+                f"node_id={name}",
+                "--set",
+                f"server.socket_path={sock}",
+                "--set",
+                "server.tcp_address=",
+                "--set",
+                "metrics.address=",
+                "--set",
+                f"dram.path=/dev/shm/kvsbench-{tag}-{name}.dram",
+                "--set",
+                f"dram.capacity_bytes={dram_bytes}",
+                "--set",
+                f"dram.chunk_bytes={chunk_bytes}",
+                "--set",
+                f"events.enabled={str(events).lower()}",
+                "--set",
+                f"events.publish_address={pub}",
+                "--set",
+                "events.replay_address=",
+                "--set",
+                "log.level=warning",
+            ]
+            if disk_bytes:
+                (tmp / f"{name}.disk").mkdir(exist_ok=True)
+                args += [
+                    "--set",
+                    f"disk.path={tmp / f'{name}.disk'}",
+                    "--set",
+                    f"disk.capacity_bytes={disk_bytes}",
+                    "--set",
+                    f"disk.slab_bytes={chunk_bytes}",
+                ]
+            log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=_common.repo_root()
+            )
+            log.close()
+            nodes.append(NodeProcs(name, sock, pub, proc, f"ipc://{tmp}/{name}.engine-events"))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for node in nodes:
+            while not node.socket.exists():
+                if node.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{node.name} exited with {node.proc.returncode}: "
+                        + (tmp / f"{node.name}.log").read_text()[-1500:]
+                    )
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{node.name} not ready after {START_TIMEOUT_S:.0f} s")
+                time.sleep(0.05)
+        yield nodes
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+        for node in nodes:
+            try:
+                node.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait(5)
+        for f in Path("/dev/shm").glob(f"kvsbench-{tag}-*"):
+            with contextlib.suppress(OSError):
+                f.unlink()
+
+
+# -- the indexer -----------------------------------------------------------------
+
+
+class Scorer(Protocol):
+    def score(self, hashes: np.ndarray) -> dict[str, Any]: ...
+
+    def catch_up(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class EventIndex:
+    """The indexer's index (kvstore.indexer.memory.MemoryIndex) fed from every
+    daemon's and every engine model's ZMQ event stream, consumed in this
+    process so the modelled clock can drain it before each routing decision."""
+
+    description = "kvstore.indexer MemoryIndex fed by ZMQ KV events (consumed in-process)"
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        import zmq
+
+        from kvstore.events import wire
+        from kvstore.indexer.memory import MemoryIndex
+
+        self._zmq = zmq
+        self._wire = wire
+        self.index = MemoryIndex()
+        self._decoder = wire.lean_decoder()
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        self._sub.set_hwm(1_000_000)
+        for ep in endpoints:
+            self._sub.connect(ep)
+        self.events = 0
+
+    def catch_up(self, max_messages: int = 100_000) -> int:
+        """Apply every event already delivered (bounded); return how many batches."""
+        wire = self._wire
+        n = 0
+        while n < max_messages:
+            try:
+                frames = self._sub.recv_multipart(flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                break
+            n += 1
+            parsed = wire.parse_topic(frames[0])
+            if parsed is None:
+                continue
+            node, model = parsed
+            batch = self._decoder.decode(frames[2])
+            for ev in batch.events:
+                self.events += 1
+                if isinstance(ev, wire.LeanCleared):
+                    self.index.clear(node, model or None)
+                    continue
+                hashes = np.fromiter(
+                    (wire.block_hash_to_int(h) for h in ev.block_hashes),
+                    dtype=np.uint64,
+                    count=len(ev.block_hashes),
+                )
+                if isinstance(ev, wire.LeanStored):
+                    self.index.add(model, node, ev.medium, hashes)
+                else:
+                    self.index.remove(model, node, ev.medium, hashes)
+        return n
+
+    def score(self, hashes: np.ndarray) -> dict[str, Any]:
+        return {s.node: s for s in self.index.score(MODEL, hashes)}
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._ctx.term()
+
+
+class IndexerService:
+    """The real indexer: a `python -m kvstore.indexer` process following every
+    daemon's stream (kind daemon) and every engine model's (kind engine),
+    queried over gRPC through router_client.RouterClient. It ingests on its own
+    clock, as in a deployment, so a routing decision may miss the last few
+    milliseconds of events."""
+
+    description = "kvstore indexer process (ZMQ KV events -> gRPC Score via router_client)"
+
+    def __init__(self, nodes: Sequence[NodeProcs], block_tokens: int, log_path: Path) -> None:
+        from router_client.scorer import RouterClient
+
+        args = [
+            sys.executable,
+            "-m",
+            "kvstore.indexer",
+            "--address",
+            "127.0.0.1:0",
+            "--log-level",
+            "WARNING",
+        ]
+        for nd in nodes:
+            args += [
+                "--source",
+                f"node={nd.name},endpoint={nd.events}",
+                "--source",
+                f"node={nd.name},endpoint={nd.engine_events},kind=engine,model={MODEL}",
+            ]
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=self._log, cwd=_common.repo_root()
+        )
+        address = self._wait_listening()
+        self.client = RouterClient(address, block_size_tokens=block_tokens, deadline_s=2.0)
+
+    def _wait_listening(self) -> str:
+        import selectors
+
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"indexer exited with {self.proc.returncode}")
+            if sel.select(timeout=0.2):
+                line = self.proc.stdout.readline().decode()
+                if "listening on" in line:
+                    return line.rsplit(" ", 1)[-1].strip()
+        raise RuntimeError(f"indexer not listening after {START_TIMEOUT_S:.0f} s")
+
+    def catch_up(self) -> int:
+        return 0
+
+    def score(self, hashes: np.ndarray) -> dict[str, Any]:
+        return {h.node: h for h in self.client.scores(MODEL, hashes).hits}
+
+    def close(self) -> None:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+# -- engine GPU cache model ------------------------------------------------------
+
+
+class GpuCacheModel:
+    """An engine's GPU prefix cache: LRU over block hashes, fixed capacity.
+    Publishes BlockStored/BlockRemoved (medium GPU) like a vLLM engine."""
+
+    def __init__(self, node: str, capacity_blocks: int, endpoint: str, block_tokens: int) -> None:
+        from kvstore.events.publisher import ZmqEventPublisher
+
+        self.capacity = capacity_blocks
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.pub = ZmqEventPublisher(node, endpoint, None)
+        self._ns = _NsRef(block_tokens)
+
+    def prefix(self, hashes: np.ndarray) -> int:
+        n = 0
+        for h in hashes.tolist():
+            if h not in self.blocks:
+                break
+            self.blocks.move_to_end(h)
+            n += 1
+        return n
+
+    def insert(self, hashes: np.ndarray) -> None:
+        new = []
+        for h in hashes.tolist():
+            if h in self.blocks:
+                self.blocks.move_to_end(h)
+            else:
+                self.blocks[h] = None
+                new.append(h)
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if new:
+            self.pub.blocks_stored(self._ns, new, "GPU", None, None)
+        if evicted:
+            self.pub.blocks_removed(self._ns, evicted, "GPU")
+
+    def close(self) -> None:
+        self.pub.close()
+
+
+@dataclass(frozen=True)
+class _NsRef:
+    block_size_tokens: int
+    namespace_id: str = "agentic"
+    model: str = MODEL
+    tenant: str = ""
+
+
+# -- routers ---------------------------------------------------------------------
+
+
+class Router(Protocol):
+    name: str
+
+    def choose(self, hashes: np.ndarray, queues: Sequence[int]) -> int: ...
+
+    def routed(self, node: int, hashes: np.ndarray) -> None: ...
+
+
+class RandomRouter:
+    name = "random"
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.rng = n, random.Random(seed)
+
+    def choose(self, hashes: np.ndarray, queues: Sequence[int]) -> int:
+        return self.rng.randrange(self.n)
+
+    def routed(self, node: int, hashes: np.ndarray) -> None:
+        pass
+
+
+class RoundRobinRouter:
+    name = "round-robin"
+
+    def __init__(self, n: int) -> None:
+        self.n, self.next = n, 0
+
+    def choose(self, hashes: np.ndarray, queues: Sequence[int]) -> int:
+        node, self.next = self.next, (self.next + 1) % self.n
+        return node
+
+    def routed(self, node: int, hashes: np.ndarray) -> None:
+        pass
+
+
+def _pick(prefix_frac: Sequence[float], queues: Sequence[int]) -> int:
+    """llm-d-style weighted scorers: prefix share and queue headroom, ties to the
+    shorter queue then the lower index."""
+    worst = max(queues) or 1
+    scores = [
+        PREFIX_WEIGHT * p + LOAD_WEIGHT * (1.0 - q / worst)
+        for p, q in zip(prefix_frac, queues, strict=True)
+    ]
+    return max(range(len(scores)), key=lambda i: (scores[i], -queues[i], -i))
+
+
+class ApproximateRouter:
+    """What it routed where, per node, in an LRU as large as one GPU cache."""
+
+    name = "approximate"
+
+    def __init__(self, n: int, capacity_blocks: int) -> None:
+        self.seen = [OrderedDict[int, None]() for _ in range(n)]
+        self.capacity = capacity_blocks
+
+    def choose(self, hashes: np.ndarray, queues: Sequence[int]) -> int:
+        total = max(1, len(hashes))
+        fracs = []
+        hl = hashes.tolist()
+        for seen in self.seen:
+            k = 0
+            for h in hl:
+                if h not in seen:
+                    break
+                k += 1
+            fracs.append(k / total)
+        return _pick(fracs, queues)
+
+    def routed(self, node: int, hashes: np.ndarray) -> None:
+        seen = self.seen[node]
+        for h in hashes.tolist():
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.capacity:
+            seen.popitem(last=False)
+
+
+class PreciseRouter:
+    """The indexer's per-node prefix, tiers weighted by what a hit there saves."""
+
+    name = "precise"
+    TIER_WEIGHT = {"gpu": 1.0, "cpu": 0.95, "disk": 0.8}
+
+    def __init__(self, nodes: Sequence[str], scorer: Scorer) -> None:
+        self.nodes = list(nodes)
+        self.scorer = scorer
+        self.score_s: list[float] = []
+
+    def choose(self, hashes: np.ndarray, queues: Sequence[int]) -> int:
+        t0 = time.perf_counter()
+        self.scorer.catch_up()
+        scores = self.scorer.score(hashes)
+        self.score_s.append(time.perf_counter() - t0)
+        total = max(1, len(hashes))
+        fracs = []
+        for name in self.nodes:
+            s = scores.get(name)
+            if s is None:
+                fracs.append(0.0)
+                continue
+            w = self.TIER_WEIGHT
+            fracs.append(
+                (w["gpu"] * s.gpu_blocks + w["cpu"] * s.cpu_blocks + w["disk"] * s.disk_blocks)
+                / total
+            )
+        return _pick(fracs, queues)
+
+    def routed(self, node: int, hashes: np.ndarray) -> None:
+        pass
+
+
+# -- replay ----------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    input_tokens: int = 0
+    output_tokens: int = 0
+    tokens: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("gpu", "dram", "disk", "peer", "recompute"), 0)
+    )
+    ttft_s: list[float] = field(default_factory=list)
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+    blocks_pulled: int = 0
+    verified_blocks: int = 0
+    verify_failures: int = 0
+    requests: int = 0
+    makespan_s: float = 0.0
+
+
+def block_payload(hashes: np.ndarray, block_bytes: int) -> np.ndarray:
+    """Real bytes of each block: its hash repeated (so a load can be verified)."""
+    words = block_bytes // 8
+    return np.repeat(hashes.astype("<u8")[:, None], words, axis=1).view(np.uint8)
+
+
+def verify(data: np.ndarray, hashes: np.ndarray) -> int:
+    """Blocks whose bytes are not their hash repeated."""
+    if len(hashes) == 0:
+        return 0
+    words = data.view("<u8")
+    return int(np.count_nonzero((words != hashes[:, None]).any(axis=1)))
+
+
+class Replay:
+    def __init__(
+        self, args: argparse.Namespace, trace: T.Trace, cost: CostModel, gpu_blocks: int
+    ) -> None:
+        self.args, self.trace, self.cost = args, trace, cost
+        self.tokens = T.TokenSource(trace.seed)
+        self.gpu_blocks = gpu_blocks
+        self.has_disk = args.disk_gb > 0
+        self._hash_cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def hashes_of(self, req: T.Request, with_output: bool) -> np.ndarray:
+        key = f"{req.id}|{int(with_output)}"
+        got = self._hash_cache.get(key)
+        if got is not None:
+            return got
+        ids = self.tokens.token_ids(req)
+        if with_output and req.output_segment and req.output_tokens:
+            ids = np.concatenate(
+                [ids, self.tokens.segment_token_ids(req.output_segment, req.output_tokens)]
+            )
+        h = T.block_hashes(ids, self.args.block_tokens, self.trace.seed)
+        self._hash_cache[key] = h
+        if len(self._hash_cache) > 256:
+            self._hash_cache.popitem(last=False)
+        return h
+
+    def run(self, strategy: str, nodes: list[NodeProcs], progress: _common.Progress) -> dict:
+        from kvstore.client import Client
+        from kvstore.namespace import NamespaceSpec
+
+        args, cost = self.args, self.cost
+        n = len(nodes)
+        B = args.block_tokens
+        clients = [Client(f"unix:{nd.socket}") for nd in nodes]
+        spec = NamespaceSpec(
+            model=MODEL,
+            dtype="bfloat16",
+            block_size_tokens=B,
+            num_layers=cost.layers,
+            num_kv_heads=cost.kv_heads,
+            head_dim=cost.head_dim,
+            tp_rank=0,
+            tp_world_size=1,
+            tenant="",
+            block_bytes=args.block_bytes,
+        )
+        nss = [c.declare_namespace(spec) for c in clients]
+        engines = [GpuCacheModel(nd.name, self.gpu_blocks, nd.engine_events, B) for nd in nodes]
+        index: Scorer
+        if self.args.indexer == "service":
+            index = IndexerService(nodes, B, Path(nodes[0].socket).parent / "indexer.log")
+        else:
+            index = EventIndex([nd.events for nd in nodes] + [nd.engine_events for nd in nodes])
+        time.sleep(0.3)  # ZMQ slow joiner: let subscriptions reach the publishers
+        router: Router
+        if strategy == "random":
+            router = RandomRouter(n, args.seed)
+        elif strategy == "round-robin":
+            router = RoundRobinRouter(n)
+        elif strategy in ("approximate", GPU_ONLY):
+            router = ApproximateRouter(n, self.gpu_blocks)
+        else:
+            router = PreciseRouter([nd.name for nd in nodes], index)
+        tally = Tally()
+        storage = strategy != GPU_ONLY
+        reqs = self.trace.requests
+        if args.max_requests:
+            reqs = reqs[: args.max_requests]
+        by_id = {r.id: r for r in reqs}
+        waiting = {r.id: len([d for d in r.after if d in by_id]) for r in reqs}
+        dependents = T.iter_dependents(reqs)
+        last_finish: dict[str, float] = {}
+        arrival: dict[str, float] = {}
+        events: list[tuple[float, int, str, str, int]] = []
+        seq = 0
+        for r in reqs:
+            if waiting[r.id] == 0:
+                heapq.heappush(events, (r.delay_s, seq, "arrive", r.id, -1))
+                seq += 1
+        queues: list[deque[str]] = [deque() for _ in range(n)]
+        busy = [False] * n
+        score_s: list[float] = []
+        wall0 = time.perf_counter()
+        now = 0.0
+
+        def start(node: int, rid: str, t: float) -> None:
+            nonlocal seq
+            req = by_id[rid]
+            hashes = self.hashes_of(req, False)
+            ntok = req.input_tokens
+            gpu = engines[node].prefix(hashes)
+            rest = hashes[gpu:]
+            dram = disk = peer = 0
+            c, ns = clients[node], nss[node]
+            if len(rest) and storage:
+                # The tier split needs a Lookup; without a disk tier every local
+                # hit is DRAM and the load itself (PrepareLoad) finds the prefix.
+                on_disk = c.lookup(ns, rest).by_tier.get("disk", 0) if self.has_disk else 0
+                got = c.get(ns, rest)
+                local = got.found
+                if local:
+                    tally.blocks_loaded += local
+                    tally.verified_blocks += local
+                    tally.verify_failures += verify(got.data, rest[:local])
+                    disk = min(local, on_disk)
+                    dram = local - disk
+                missing = rest[local:]
+                if args.peers == "on" and len(missing):
+                    peer = self._pull(node, missing, clients, nss, index, nodes, tally)
+            cap = max(0, ntok - 1)  # the last token is always computed
+
+            def toks(b: int) -> int:
+                return b * B
+
+            parts = {"gpu": toks(gpu), "dram": toks(dram), "disk": toks(disk), "peer": toks(peer)}
+            over = sum(parts.values()) - cap
+            for k in ("peer", "disk", "dram", "gpu"):
+                if over <= 0:
+                    break
+                cut = min(over, parts[k])
+                parts[k] -= cut
+                over -= cut
+            recompute = ntok - sum(parts.values())
+            for k, v in parts.items():
+                tally.tokens[k] += v
+            tally.tokens["recompute"] += recompute
+            tally.input_tokens += ntok
+            tally.output_tokens += req.output_tokens
+            ttft, occupancy, _ = cost.service(
+                input_tokens=ntok,
+                output_tokens=req.output_tokens,
+                gpu_tokens=parts["gpu"],
+                dram_tokens=parts["dram"],
+                disk_tokens=parts["disk"],
+                peer_tokens=parts["peer"],
+            )
+            tally.ttft_s.append(t - arrival[rid] + ttft)
+            heapq.heappush(events, (t + occupancy, seq, "finish", rid, node))
+            seq += 1
+            busy[node] = True
+
+        def finish(node: int, rid: str, t: float) -> None:
+            nonlocal seq
+            req = by_id[rid]
+            full = self.hashes_of(req, True)
+            engines[node].insert(full)
+            if storage:
+                res = clients[node].put(nss[node], full, block_payload(full, args.block_bytes))
+                tally.blocks_stored += res.stored
+            tally.requests += 1
+            last_finish[rid] = t
+            for dep in dependents.get(rid, []):
+                if dep not in waiting:
+                    continue
+                waiting[dep] -= 1
+                if waiting[dep] == 0:
+                    d = by_id[dep]
+                    ready = max(last_finish[a] for a in d.after if a in last_finish)
+                    heapq.heappush(events, (ready + d.delay_s, seq, "arrive", dep, -1))
+                    seq += 1
+            busy[node] = False
+            if queues[node]:
+                start(node, queues[node].popleft(), t)
+            progress.update(1, strategy)
+
+        try:
+            max_events = 4 * len(reqs) + 16  # each request arrives, starts, finishes once
+            for _ in range(max_events):
+                if not events:
+                    break
+                now, _, kind, rid, node = heapq.heappop(events)
+                if kind == "arrive":
+                    arrival[rid] = now
+                    req = by_id[rid]
+                    hashes = self.hashes_of(req, False)
+                    qlen = [len(q) + int(b) for q, b in zip(queues, busy, strict=True)]
+                    chosen = router.choose(hashes, qlen)
+                    router.routed(chosen, self.hashes_of(req, True))
+                    if busy[chosen]:
+                        queues[chosen].append(rid)
+                    else:
+                        start(chosen, rid, now)
+                else:
+                    finish(node, rid, now)
+            else:
+                raise RuntimeError("replay did not drain its event queue (a bug)")
+            if tally.requests != len(reqs):
+                raise RuntimeError(f"replayed {tally.requests} of {len(reqs)} requests")
+            if isinstance(router, PreciseRouter):
+                score_s = router.score_s
+        finally:
+            for e in engines:
+                e.close()
+            index.close()
+            for c in clients:
+                c.close()
+        tally.makespan_s = now
+        return self._summary(tally, time.perf_counter() - wall0, score_s)
+
+    def _pull(
+        self,
+        node: int,
+        missing: np.ndarray,
+        clients: list,
+        nss: list,
+        index: Scorer,
+        nodes: list[NodeProcs],
+        tally: Tally,
+    ) -> int:
+        """Pull the longest run of `missing` that one peer daemon holds; -> blocks."""
+        index.catch_up()
+        scores = index.score(missing)
+        # prefix_blocks counts blocks in any tier of the peer; its daemon holds
+        # what the engine computed unless it evicted them: the get below finds out.
+        best, best_n = -1, 0
+        for i, nd in enumerate(nodes):
+            s = scores.get(nd.name)
+            if i != node and s is not None and s.prefix_blocks > best_n:
+                best, best_n = i, s.prefix_blocks
+        if best < 0:
+            return 0
+        got = clients[best].get(nss[best], missing[:best_n])
+        if not got.found:
+            return 0
+        bad = verify(got.data, missing[: got.found])
+        tally.verified_blocks += got.found
+        tally.verify_failures += bad
+        clients[node].put(nss[node], missing[: got.found], got.data)
+        tally.blocks_pulled += got.found
+        return got.found
+
+    def _summary(self, t: Tally, wall_s: float, score_s: list[float]) -> dict[str, Any]:
+        total = max(1, t.input_tokens)
+        shares = {k: v / total for k, v in t.tokens.items()}
+        ttft = np.asarray(t.ttft_s) if t.ttft_s else np.zeros(1)
+        sc = np.asarray(score_s) if score_s else np.zeros(1)
+        return {
+            "requests": t.requests,
+            "input_tokens": t.input_tokens,
+            "output_tokens": t.output_tokens,
+            "token_shares": shares,
+            "tokens": t.tokens,
+            "local_prefix_hit_rate": shares["gpu"] + shares["dram"] + shares["disk"],
+            "cached_share": 1.0 - shares["recompute"],
+            "tokens_recomputed": t.tokens["recompute"],
+            "ttft_s": {
+                "p50": float(np.percentile(ttft, 50)),
+                "p90": float(np.percentile(ttft, 90)),
+                "mean": float(ttft.mean()),
+            },
+            "ttft_samples_s": [float(x) for x in ttft[:: max(1, len(ttft) // 2000)]],
+            "makespan_s": t.makespan_s,
+            "throughput_tokens_per_s": (t.input_tokens + t.output_tokens) / t.makespan_s
+            if t.makespan_s
+            else 0.0,
+            "blocks_loaded": t.blocks_loaded,
+            "blocks_stored": t.blocks_stored,
+            "blocks_pulled": t.blocks_pulled,
+            "verified_blocks": t.verified_blocks,
+            "verify_failures": t.verify_failures,
+            "wall_s": wall_s,
+            "score_latency_s": {
+                "p50": float(np.percentile(sc, 50)),
+                "p99": float(np.percentile(sc, 99)),
+            },
+        }
+
+
+# -- entry point -------------------------------------------------------------------
+
+
+GOALS = (
+    ("precise local prefix hit rate", "local_prefix_hit_rate", 0.80, "73.18%, approximate 44.46%"),
+    ("share of input tokens from some cache tier (precise)", "cached_share", 0.95, "85.2%"),
+)
+
+
+def goals(strategies: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    out: list[dict[str, Any]] = []
+    p = strategies.get("precise")
+    a = strategies.get("approximate")
+    if p:
+        for what, key, goal, ref in GOALS:
+            out.append(
+                {
+                    "what": what,
+                    "value": f"{100 * p[key]:.1f}%",
+                    "goal": f">= {100 * goal:.0f}%",
+                    "met": p[key] >= goal,
+                    "reference": ref,
+                }
+            )
+    baselines = [
+        ("approximate", "modelled throughput, precise over approximate (both with kvstore)"),
+        (
+            GPU_ONLY,
+            "modelled throughput, precise (with kvstore) over approximate on GPU caches "
+            "only (no kvstore)",
+        ),
+    ]
+    for key, what in baselines:
+        a = strategies.get(key)
+        if p and a and a["throughput_tokens_per_s"]:
+            gain = p["throughput_tokens_per_s"] / a["throughput_tokens_per_s"] - 1
+            out.append(
+                {
+                    "what": what,
+                    "value": f"{100 * gain:+.0f}%",
+                    "goal": ">= +90%",
+                    "met": gain >= 0.9,
+                    "reference": "+79%",
+                }
+            )
+    return out, []
+
+
+def run(args: argparse.Namespace) -> int:
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = set(strategies) - set(STRATEGIES)
+    if bad:
+        print(f"unknown strategies {sorted(bad)}; choose from {STRATEGIES}", file=sys.stderr)
+        return 2
+    if args.block_bytes % 8 or args.block_bytes <= 0:
+        print("--block-bytes must be a positive multiple of 8", file=sys.stderr)
+        return 2
+    if args.trace:
+        trace = T.read(args.trace)
+        preset = f"file:{args.trace}"
+    else:
+        params = T.preset_params(
+            args.preset, args.quick, agents=args.agents, turns=args.turns, tasks=args.tasks
+        )
+        trace = T.generate(params, args.seed, args.preset)
+        preset = args.preset
+    nodes_n = args.nodes or (4 if args.quick else 8)
+    cost = CostModel()
+    B = args.block_tokens
+    real_block_bytes = B * cost.kv_bytes_per_token
+    gpu_blocks = max(1, cost.gpu_cache_tokens() // B)
+    dram_blocks = max(1, int(args.dram_gb * 1e9 // real_block_bytes))
+    disk_blocks = int(args.disk_gb * 1e9 // real_block_bytes)
+    chunk_bytes = max(args.block_bytes, 1 << 20)
+    # Region: the blocks plus one chunk of slack per size class in the slab allocator.
+    dram_bytes = ((dram_blocks * args.block_bytes) // chunk_bytes + 2) * chunk_bytes
+    disk_bytes = (
+        -(-disk_blocks * args.block_bytes // chunk_bytes) * chunk_bytes if disk_blocks else 0
+    )
+    stats = T.stats(trace)
+    n_reqs = min(len(trace.requests), args.max_requests or len(trace.requests))
+    progress_enabled = {"auto": None, "on": True, "off": False}[args.progress]
+    out_dir = _common.results_dir(
+        args.results, f"agentic-{args.preset if not args.trace else 'file'}"
+    )
+    replay = Replay(args, trace, cost, gpu_blocks)
+    results: dict[str, Any] = {}
+    print(
+        f"agentic: {n_reqs} requests, {nodes_n} nodes, strategies {strategies}; "
+        f"GPU cache {gpu_blocks} blocks, DRAM {dram_blocks}, disk {disk_blocks} per node",
+        file=sys.stderr,
+    )
+    for strategy in strategies:
+        progress = _common.Progress(n_reqs, f"{strategy:>11}", progress_enabled)
+        with (
+            tempfile.TemporaryDirectory(prefix="kvsbench-agentic-") as tmp_name,
+            cluster(
+                nodes_n,
+                Path(tmp_name),
+                dram_bytes,
+                disk_bytes,
+                chunk_bytes,
+                args.daemon_events == "on",
+            ) as procs,
+        ):
+            results[strategy] = replay.run(strategy, procs, progress)
+        progress.close()
+        s = results[strategy]
+        print(
+            f"  {strategy:>11}: local hit {100 * s['local_prefix_hit_rate']:.1f}%  "
+            f"cached {100 * s['cached_share']:.1f}%  throughput "
+            f"{s['throughput_tokens_per_s']:,.0f} tok/s (modelled)  wall {s['wall_s']:.1f} s",
+            file=sys.stderr,
+        )
+    cluster_info = {
+        "nodes": nodes_n,
+        "gpu_blocks": gpu_blocks,
+        "dram_blocks": dram_blocks,
+        "disk_blocks": disk_blocks,
+        "block_tokens": B,
+        "block_bytes": args.block_bytes,
+        "real_block_bytes": real_block_bytes,
+        "indexer": IndexerService.description
+        if args.indexer == "service"
+        else EventIndex.description,
+        "peers": "on (read from the peer daemon, stored locally, through the bench client)"
+        if args.peers == "on"
+        else "off",
+    }
+    goal_rows, limits = goals(results)
+    if preset == "cybergym" and not all(g["met"] for g in goal_rows):
+        limits = explain_limits(results, stats, cluster_info)
+    result = {
+        "preset": preset,
+        "trace": _common_struct(stats),
+        "cluster": cluster_info,
+        "strategies": results,
+        "goals": goal_rows if preset == "cybergym" else [],
+        "limits": limits,
+        "cost_model": cost.describe(),
+        "settings": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+    _common.write_json(out_dir / "agentic.json", result)
+    from bench import report
+
+    md = report.agentic_report(result, out_dir, command="kvstore-bench " + " ".join(sys.argv[1:]))
+    print(md)
+    print(f"results in {out_dir}")
+    failures = sum(s["verify_failures"] for s in results.values())
+    return 1 if failures else 0
+
+
+def _common_struct(stats: T.TraceStats) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(stats)
+
+
+def explain_limits(
+    results: dict[str, Any], stats: T.TraceStats, cluster: dict[str, Any]
+) -> list[str]:
+    compulsory = 1.0 - stats.prefix_reuse_bound
+    out = [
+        f"The trace itself: {100 * compulsory:.1f}% of input tokens are new (tool output, "
+        "first sight of a task) and must be computed whatever the cache; a partial last "
+        "block is never cached either."
+    ]
+    p = results.get("precise")
+    if p:
+        sh = p["token_shares"]
+        out.append(
+            f"Precise: {100 * sh['gpu']:.1f}% from the GPU cache model, {100 * sh['dram']:.1f}% "
+            f"local DRAM, {100 * sh['disk']:.1f}% local disk, {100 * sh['peer']:.1f}% peers, "
+            f"{100 * sh['recompute']:.1f}% recomputed."
+        )
+        lost = sh["recompute"] - compulsory
+        if lost > 0.005:
+            tiers = f"{cluster['nodes']} x {cluster['dram_blocks']} DRAM blocks"
+            if cluster["disk_blocks"]:
+                tiers += f" + {cluster['nodes']} x {cluster['disk_blocks']} disk blocks"
+            else:
+                tiers += " and no disk tier (--disk-gb 0)"
+            out.append(
+                f"Beyond the trace: {100 * lost:.1f}% of input tokens had been computed before "
+                "but were not found when their request started: evicted (the cluster holds "
+                f"{tiers}, against {p['blocks_stored']:,} blocks stored over the run), refused "
+                "by a full tier at store time, split across several peers (a pull reads one "
+                "peer), or not yet indexed (the indexer ingests events on its own clock while "
+                "the replay runs faster than real time; compare --indexer in-process)."
+            )
+    a = results.get("approximate")
+    if p and a:
+        out.append(
+            "Precise vs approximate with kvstore under both: the daemons' tiers and peer pulls "
+            f"serve approximate routing too ({100 * a['cached_share']:.1f}% of tokens from "
+            "cache), so routing alone changes little; the published +79% compared routers in "
+            "front of GPU-only caches, which is the approximate-gpu-only baseline here."
+        )
+    return out

@@ -1,0 +1,218 @@
+"""LMCache's side of `kvstore-bench compare`; runs inside .venv-lmcache only.
+
+lmcache-cpu: LMCache's in-process CPU tier (see LMCacheCPUSystem).
+
+lmcache-mp: LMCache's per-node MP server (`lmcache server
+--supported-transfer-mode engine_driven`) through the path a vLLM worker
+uses: the worker registers its KV cache layout (engine-driven shared-memory
+transfer context), then stores and retrieves contiguous KV tensors with the
+same calls LMCache's own SDK makes (lmcache/sdk/context.py): STORE through
+the shared-memory L1 pool; LOOKUP -> QUERY_PREFETCH_STATUS -> RETRIEVE ->
+END_SESSION. (The SDK itself cannot be used as is: it only finds layouts
+that a GPU vLLM instance registered.)
+
+The same bytes as every other system are handed over: the (n, block_bytes)
+array is viewed, without a copy, as a [2, 1 layer, n * chunk tokens, D]
+float16 KV tensor, D chosen so one LMCache chunk is exactly one block's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+import zlib
+from typing import Any
+
+import numpy as np
+
+CHUNK_TOKENS = 256  # `lmcache server --chunk-size` default
+MODEL = "kvstore-bench/compare"
+TIMEOUT_S = 60.0
+
+
+class LMCacheMPSystem:
+    name = "lmcache-mp"
+
+    def __init__(self, p: dict[str, Any]) -> None:
+        import torch
+        import zmq
+        from lmcache.sdk.wrapper.contiguous import ContiguousTransferWrapper
+        from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+        from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
+            create_transfer_context,
+        )
+        from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+        self.torch = torch
+        bb = p["block_bytes"]
+        if bb % (2 * CHUNK_TOKENS * 2):
+            raise ValueError(f"block_bytes {bb} is not a multiple of {4 * CHUNK_TOKENS}")
+        self.head_dim = bb // (2 * CHUNK_TOKENS * 2)
+        self.bb = bb
+        # Register a layout as a vLLM worker would (one layer, one KV head,
+        # engine block = one LMCache chunk), so the SDK can derive shapes.
+        self._zctx = zmq.Context()
+        self._reg_client = RequestClientFactory.create(p["url"], context=self._zctx)
+        caches = {
+            "layer.0": torch.zeros((1, 2, 1, CHUNK_TOKENS, self.head_dim), dtype=torch.float16)
+        }
+        self._reg_caches = caches
+        self._reg = create_transfer_context(
+            caches, instance_id=uuid.uuid4().int & ((1 << 63) - 1), req_client=self._reg_client
+        )
+        self._model = f"{MODEL}-{bb}"
+        self._reg.register(
+            caches,
+            self._model,
+            1,
+            1,
+            60.0,
+            layout_hints={
+                "kv_layout": "HND",
+                "num_kv_heads": 1,
+                "tokens_per_block": CHUNK_TOKENS,
+                "head_dim": self.head_dim,
+            },
+        )
+        self._instance_id = self._reg._instance_id
+        self._xfer = ContiguousTransferWrapper(self._reg.engine_driven_context, CHUNK_TOKENS)
+        self._key_cls = IPCCacheServerKey
+
+    def _key(self, tokens: list[int], request_id: str, worker_id: int | None = 0):
+        return self._key_cls(
+            model_name=self._model,
+            world_size=1,
+            num_kv_readers=1,
+            worker_id=worker_id,
+            token_ids=tuple(tokens),
+            start=0,
+            end=len(tokens),
+            request_id=request_id,
+            cache_salt="",
+            request_configs=None,
+        )
+
+    def _end(self, request_id: str) -> None:
+        self._reg_client.end_session(request_id).result(timeout=TIMEOUT_S)
+
+    def _tokens(self, keys: list[str]) -> list[int]:
+        base = zlib.crc32(keys[0].encode()) % (1 << 30)
+        return list(range(base, base + len(keys) * CHUNK_TOKENS))
+
+    def _as_kv(self, blocks: np.ndarray):
+        n = len(blocks)
+        flat = self.torch.from_numpy(blocks.reshape(-1))
+        return flat.view(self.torch.float16).view(2, 1, n * CHUNK_TOKENS, self.head_dim)
+
+    def store(self, keys: list[str], blocks: np.ndarray) -> None:
+        rid = f"store-{uuid.uuid4().hex}"
+        try:
+            if not self._xfer.store(
+                self._key(self._tokens(keys), rid), self._instance_id, self._as_kv(blocks)
+            ):
+                raise RuntimeError("lmcache store failed")
+        finally:
+            self._end(rid)
+
+    def load(self, keys: list[str], out: np.ndarray) -> None:
+        tokens = self._tokens(keys)
+        rid = f"retrieve-{uuid.uuid4().hex}"
+        try:
+            lookup_key = self._key(tokens, rid).no_worker_id_version()
+            self._reg_client.lookup(lookup_key, 1).result(timeout=TIMEOUT_S)
+            deadline = time.monotonic() + TIMEOUT_S
+            chunks = None
+            while chunks is None and time.monotonic() < deadline:
+                chunks = self._reg_client.query_prefetch_status(rid).result(timeout=TIMEOUT_S)
+            if chunks is None or chunks * CHUNK_TOKENS != len(tokens):
+                raise RuntimeError(f"lmcache lookup found {chunks} of {len(keys)} chunks")
+            got = self._xfer.retrieve(self._key(tokens, rid), self._instance_id)
+            if got is None or got.numel() * 2 != out.nbytes:
+                raise RuntimeError(
+                    f"lmcache retrieve returned {None if got is None else got.shape}"
+                )
+            self._as_kv(out).copy_(got)
+        finally:
+            self._end(rid)
+
+    def remove(self, keys: list[str]) -> None:
+        # The SDK has no delete; the L1 pool is sized for every round plus
+        # slack and evicts LRU, so old rounds only age out.
+        pass
+
+    def close(self) -> None:
+        self._reg_client.close()
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "server": f"lmcache server, chunk {CHUNK_TOKENS} tokens, LRU, shared-memory L1",
+            "client": "engine-driven SHM transfer context + the SDK's call sequence",
+        }
+
+
+class LMCacheCPUSystem:
+    """LMCache's in-process CPU tier (LocalCPUBackend over its MixedMemoryAllocator):
+    the engine's own process holds the cache, so a store or load is an
+    allocation plus a copy, with no other process involved."""
+
+    name = "lmcache-cpu"
+
+    def __init__(self, p: dict[str, Any]) -> None:
+        import torch
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_allocators.mixed_memory_allocator import MixedMemoryAllocator
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        self.torch = torch
+        self._key_cls = CacheEngineKey
+        self._fmt = MemoryFormat.KV_2LTD
+        size = int(p["capacity_bytes"])
+        cfg = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK_TOKENS, local_cpu=True, max_local_cpu_size=size / 2**30
+        )
+        self.backend = LocalCPUBackend(cfg, memory_allocator=MixedMemoryAllocator(size))
+        self.bb = p["block_bytes"]
+
+    def _key(self, k: str):
+        chunk_hash = int.from_bytes(hashlib.blake2b(k.encode(), digest_size=8).digest(), "little")
+        return self._key_cls(MODEL, 1, 0, chunk_hash, self.torch.uint8)
+
+    def store(self, keys: list[str], blocks: np.ndarray) -> None:
+        shape = self.torch.Size([self.bb])
+        for k, b in zip(keys, blocks, strict=True):
+            obj = self.backend.allocate(shape, self.torch.uint8, fmt=self._fmt)
+            if obj is None:
+                raise RuntimeError("lmcache-cpu: allocation failed")
+            np.copyto(obj.tensor.numpy(), b)
+            self.backend.submit_put_task(self._key(k), obj)
+            obj.ref_count_down()  # the backend holds its own reference
+
+    def load(self, keys: list[str], out: np.ndarray) -> None:
+        for i, k in enumerate(keys):
+            obj = self.backend.get_blocking(self._key(k))
+            if obj is None:
+                raise RuntimeError(f"lmcache-cpu: {k} missing")
+            np.copyto(out[i], obj.tensor.numpy().reshape(-1))
+            obj.ref_count_down()
+
+    def remove(self, keys: list[str]) -> None:
+        for k in keys:
+            self.backend.remove(self._key(k))
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "engine": "LocalCPUBackend + MixedMemoryAllocator, in the measuring process",
+            "note": "in-process: no IPC at all, unlike every other system here",
+        }
+
+
+def make(p: dict[str, Any]) -> Any:
+    if p["system"] == "lmcache-mp":
+        return LMCacheMPSystem(p)
+    return LMCacheCPUSystem(p)

@@ -1,0 +1,139 @@
+"""CI smoke runs of `kvstore-bench agentic` and `compare`: real daemons, real
+bytes, real outputs (report, JSON, plots), kept small for 2 cores."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _only_dir(results: Path) -> Path:
+    dirs = [p for p in results.iterdir() if p.is_dir()]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+@pytest.mark.timeout(240)
+def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    before = set(Path("/dev/shm").glob("kvsbench-*"))
+    proc = _bench(
+        "agentic",
+        "--preset",
+        "cybergym",
+        "--quick",
+        "--agents",
+        "8",
+        "--tasks",
+        "2",
+        "--turns",
+        "3",
+        "--nodes",
+        "2",
+        "--progress",
+        "on",
+        "--results",
+        str(results),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _only_dir(results)
+    data = json.loads((out / "agentic.json").read_text())
+    assert set(data["strategies"]) == {
+        "random",
+        "round-robin",
+        "approximate",
+        "precise",
+        "approximate-gpu-only",
+    }
+    n_requests = data["trace"]["requests"]
+    for name, s in data["strategies"].items():
+        assert s["requests"] == n_requests, name
+        assert s["verify_failures"] == 0, name
+        if name == "approximate-gpu-only":  # no kvstore at all: nothing stored or loaded
+            assert s["blocks_stored"] == s["blocks_loaded"] == 0
+            assert s["token_shares"]["dram"] == s["token_shares"]["peer"] == 0
+        else:
+            assert s["blocks_stored"] > 0, name
+        assert sum(s["token_shares"].values()) == pytest.approx(1.0), name
+        assert 0.0 < s["cached_share"] <= data["trace"]["prefix_reuse_bound"] + 1e-9, name
+        assert s["throughput_tokens_per_s"] > 0 and s["ttft_s"]["p50"] > 0, name
+    # The turns reuse their predecessors: something was served from the daemons
+    # (or peers) and verified byte for byte.
+    assert sum(s["verified_blocks"] for s in data["strategies"].values()) > 0
+    report = (out / "report.md").read_text()
+    assert "Measured" in report and "Modelled" in report and "| precise |" in report
+    for png in ("hit_rate.png", "tier_shares.png", "ttft_cdf.png"):
+        assert (out / png).stat().st_size > 1000
+    assert "precise" in proc.stderr  # per-strategy progress lines
+    assert set(Path("/dev/shm").glob("kvsbench-*")) <= before, "daemon regions left behind"
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_compare_quick_kvstore_and_redis_same_blocks(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    before = set(Path("/dev/shm").glob("kvsbench-*"))
+    proc = _bench(
+        "compare",
+        "--systems",
+        "kvstore,redis",
+        "--block-sizes",
+        "65536",
+        "--total-bytes",
+        str(8 << 20),
+        "--repeats",
+        "2",
+        "--latency-ops",
+        "5",
+        "--results",
+        str(results),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((_only_dir(results) / "compare.json").read_text())
+    rows = {r["system"]: r for r in data["results"]}
+    assert set(rows) == {"kvstore", "redis"}
+    for name, r in rows.items():
+        assert "error" not in r, r
+        assert r["verified"] is True, name
+        assert r["n_blocks"] == 128
+        assert r["load"]["median_s"] > 0 and r["memcpy"]["median_s"] > 0
+    entry = data["summary"]["65536"]
+    assert entry["best_peer_load"] == "redis"
+    assert entry["kvstore_load_over_best_peer"] > 0
+    assert "kvstore vs the best peer" in proc.stdout
+    assert set(Path("/dev/shm").glob("kvsbench-*")) <= before, "daemon region left behind"
+
+
+def test_compare_rejects_unknown_system(tmp_path: Path) -> None:
+    proc = _bench(
+        "compare", "--systems", "kvstore,nosuch", "--results", str(tmp_path), timeout_s=60
+    )
+    assert proc.returncode == 2
+    assert "nosuch" in proc.stderr
+
+
+def test_cli_names_missing_subcommand_modules() -> None:
+    proc = _bench("--help", timeout_s=60)
+    assert proc.returncode == 0
+    for name in ("local", "tiers", "policy", "indexer", "p2p", "vllm", "agentic", "compare"):
+        assert name in proc.stdout
