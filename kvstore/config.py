@@ -223,24 +223,29 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """KVSTORE_DRAM__CAPACITY_BYTES=1G -> {"dram": {"capacity_bytes": "1G"}}.
-
-    Config variables are the nested ones (SECTION__KEY) and the top-level
-    fields (KVSTORE_NODE_ID). Other KVSTORE_* variables belong to clients and
-    tools (KVSTORE_ADDRESS, KVSTORE_SECRET, KVSTORE_CONFIG, ...) and are not
-    config; a typo inside a section (KVSTORE_DRAM__CAPCITY_BYTES) still fails.
-    """
-    top_level = {
-        f for f in Config.__struct_fields__ if not isinstance(getattr(Config(), f), msgspec.Struct)
+# KVSTORE_* variables that are not daemon config: read by clients, tools and
+# tests. Every other KVSTORE_* variable must name a config field (a typo fails).
+NON_CONFIG_ENV = frozenset(
+    {
+        "KVSTORE_CONFIG",
+        "KVSTORE_ADDRESS",
+        "KVSTORE_SECRET",
+        "KVSTORE_VLLM_PYTHON",
+        "KVSTORE_VLLM_ANY_VERSION",
     }
+)
+NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """KVSTORE_DRAM__CAPACITY_BYTES=1G -> {"dram": {"capacity_bytes": "1G"}}."""
     tree: dict[str, Any] = {}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in NON_CONFIG_ENV:
             continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if "__" in key or key in top_level:
-            _set_path(tree, key.replace("__", "."), value)
+        if name.startswith(NON_CONFIG_ENV_PREFIXES):
+            continue
+        _set_path(tree, name[len(ENV_PREFIX) :].lower().replace("__", "."), value)
     return tree
 
 

@@ -84,3 +84,5 @@ def test_client_and_tool_variables_are_not_config():
         load_config(environ={"KVSTORE_DRAM__CAPCITY_BYTES": "1"})
     with pytest.raises(ConfigError, match=r"dramm"):
         load_config(environ={"KVSTORE_DRAMM__CAPACITY_BYTES": "1"})
+    with pytest.raises(ConfigError, match=r"nodeid"):
+        load_config(environ={"KVSTORE_NODEID": "n1"})
