@@ -254,10 +254,25 @@ class Client:
         )
         return Namespace(reply.namespace_id, reply.block_bytes, spec)
 
-    def lookup(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LookupResult:
+    def lookup(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        *,
+        peer_hint: str = "",
+        peer_timeout_s: float = 0.0,
+    ) -> LookupResult:
+        """Longest present prefix. peer_hint (node id or host:port): the daemon first
+        pulls what it lacks from that peer (needs peer.enabled)."""
         reply = self._call(
             self._stub.Lookup,
-            pb.LookupRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+            pb.LookupRequest(
+                namespace_id=ns.namespace_id,
+                block_hashes=pack_hashes(hashes),
+                peer_hint=peer_hint,
+                peer_timeout_s=peer_timeout_s,
+            ),
+            timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
         )
         return LookupResult(
             reply.prefix_blocks, {_tier_name(t.tier): t.blocks for t in reply.by_tier}
@@ -302,15 +317,25 @@ class Client:
         return int(self._call(self._stub.CommitStore, request).committed)
 
     def prepare_load(
-        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, lease_ttl_s: float = 0.0
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        lease_ttl_s: float = 0.0,
+        *,
+        peer_hint: str = "",
+        peer_timeout_s: float = 0.0,
     ) -> LoadHandle:
+        """Pin the longest present prefix (after pulling it from peer_hint, if given)."""
         reply = self._call(
             self._stub.PrepareLoad,
             pb.PrepareLoadRequest(
                 namespace_id=ns.namespace_id,
                 block_hashes=pack_hashes(hashes),
                 lease_ttl_s=lease_ttl_s,
+                peer_hint=peer_hint,
+                peer_timeout_s=peer_timeout_s,
             ),
+            timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
         )
         return LoadHandle(
             reply.lease_id, ns, reply.found_blocks, _u64(reply.offsets), _u64(reply.checksums)

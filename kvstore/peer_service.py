@@ -203,13 +203,18 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         self.puller = puller
         self.peers = peers  # node id -> gRPC address
 
+    def resolve(self, node_id: str = "", address: str = "") -> str:
+        """A peer's gRPC address: given, or looked up by node id in [peer] peers."""
+        address = address or self.peers.get(node_id, "")
+        if not address:
+            raise errors.InvalidRequest(
+                f"unknown peer {node_id!r}: give its host:port or list it in [peer] peers"
+            )
+        return address
+
     async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
-            address = request.peer_address or self.peers.get(request.peer_node_id, "")
-            if not address:
-                raise errors.InvalidRequest(
-                    f"unknown peer {request.peer_node_id!r}: give peer_address or list it in [peer] peers"
-                )
+            address = self.resolve(request.peer_node_id, request.peer_address)
             if request.timeout_s < 0:
                 raise errors.InvalidRequest("timeout_s must be >= 0")
             hashes = unpack_u64(request.block_hashes)
@@ -308,6 +313,19 @@ class PeerNode:
             max_message_bytes=max_message_bytes,
         )
         self.fetch_service = PeerFetchService(self.puller, dict(peers or {}))
+
+    async def fill(self, ns_id: str, hashes: list[int], hint: str, timeout_s: float) -> None:
+        """Pull what the local prefix of `hashes` lacks from the hinted peer, if it can.
+
+        `hint` is a node id of [peer] peers or a host:port. A peer that is down,
+        slow or lacks the blocks leaves the local answer as it is (logged): a
+        hint may be stale, and a lookup must still answer.
+        """
+        address = hint if ":" in hint else self.fetch_service.resolve(node_id=hint)
+        try:
+            await self.puller.pull(ns_id, hashes, address, timeout_s)
+        except (errors.Unavailable, errors.BackendError, errors.DataCorruption) as exc:
+            log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
 
     @property
     def transport_kind(self) -> str:

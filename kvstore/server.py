@@ -124,7 +124,10 @@ class Daemon:
             options=options,
             maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs,
         )
-        store_pb2_grpc.add_StoreServiceServicer_to_server(StoreService(self.manager), self.server)
+        peer_fill = self.peer.fill if self.peer is not None else None
+        store_pb2_grpc.add_StoreServiceServicer_to_server(
+            StoreService(self.manager, peer_fill), self.server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_services = self.peer.add_to_server(self.server) if self.peer is not None else []
         reflection.enable_server_reflection(

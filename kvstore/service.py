@@ -102,10 +102,26 @@ def spec_from_pb(spec: Any) -> NamespaceSpec:
     )
 
 
+# fill(namespace_id, hashes, peer_hint, timeout_s): pull what the local prefix lacks
+PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
+
+
 class StoreService(pb_grpc.StoreServiceServicer):
-    def __init__(self, manager: BlockManager) -> None:
+    def __init__(self, manager: BlockManager, peer_fill: PeerFill | None = None) -> None:
         self.manager = manager
         self.config = manager.config
+        self.peer_fill = peer_fill
+
+    async def _fill_from_hint(self, request: Any, hashes: list[int]) -> None:
+        if not request.peer_hint:
+            return
+        if self.peer_fill is None:
+            raise errors.StateConflict("peer_hint needs peer transfer: peer.enabled is off here")
+        if request.peer_timeout_s < 0:
+            raise errors.InvalidRequest("peer_timeout_s must be >= 0")
+        await self.peer_fill(
+            request.namespace_id, hashes, request.peer_hint, request.peer_timeout_s
+        )
 
     async def Hello(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         region = self.manager.region
@@ -151,19 +167,31 @@ class StoreService(pb_grpc.StoreServiceServicer):
 
         return await call(context, run)
 
+    def _lookup(self, namespace_id: str, hashes: list[int]) -> Any:
+        result = self.manager.lookup(namespace_id, hashes)
+        return pb.LookupResponse(
+            prefix_blocks=result.prefix_blocks,
+            by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],  # type: ignore[arg-type]
+        )
+
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        def run() -> Any:
-            result = self.manager.lookup(request.namespace_id, unpack_u64(request.block_hashes))
-            return pb.LookupResponse(
-                prefix_blocks=result.prefix_blocks,
-                by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],  # type: ignore[arg-type]
+        if not request.peer_hint:  # the hot path: no await
+            return await call(
+                context,
+                lambda: self._lookup(request.namespace_id, unpack_u64(request.block_hashes)),
             )
 
-        return await call(context, run)
+        async def pull_then_look() -> Any:
+            hashes = unpack_u64(request.block_hashes)
+            await self._fill_from_hint(request, hashes)
+            return self._lookup(request.namespace_id, hashes)
+
+        return await call_async(context, pull_then_look)
 
     async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
             hashes = unpack_u64(request.block_hashes)
+            await self._fill_from_hint(request, hashes)
             plan = await self.manager.prepare_load_async(
                 request.namespace_id, hashes, request.lease_ttl_s
             )

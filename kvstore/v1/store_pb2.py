@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/store.proto\x12\nkvstore.v1\"\x89\x02\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x15\n\rtp_world_size\x18\x08 \x01(\r\x12\x0f\n\x07pp_rank\x18\t \x01(\r\x12\x15\n\rpp_world_size\x18\n \x01(\r\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\r \x01(\x04\"\x0e\n\x0cHelloRequest\"\xcd\x01\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0bregion_path\x18\x03 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13\x64\x65\x66\x61ult_lease_ttl_s\x18\x06 \x01(\x01\x12\x17\n\x0fmax_block_bytes\x18\x07 \x01(\x04\x12\x1e\n\x16max_blocks_per_request\x18\x08 \x01(\x04\"B\n\x17\x44\x65\x63lareNamespaceRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\"E\n\x18\x44\x65\x63lareNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"V\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"k\n\x14PrepareStoreResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08statuses\x18\x02 \x01(\x0c\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\"\x89\x01\n\x12\x43ommitStoreRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x1d\n\x15has_parent_block_hash\x18\x03 \x01(\x08\x12\x19\n\x11parent_block_hash\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\"(\n\x13\x43ommitStoreResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\";\n\tTierCount\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\";\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\"O\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12&\n\x07\x62y_tier\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.TierCount\"U\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"a\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66ound_blocks\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x01(\x0c\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\"/\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\"$\n\x0c\x43learRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"~\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\"\xc9\x02\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x12\n\nnamespaces\x18\x04 \x01(\r\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x19\n\x11lookup_hit_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12lookup_miss_blocks\x18\x07 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\t \x01(\x04\x12\x15\n\rstored_blocks\x18\n \x01(\x04\x12\x15\n\rloaded_blocks\x18\x0b \x01(\x04\x12\x16\n\x0e\x64\x65moted_blocks\x18\x0c \x01(\x04\x12\x17\n\x0fpromoted_blocks\x18\r \x01(\x04\"L\n\x10PutInlineRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\x11PutInlineResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\x12\x0f\n\x07no_room\x18\x03 \x01(\r\">\n\x10GetInlineRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\"7\n\x11GetInlineResponse\x12\x14\n\x0c\x66ound_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_DISK\x10\x03*]\n\x0bStoreStatus\x12\x13\n\x0fSTORE_ALLOCATED\x10\x00\x12\x11\n\rSTORE_PRESENT\x10\x01\x12\x13\n\x0fSTORE_IN_FLIGHT\x10\x02\x12\x11\n\rSTORE_NO_ROOM\x10\x03\x32\xf4\x06\n\x0cStoreService\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.HelloResponse\x12]\n\x10\x44\x65\x63lareNamespace\x12#.kvstore.v1.DeclareNamespaceRequest\x1a$.kvstore.v1.DeclareNamespaceResponse\x12Q\n\x0cPrepareStore\x12\x1f.kvstore.v1.PrepareStoreRequest\x1a .kvstore.v1.PrepareStoreResponse\x12N\n\x0b\x43ommitStore\x12\x1e.kvstore.v1.CommitStoreRequest\x1a\x1f.kvstore.v1.CommitStoreResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bPrepareLoad\x12\x1e.kvstore.v1.PrepareLoadRequest\x1a\x1f.kvstore.v1.PrepareLoadResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tPutInline\x12\x1c.kvstore.v1.PutInlineRequest\x1a\x1d.kvstore.v1.PutInlineResponse\x12H\n\tGetInline\x12\x1c.kvstore.v1.GetInlineRequest\x1a\x1d.kvstore.v1.GetInlineResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvstore/v1/store.proto\x12\nkvstore.v1\"\x89\x02\n\rNamespaceSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x10\n\x08head_dim\x18\x06 \x01(\r\x12\x0f\n\x07tp_rank\x18\x07 \x01(\r\x12\x15\n\rtp_world_size\x18\x08 \x01(\r\x12\x0f\n\x07pp_rank\x18\t \x01(\r\x12\x15\n\rpp_world_size\x18\n \x01(\r\x12\x0e\n\x06tenant\x18\x0b \x01(\t\x12\x0e\n\x06layout\x18\x0c \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\r \x01(\x04\"\x0e\n\x0cHelloRequest\"\xcd\x01\n\rHelloResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0bregion_path\x18\x03 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x04 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x05 \x01(\x04\x12\x1b\n\x13\x64\x65\x66\x61ult_lease_ttl_s\x18\x06 \x01(\x01\x12\x17\n\x0fmax_block_bytes\x18\x07 \x01(\x04\x12\x1e\n\x16max_blocks_per_request\x18\x08 \x01(\x04\"B\n\x17\x44\x65\x63lareNamespaceRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\"E\n\x18\x44\x65\x63lareNamespaceResponse\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"V\n\x13PrepareStoreRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"k\n\x14PrepareStoreResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x10\n\x08statuses\x18\x02 \x01(\x0c\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvstore.v1.Tier\"\x89\x01\n\x12\x43ommitStoreRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x1d\n\x15has_parent_block_hash\x18\x03 \x01(\x08\x12\x19\n\x11parent_block_hash\x18\x04 \x01(\x04\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\"(\n\x13\x43ommitStoreResponse\x12\x11\n\tcommitted\x18\x01 \x01(\r\";\n\tTierCount\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x0e\n\x06\x62locks\x18\x02 \x01(\r\"f\n\rLookupRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x11\n\tpeer_hint\x18\x03 \x01(\t\x12\x16\n\x0epeer_timeout_s\x18\x04 \x01(\x01\"O\n\x0eLookupResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12&\n\x07\x62y_tier\x18\x02 \x03(\x0b\x32\x15.kvstore.v1.TierCount\"\x80\x01\n\x12PrepareLoadRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x11\n\tpeer_hint\x18\x04 \x01(\t\x12\x16\n\x0epeer_timeout_s\x18\x05 \x01(\x01\"a\n\x13PrepareLoadResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66ound_blocks\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x11\n\tchecksums\x18\x04 \x01(\x0c\"#\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\";\n\rDeleteRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\"/\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\x12\x0c\n\x04\x62usy\x18\x02 \x01(\r\"$\n\x0c\x43learRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"~\n\tTierStats\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvstore.v1.Tier\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x15\n\rpinned_blocks\x18\x05 \x01(\x04\"\xc9\x02\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvstore.v1.TierStats\x12\x12\n\nnamespaces\x18\x04 \x01(\r\x12\x15\n\ractive_leases\x18\x05 \x01(\r\x12\x19\n\x11lookup_hit_blocks\x18\x06 \x01(\x04\x12\x1a\n\x12lookup_miss_blocks\x18\x07 \x01(\x04\x12\x16\n\x0e\x65victed_blocks\x18\x08 \x01(\x04\x12\x16\n\x0e\x65xpired_leases\x18\t \x01(\x04\x12\x15\n\rstored_blocks\x18\n \x01(\x04\x12\x15\n\rloaded_blocks\x18\x0b \x01(\x04\x12\x16\n\x0e\x64\x65moted_blocks\x18\x0c \x01(\x04\x12\x17\n\x0fpromoted_blocks\x18\r \x01(\x04\"L\n\x10PutInlineRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\x11PutInlineResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x0f\n\x07skipped\x18\x02 \x01(\r\x12\x0f\n\x07no_room\x18\x03 \x01(\r\">\n\x10GetInlineRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\"7\n\x11GetInlineResponse\x12\x14\n\x0c\x66ound_blocks\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*H\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_DRAM\x10\x02\x12\r\n\tTIER_DISK\x10\x03*]\n\x0bStoreStatus\x12\x13\n\x0fSTORE_ALLOCATED\x10\x00\x12\x11\n\rSTORE_PRESENT\x10\x01\x12\x13\n\x0fSTORE_IN_FLIGHT\x10\x02\x12\x11\n\rSTORE_NO_ROOM\x10\x03\x32\xf4\x06\n\x0cStoreService\x12<\n\x05Hello\x12\x18.kvstore.v1.HelloRequest\x1a\x19.kvstore.v1.HelloResponse\x12]\n\x10\x44\x65\x63lareNamespace\x12#.kvstore.v1.DeclareNamespaceRequest\x1a$.kvstore.v1.DeclareNamespaceResponse\x12Q\n\x0cPrepareStore\x12\x1f.kvstore.v1.PrepareStoreRequest\x1a .kvstore.v1.PrepareStoreResponse\x12N\n\x0b\x43ommitStore\x12\x1e.kvstore.v1.CommitStoreRequest\x1a\x1f.kvstore.v1.CommitStoreResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12N\n\x0bPrepareLoad\x12\x1e.kvstore.v1.PrepareLoadRequest\x1a\x1f.kvstore.v1.PrepareLoadResponse\x12\x42\n\x07Release\x12\x1a.kvstore.v1.ReleaseRequest\x1a\x1b.kvstore.v1.ReleaseResponse\x12?\n\x06\x44\x65lete\x12\x19.kvstore.v1.DeleteRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12H\n\tPutInline\x12\x1c.kvstore.v1.PutInlineRequest\x1a\x1d.kvstore.v1.PutInlineResponse\x12H\n\tGetInline\x12\x1c.kvstore.v1.GetInlineRequest\x1a\x1d.kvstore.v1.GetInlineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2439
-  _globals['_TIER']._serialized_end=2511
-  _globals['_STORESTATUS']._serialized_start=2513
-  _globals['_STORESTATUS']._serialized_end=2606
+  _globals['_TIER']._serialized_start=2526
+  _globals['_TIER']._serialized_end=2598
+  _globals['_STORESTATUS']._serialized_start=2600
+  _globals['_STORESTATUS']._serialized_end=2693
   _globals['_NAMESPACESPEC']._serialized_start=39
   _globals['_NAMESPACESPEC']._serialized_end=304
   _globals['_HELLOREQUEST']._serialized_start=306
@@ -56,39 +56,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIERCOUNT']._serialized_start=1048
   _globals['_TIERCOUNT']._serialized_end=1107
   _globals['_LOOKUPREQUEST']._serialized_start=1109
-  _globals['_LOOKUPREQUEST']._serialized_end=1168
-  _globals['_LOOKUPRESPONSE']._serialized_start=1170
-  _globals['_LOOKUPRESPONSE']._serialized_end=1249
-  _globals['_PREPARELOADREQUEST']._serialized_start=1251
-  _globals['_PREPARELOADREQUEST']._serialized_end=1336
-  _globals['_PREPARELOADRESPONSE']._serialized_start=1338
-  _globals['_PREPARELOADRESPONSE']._serialized_end=1435
-  _globals['_RELEASEREQUEST']._serialized_start=1437
-  _globals['_RELEASEREQUEST']._serialized_end=1472
-  _globals['_RELEASERESPONSE']._serialized_start=1474
-  _globals['_RELEASERESPONSE']._serialized_end=1509
-  _globals['_DELETEREQUEST']._serialized_start=1511
-  _globals['_DELETEREQUEST']._serialized_end=1570
-  _globals['_DELETERESPONSE']._serialized_start=1572
-  _globals['_DELETERESPONSE']._serialized_end=1619
-  _globals['_CLEARREQUEST']._serialized_start=1621
-  _globals['_CLEARREQUEST']._serialized_end=1657
-  _globals['_CLEARRESPONSE']._serialized_start=1659
-  _globals['_CLEARRESPONSE']._serialized_end=1691
-  _globals['_STATSREQUEST']._serialized_start=1693
-  _globals['_STATSREQUEST']._serialized_end=1707
-  _globals['_TIERSTATS']._serialized_start=1709
-  _globals['_TIERSTATS']._serialized_end=1835
-  _globals['_STATSRESPONSE']._serialized_start=1838
-  _globals['_STATSRESPONSE']._serialized_end=2167
-  _globals['_PUTINLINEREQUEST']._serialized_start=2169
-  _globals['_PUTINLINEREQUEST']._serialized_end=2245
-  _globals['_PUTINLINERESPONSE']._serialized_start=2247
-  _globals['_PUTINLINERESPONSE']._serialized_end=2316
-  _globals['_GETINLINEREQUEST']._serialized_start=2318
-  _globals['_GETINLINEREQUEST']._serialized_end=2380
-  _globals['_GETINLINERESPONSE']._serialized_start=2382
-  _globals['_GETINLINERESPONSE']._serialized_end=2437
-  _globals['_STORESERVICE']._serialized_start=2609
-  _globals['_STORESERVICE']._serialized_end=3493
+  _globals['_LOOKUPREQUEST']._serialized_end=1211
+  _globals['_LOOKUPRESPONSE']._serialized_start=1213
+  _globals['_LOOKUPRESPONSE']._serialized_end=1292
+  _globals['_PREPARELOADREQUEST']._serialized_start=1295
+  _globals['_PREPARELOADREQUEST']._serialized_end=1423
+  _globals['_PREPARELOADRESPONSE']._serialized_start=1425
+  _globals['_PREPARELOADRESPONSE']._serialized_end=1522
+  _globals['_RELEASEREQUEST']._serialized_start=1524
+  _globals['_RELEASEREQUEST']._serialized_end=1559
+  _globals['_RELEASERESPONSE']._serialized_start=1561
+  _globals['_RELEASERESPONSE']._serialized_end=1596
+  _globals['_DELETEREQUEST']._serialized_start=1598
+  _globals['_DELETEREQUEST']._serialized_end=1657
+  _globals['_DELETERESPONSE']._serialized_start=1659
+  _globals['_DELETERESPONSE']._serialized_end=1706
+  _globals['_CLEARREQUEST']._serialized_start=1708
+  _globals['_CLEARREQUEST']._serialized_end=1744
+  _globals['_CLEARRESPONSE']._serialized_start=1746
+  _globals['_CLEARRESPONSE']._serialized_end=1778
+  _globals['_STATSREQUEST']._serialized_start=1780
+  _globals['_STATSREQUEST']._serialized_end=1794
+  _globals['_TIERSTATS']._serialized_start=1796
+  _globals['_TIERSTATS']._serialized_end=1922
+  _globals['_STATSRESPONSE']._serialized_start=1925
+  _globals['_STATSRESPONSE']._serialized_end=2254
+  _globals['_PUTINLINEREQUEST']._serialized_start=2256
+  _globals['_PUTINLINEREQUEST']._serialized_end=2332
+  _globals['_PUTINLINERESPONSE']._serialized_start=2334
+  _globals['_PUTINLINERESPONSE']._serialized_end=2403
+  _globals['_GETINLINEREQUEST']._serialized_start=2405
+  _globals['_GETINLINEREQUEST']._serialized_end=2467
+  _globals['_GETINLINERESPONSE']._serialized_start=2469
+  _globals['_GETINLINERESPONSE']._serialized_end=2524
+  _globals['_STORESERVICE']._serialized_start=2696
+  _globals['_STORESERVICE']._serialized_end=3580
 # @@protoc_insertion_point(module_scope)

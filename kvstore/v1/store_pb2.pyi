@@ -148,12 +148,16 @@ class TierCount(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes")
+    __slots__ = ("namespace_id", "block_hashes", "peer_hint", "peer_timeout_s")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PEER_HINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_hashes: bytes
-    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ...) -> None: ...
+    peer_hint: str
+    peer_timeout_s: float
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("prefix_blocks", "by_tier")
@@ -164,14 +168,18 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., by_tier: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "peer_hint", "peer_timeout_s")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_HINT_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_hashes: bytes
     lease_ttl_s: float
-    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    peer_hint: str
+    peer_timeout_s: float
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
     __slots__ = ("lease_id", "found_blocks", "offsets", "checksums")

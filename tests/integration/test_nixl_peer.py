@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
+from kvstore.errors import InvalidRequest, StateConflict
 from kvstore.process import DaemonProcess
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from tests.conftest import make_spec
@@ -462,3 +463,41 @@ def test_client_fetch_from_peer_by_node_id(peer_daemon) -> None:  # type: ignore
         assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (3, 3, 0)
         assert r.transport == "nixl"
     assert_holds(b, [11, 12, 13], block)
+
+
+def test_lookup_and_prepare_load_fill_from_a_peer_hint(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", extra={"peer.peers.node-a": a.tcp_address})
+    block = 64 << 10
+    put(a, list(range(20, 30)), block)
+    put(b, [20, 21], block)  # B already holds the head
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        assert cb.lookup(ns, list(range(20, 26))).prefix_blocks == 2
+        # by node id: B pulls 22..25 over NIXL before answering
+        r = cb.lookup(ns, list(range(20, 26)), peer_hint="node-a")
+        assert (r.prefix_blocks, r.by_tier) == (6, {"dram": 6})
+        # by address, in the load itself
+        h = cb.prepare_load(ns, list(range(20, 30)), peer_hint=a.tcp_address)
+        assert h.found == 10
+        cb.release(h)
+    assert_holds(b, list(range(20, 30)), block)
+
+
+def test_peer_hint_failures_leave_the_local_answer(peer_daemon, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    b = peer_daemon("node-b")
+    block = 4096
+    put(b, [1, 2], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        dead = f"127.0.0.1:{free_port()}"
+        t = time.monotonic()
+        assert cb.lookup(ns, [1, 2, 3], peer_hint=dead, peer_timeout_s=1.0).prefix_blocks == 2
+        assert time.monotonic() - t < 3.0  # bounded, and the answer is the local prefix
+        with pytest.raises(InvalidRequest, match="unknown peer"):
+            cb.lookup(ns, [1, 2, 3], peer_hint="no-such-node")
+    plain = daemon_factory("plain")  # peer transfer off
+    with Client(plain.address) as c:
+        ns = c.declare_namespace(make_spec(block))
+        with pytest.raises(StateConflict, match=r"peer\.enabled"):
+            c.lookup(ns, [1], peer_hint="node-a")
