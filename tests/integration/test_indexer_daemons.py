@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import msgspec
@@ -21,6 +20,7 @@ from kvstore.indexer.subscriber import SourceSpec
 from router_client import RouterClient
 from tests.conftest import make_spec
 from tests.integration._redis import free_port
+from tests.vllm_python import vllm_python
 
 
 def wait_for(cond, timeout_s: float = 15.0) -> None:
@@ -105,24 +105,9 @@ print(sorted(stored) == sorted(map(int, sys.argv[2].split(","))),
 """
 
 
-def _vllm_python() -> str | None:
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    for cand in (
-        os.environ.get("KVSTORE_VLLM_PYTHON", ""),
-        os.path.join(root, ".venv-vllm", "bin", "python"),
-    ):
-        if cand and os.path.exists(cand):
-            return cand
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return None
-    return sys.executable
-
-
 @pytest.mark.vllm
 def test_vllm_classes_decode_what_a_daemon_publishes(daemon_factory, tmp_path):
-    py = _vllm_python()
+    py = vllm_python()
     if py is None:
         pytest.skip("vLLM (CPU build) is not installed")
     settings = events_settings()

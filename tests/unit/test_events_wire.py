@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -24,6 +23,7 @@ from kvstore.events.wire import (
     make_topic,
     parse_topic,
 )
+from tests.vllm_python import vllm_python
 
 
 def _stored(**kw):
@@ -160,24 +160,9 @@ print("OK", len(got))
 """
 
 
-def _vllm_python() -> str | None:
-    here = os.path.dirname(__file__)
-    for cand in (
-        os.environ.get("KVSTORE_VLLM_PYTHON", ""),
-        os.path.join(here, "..", "..", ".venv-vllm", "bin", "python"),
-    ):
-        if cand and os.path.exists(cand):
-            return cand
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return None
-    return sys.executable
-
-
 @pytest.mark.vllm
 def test_vllm_decodes_what_our_publisher_sends():
-    py = _vllm_python()
+    py = vllm_python()
     if py is None:
         pytest.skip("vLLM (CPU build) is not installed")
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

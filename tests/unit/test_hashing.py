@@ -12,7 +12,6 @@ import hashlib
 import os
 import pickle
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from kvstore.hashing import (
     to_int_hash,
     to_int_hashes,
 )
+from tests.vllm_python import vllm_python
 
 
 def ref_pickle(parent: bytes, tokens: list[int], extra=None) -> bytes:
@@ -196,7 +196,6 @@ def test_max_blocks_bounds_work():
 
 # --- against vLLM itself ---------------------------------------------------------
 
-VLLM_PY = os.environ.get("KVSTORE_VLLM_PYTHON", "")
 
 _VLLM_SCRIPT = r"""
 import json, sys
@@ -225,23 +224,9 @@ print(json.dumps(out))
 """
 
 
-def _vllm_python() -> str | None:
-    for cand in (
-        VLLM_PY,
-        os.path.join(os.path.dirname(__file__), "..", "..", ".venv-vllm", "bin", "python"),
-    ):
-        if cand and os.path.exists(cand):
-            return cand
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return None
-    return sys.executable
-
-
 @pytest.mark.vllm
 def test_block_hashes_equal_vllms_own():
-    py = _vllm_python()
+    py = vllm_python()
     if py is None:
         pytest.skip("vLLM (CPU build) is not installed")
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
