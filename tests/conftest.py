@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -46,3 +48,20 @@ def daemon_factory(tmp_path) -> Iterator[Callable[..., DaemonProcess]]:
 @pytest.fixture
 def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory()
+
+
+_REGIONS = "/dev/shm/kvstore-test-*"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._kvstore_regions_before = set(glob.glob(_REGIONS))  # type: ignore[attr-defined]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A safety net: region files (and manifests) this session created and left behind."""
+    before = getattr(session.config, "_kvstore_regions_before", set())
+    for path in set(glob.glob(_REGIONS)) - before:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -285,6 +285,8 @@ def test_notify_ready_after_grpc_answers_then_watchdog_and_stopping(
             proc.wait(timeout=10)
         log.close()
         notify.close()
+        if kind == "daemon":  # it ran outside DaemonProcess: remove its region here
+            DaemonProcess(tmp_path / "d").remove_region()
 
 
 def test_daemon_without_notify_socket_sends_nothing_and_serves(tmp_path: Path) -> None:
