@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import msgspec
 import numpy as np
 
 from kvstore import errors
@@ -250,7 +251,7 @@ class Client:
     def declare_namespace(self, spec: NamespaceSpec) -> Namespace:
         reply = self._call(
             self._stub.DeclareNamespace,
-            pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**_spec_fields(spec))),
+            pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**msgspec.structs.asdict(spec))),
         )
         return Namespace(reply.namespace_id, reply.block_bytes, spec)
 
@@ -588,10 +589,6 @@ class _Releaser:
 def _put_result(handle: StoreHandle, stored: int) -> PutResult:
     no_room = int(np.count_nonzero(handle.statuses == pb.STORE_NO_ROOM))
     return PutResult(stored, len(handle.statuses) - stored - no_room, no_room)
-
-
-def _spec_fields(spec: NamespaceSpec) -> dict[str, Any]:
-    return {f: getattr(spec, f) for f in spec.__struct_fields__}
 
 
 def _is_cuda(obj: Any) -> bool:

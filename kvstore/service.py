@@ -17,7 +17,6 @@ import numpy as np
 from kvstore import __version__, errors
 from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
-from kvstore.tiers import Tier
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
 
@@ -301,7 +300,3 @@ class StoreService(pb_grpc.StoreServiceServicer):
             return pb.GetInlineResponse(found_blocks=len(plan.blocks), data=data)
 
         return await call_async(context, run)
-
-
-def tier_name(tier: int) -> str:
-    return Tier(tier).name.lower() if tier in Tier._value2member_map_ else "unspecified"

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest
@@ -99,3 +100,46 @@ class Transport(Protocol):
     def close(self) -> None:
         """Drop peers and deregister memory. Call before the region is unmapped."""
         ...
+
+
+class PeerChannels:
+    """gRPC channels to peers, one per address, shared by the puller and the stream.
+
+    Tuned for peers that restart: reconnect backoff is capped at 1 s (gRPC's
+    default grows to 120 s), and each channel has its own subchannels, because
+    gRPC otherwise shares them (and their backoff) across channels to one
+    address, so a fresh channel after ``drop`` would not start afresh.
+    """
+
+    def __init__(self, max_message_bytes: int) -> None:
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=self._options
+            )
+        return channel
+
+    async def drop(self, address: str) -> None:
+        """Close the channel to address; the next get() opens a fresh one."""
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(None)
+
+    async def aclose(self) -> None:
+        for address in list(self._channels):
+            await self.drop(address)
+
+    def forget_all(self) -> None:
+        """Drop references without closing (no event loop left to close them on)."""
+        self._channels.clear()

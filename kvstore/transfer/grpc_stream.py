@@ -25,7 +25,7 @@ from kvstore.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvstore.transfer.base import KIND_GRPC_STREAM, PeerLink, ReadBatch
+from kvstore.transfer.base import KIND_GRPC_STREAM, PeerChannels, PeerLink, ReadBatch
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -79,11 +79,7 @@ class GrpcStreamTransport:
         assert region.dtype == np.uint8 and region.ndim == 1
         self._region = region
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = PeerChannels(max_message_bytes)
         self.chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     def local_info(self) -> bytes:
@@ -99,11 +95,7 @@ class GrpcStreamTransport:
         return True
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
-            self._channels[address] = channel
-        return peer_pb2_grpc.PeerServiceStub(channel)
+        return peer_pb2_grpc.PeerServiceStub(self._channels.get(address))
 
     async def read(self, peer: PeerLink, batch: ReadBatch, timeout_s: float) -> None:
         if not len(batch):
@@ -146,9 +138,7 @@ class GrpcStreamTransport:
 
     def close(self) -> None:
         # Channels close with the event loop; grpc.aio needs a loop to close them cleanly.
-        self._channels.clear()
+        self._channels.forget_all()
 
     async def aclose(self) -> None:
-        for channel in self._channels.values():
-            await channel.close(None)
-        self._channels.clear()
+        await self._channels.aclose()

@@ -27,15 +27,16 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
+import msgspec
 import numpy as np
 import xxhash
 
 from kvstore.errors import DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.manager import STORE_ALLOCATED, BlockManager
-from kvstore.transfer.base import KIND_NIXL, PeerLink, ReadBatch, Transport
+from kvstore.namespace import NamespaceSpec
+from kvstore.transfer.base import KIND_NIXL, PeerChannels, PeerLink, ReadBatch, Transport
 from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 
@@ -134,35 +135,14 @@ class Puller:
         self.stream = stream
         self.transfer_timeout_s = transfer_timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._options = [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            # A peer that restarts on the same port should be reachable within
-            # a control deadline, not after gRPC's default backoff (up to 120 s).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-            # gRPC shares subchannels (and their backoff) between channels to one
-            # address by default; a fresh channel must really start afresh.
-            ("grpc.use_local_subchannel_pool", 1),
-        ]
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = PeerChannels(max_message_bytes)
         self._peers: dict[str, PeerInfo] = {}  # by address
         self._releases: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- peers
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
-            self._channels[address] = channel
-        return peer_pb2_grpc.PeerServiceStub(channel)
-
-    async def _drop_channel(self, address: str) -> None:
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close(None)
+        return peer_pb2_grpc.PeerServiceStub(self._channels.get(address))
 
     def _transport_for(self, info: PeerInfo) -> Transport:
         if info.transport == KIND_NIXL and self.nixl is not None:
@@ -184,7 +164,7 @@ class Puller:
                 raise error_from_rpc(exc, f"peer {address} metadata") from exc
             # The cached channel may be in reconnect backoff after the peer
             # restarted; one fresh channel connects at once (or fails at once).
-            await self._drop_channel(address)
+            await self._channels.drop(address)
             try:
                 reply = await self._stub(address).GetAgentMetadata(
                     peer_pb2.GetAgentMetadataRequest(requester_node_id=self.node_id),
@@ -278,10 +258,10 @@ class Puller:
         return result
 
     async def _pin(
-        self, info: PeerInfo, spec: object, wanted: list[int], timeout_s: float
+        self, info: PeerInfo, spec: NamespaceSpec, wanted: list[int], timeout_s: float
     ) -> peer_pb2.PinForPullResponse:
         request = peer_pb2.PinForPullRequest(
-            spec=store_pb2.NamespaceSpec(**_spec_fields(spec)),
+            spec=store_pb2.NamespaceSpec(**msgspec.structs.asdict(spec)),
             block_hashes=np.asarray(wanted, dtype="<u8").tobytes(),
             lease_ttl_s=min(timeout_s + PIN_TTL_MARGIN_S, MAX_PIN_TTL_S),
             requester_node_id=self.node_id,
@@ -292,7 +272,7 @@ class Puller:
             )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                await self._drop_channel(info.address)  # the next pull starts on a fresh one
+                await self._channels.drop(info.address)  # the next pull starts on a fresh one
             err = error_from_rpc(exc, f"pin on peer {info.node_id}")
             if isinstance(err, Unavailable):
                 self._forget(info)
@@ -444,9 +424,7 @@ class Puller:
     async def aclose(self) -> None:
         if self._releases:
             await asyncio.wait(list(self._releases), timeout=CONTROL_TIMEOUT_S)
-        for channel in self._channels.values():
-            await channel.close(None)
-        self._channels.clear()
+        await self._channels.aclose()
         for info in list(self._peers.values()):
             self._forget(info)
 
@@ -457,24 +435,3 @@ def _pieces(n: int, block_bytes: int) -> list[tuple[int, int]]:
     count = max(1, min(MAX_PIECES, n * block_bytes // PIECE_MIN_BYTES, n))
     bounds = np.linspace(0, n, count + 1).astype(int).tolist()
     return list(itertools.pairwise(bounds))
-
-
-def _spec_fields(spec: object) -> dict[str, Any]:
-    return {
-        name: getattr(spec, name)
-        for name in (
-            "model",
-            "dtype",
-            "block_size_tokens",
-            "num_layers",
-            "num_kv_heads",
-            "head_dim",
-            "tp_rank",
-            "tp_world_size",
-            "pp_rank",
-            "pp_world_size",
-            "tenant",
-            "layout",
-            "block_bytes",
-        )
-    }
