@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from bench._common import summarize
+from bench._common import repeat, summarize
 from kvstore.events.wire import BlockStored, KVEventBatch, lean_decoder
 from kvstore.hashing import BlockHasher
 from kvstore.indexer.backend import IndexBackend, NodeScore
@@ -224,16 +224,6 @@ def _hashes_of(payload: bytes) -> list[int]:
     return [h for ev in lean_decoder().decode(payload).events for h in ev.block_hashes]  # type: ignore[union-attr]
 
 
-def score_samples(fn, repeats: int) -> list[float]:
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 class LocalRedis:
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
@@ -292,8 +282,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = rng.integers(0, 150_000, args.request_blocks * args.block_size)
     hasher = BlockHasher(args.block_size)
     n_blocks = tokens.size // args.block_size
-    fast = summarize(score_samples(lambda: hasher.hash_tokens(tokens), 7))
-    generic = summarize(score_samples(lambda: hasher._generic(tokens, n_blocks, None, None), 7))
+    fast = summarize(repeat(lambda: hasher.hash_tokens(tokens), 7))
+    generic = summarize(repeat(lambda: hasher._generic(tokens, n_blocks, None, None), 7))
     print(f"\nhash {tokens.size} tokens (sha256/pickle): fast {fmt_ms(fast)}")
     print(f"  reference (pickle.dumps per block, as vLLM): {fmt_ms(generic)}")
     print(f"  ratio reference/fast: {generic.median_s / fast.median_s:.2f}x")
@@ -322,13 +312,11 @@ def run(args: argparse.Namespace) -> int:
     fill_s = time.perf_counter() - t0
     stats = mem.stats()
     mem_scores = mem.score("model", request)
-    mem_s = summarize(score_samples(lambda: mem.score("model", request), args.score_repeats))
+    mem_s = summarize(repeat(lambda: mem.score("model", request), args.score_repeats))
     ref = DictIndex()
     populate(ref, np.random.default_rng(args.seed + 1), args, request)
     ref_scores = ref.score(req_list, nodes)
-    ref_s = summarize(
-        score_samples(lambda: ref.score(req_list, nodes), max(3, args.score_repeats // 20))
-    )
+    ref_s = summarize(repeat(lambda: ref.score(req_list, nodes), max(3, args.score_repeats // 20)))
     same = sorted(mem_scores, key=lambda s: s.node) == sorted(ref_scores, key=lambda s: s.node)
     print(
         f"\nscore {args.request_blocks} blocks vs {args.nodes} nodes ({stats['blocks']:,} blocks indexed, {replicas:,} replicas):"
@@ -362,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
             after = int(r._r.info("memory")["used_memory"])
             r_scores = r.score("model", request)
             r_s = summarize(
-                score_samples(lambda: r.score("model", request), max(10, args.score_repeats // 4))
+                repeat(lambda: r.score("model", request), max(10, args.score_repeats // 4))
             )
             r_rates = [
                 ingest_backend(
@@ -380,9 +368,7 @@ def run(args: argparse.Namespace) -> int:
             mirror = MirroredIndex(RedisIndex(url, key_prefix=r._p, max_nodes=r._max_nodes))
             load_s = time.perf_counter() - t0
             m_scores = mirror.score("model", request)
-            m_s = summarize(
-                score_samples(lambda: mirror.score("model", request), args.score_repeats)
-            )
+            m_s = summarize(repeat(lambda: mirror.score("model", request), args.score_repeats))
             print(f"\nredis ({url}):")
             print(
                 f"  ingest: {r_rate:12,.0f} hashes/s  [{min(r_rates):,.0f}..{max(r_rates):,.0f}]"
