@@ -123,7 +123,8 @@ class StoreHandle:
     namespace: Namespace
     hashes: np.ndarray
     statuses: np.ndarray  # uint8, StoreStatus per requested block
-    offsets: np.ndarray  # uint64 region offsets (valid where ALLOCATED)
+    offsets: np.ndarray  # uint64 offsets into the tier's space (valid where ALLOCATED)
+    tier: str = "dram"  # "dram": the region; "gpu": the GPU pool
 
     @property
     def allocated(self) -> np.ndarray:
@@ -136,12 +137,36 @@ class LoadHandle:
     lease_id: int
     namespace: Namespace
     found: int
-    offsets: np.ndarray  # uint64 region offsets of the found prefix
+    offsets: np.ndarray  # uint64 offsets of the found prefix into the tier's space
     checksums: np.ndarray
+    tier: str = "dram"
 
 
 def _tier_name(tier: int) -> str:
-    return pb.Tier.Name(tier).removeprefix("TIER_").lower()
+    return pb.Tier.Name(tier).removeprefix("TIER_").lower()  # type: ignore[arg-type]
+
+
+def _tier_value(tier: str) -> Any:
+    """"dram" | "gpu" -> the protobuf Tier value."""
+    if tier not in ("dram", "gpu"):
+        raise errors.InvalidRequest(f'tier must be "dram" or "gpu", got {tier!r}')
+    return pb.Tier.Value("TIER_" + tier.upper())
+
+
+def _map_file(path: str, nbytes: int) -> tuple[mmap.mmap | None, np.ndarray | None]:
+    """Map a daemon's shared-memory file; (None, None) when this process cannot
+    (another host, no access): the client then uses the inline calls."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None, None
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            return None, None
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    finally:
+        os.close(fd)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)
 
 
 class Client:
@@ -171,10 +196,13 @@ class Client:
         self._stub = pb_grpc.StoreServiceStub(self._channel)
         self._mmap: mmap.mmap | None = None
         self.region: np.ndarray | None = None
+        # The GPU tier's pool: a CUDA tensor (IPC) or, in host mode, a mapped file.
+        self._gpu_mmap: mmap.mmap | None = None
+        self._gpu_pool: Any = None
         self._releaser: _Releaser | None = None
         self.info = self._call(self._stub.Hello, pb.HelloRequest())
         if map_region:
-            self._map_region()
+            self._mmap, self.region = _map_file(self.info.region_path, self.info.region_bytes)
 
     # ------------------------------------------------------------ plumbing
 
@@ -184,21 +212,39 @@ class Client:
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
 
-    def _map_region(self) -> None:
-        try:
-            fd = os.open(self.info.region_path, os.O_RDWR)
-        except OSError:
-            return  # not on the daemon's host (or no access): inline calls only
-        try:
-            size = os.fstat(fd).st_size
-            if size < self.info.region_bytes:
-                return
-            self._mmap = mmap.mmap(
-                fd, self.info.region_bytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE
+    @property
+    def has_gpu_tier(self) -> bool:
+        return bool(self.info.gpu_device)
+
+    def gpu_pool(self) -> Any:
+        """The daemon's GPU pool, mapped on first use: a uint8 CUDA tensor (CUDA IPC),
+        or a numpy array over the shared file when the daemon runs the tier in host mode."""
+        if self._gpu_pool is not None:
+            return self._gpu_pool
+        if not self.info.gpu_device:
+            raise errors.StateConflict("the daemon has no GPU tier (gpu.device is not set)")
+        if self.info.gpu_ipc_handle:
+            from kvstore.tiers.gpu import GpuPoolHandle, open_handle
+
+            handle = msgspec.msgpack.decode(self.info.gpu_ipc_handle, type=GpuPoolHandle)
+            self._gpu_pool = open_handle(handle)
+        else:
+            self._gpu_mmap, self._gpu_pool = _map_file(
+                self.info.gpu_region_path, self.info.gpu_pool_bytes
             )
-        finally:
-            os.close(fd)
-        self.region = np.frombuffer(self._mmap, dtype=np.uint8)
+            if self._gpu_pool is None:
+                raise errors.Unavailable(
+                    f"cannot map the GPU tier's file {self.info.gpu_region_path}"
+                )
+        return self._gpu_pool
+
+    def _space(self, tier: str) -> Any:
+        """Where offsets of a `tier` lease point: the DRAM region or the GPU pool."""
+        if tier == "gpu":
+            return self.gpu_pool()
+        if tier != "dram":
+            raise errors.InvalidRequest(f'tier must be "dram" or "gpu", got {tier!r}')
+        return self.region
 
     def watch_connection(
         self, callback: Callable[[grpc.ChannelConnectivity], None]
@@ -232,12 +278,14 @@ class Client:
     def close(self) -> None:
         self._flush_releases()
         self.region = None
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # views still alive: unmapped at process exit
-            self._mmap = None
+        self._gpu_pool = None
+        for mapping in (self._mmap, self._gpu_mmap):
+            if mapping is not None:
+                try:
+                    mapping.close()
+                except BufferError:
+                    pass  # views still alive: unmapped at process exit
+        self._mmap = self._gpu_mmap = None
         self._channel.close()
 
     def __enter__(self) -> Client:
@@ -280,13 +328,22 @@ class Client:
         )
 
     def prepare_store(
-        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, lease_ttl_s: float = 0.0
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        lease_ttl_s: float = 0.0,
+        *,
+        tier: str = "dram",
     ) -> StoreHandle:
+        """Reserve slots in `tier` ("dram", or "gpu": offsets into gpu_pool())."""
         packed = pack_hashes(hashes)
         reply = self._call(
             self._stub.PrepareStore,
             pb.PrepareStoreRequest(
-                namespace_id=ns.namespace_id, block_hashes=packed, lease_ttl_s=lease_ttl_s
+                namespace_id=ns.namespace_id,
+                block_hashes=packed,
+                lease_ttl_s=lease_ttl_s,
+                tier=_tier_value(tier),
             ),
         )
         return StoreHandle(
@@ -295,6 +352,7 @@ class Client:
             _u64(packed),
             np.frombuffer(reply.statuses, dtype=np.uint8),
             _u64(reply.offsets),
+            _tier_name(reply.tier),
         )
 
     def commit_store(
@@ -325,8 +383,10 @@ class Client:
         *,
         peer_hint: str = "",
         peer_timeout_s: float = 0.0,
+        tier: str = "dram",
     ) -> LoadHandle:
-        """Pin the longest present prefix (after pulling it from peer_hint, if given)."""
+        """Pin the longest present prefix (after pulling it from peer_hint, if given),
+        moved into `tier` first ("gpu": offsets into gpu_pool())."""
         reply = self._call(
             self._stub.PrepareLoad,
             pb.PrepareLoadRequest(
@@ -335,11 +395,17 @@ class Client:
                 lease_ttl_s=lease_ttl_s,
                 peer_hint=peer_hint,
                 peer_timeout_s=peer_timeout_s,
+                tier=_tier_value(tier),
             ),
             timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
         )
         return LoadHandle(
-            reply.lease_id, ns, reply.found_blocks, _u64(reply.offsets), _u64(reply.checksums)
+            reply.lease_id,
+            ns,
+            reply.found_blocks,
+            _u64(reply.offsets),
+            _u64(reply.checksums),
+            _tier_name(reply.tier) if reply.tier else "dram",
         )
 
     def release(self, handle: LoadHandle | StoreHandle | int, *, wait: bool = True) -> None:
@@ -411,10 +477,16 @@ class Client:
 
     # ---------------------------------------------------------------- data
 
-    def put(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: Any) -> PutResult:
-        """Store blocks (n, block_bytes); already-present blocks are skipped, not rewritten."""
+    def put(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: Any, *, tier: str = "dram"
+    ) -> PutResult:
+        """Store blocks (n, block_bytes); already-present blocks are skipped, not rewritten.
+
+        tier="gpu" stores into the daemon's GPU pool (device to device from a
+        CUDA tensor) when the node has a GPU tier.
+        """
         n = len(hashes)
-        if self.region is None:
+        if tier == "dram" and self.region is None:
             data = _as_rows(blocks, n, ns.block_bytes)
             reply = self._call(
                 self._stub.PutInline,
@@ -425,31 +497,45 @@ class Client:
                 ),
             )
             return PutResult(reply.stored, reply.skipped, reply.no_room)
-        if _is_cuda(blocks):
-            return self._put_cuda(ns, hashes, blocks)
+        space = self._space(tier)
+        if _is_cuda(blocks) or _is_cuda(space):
+            return self._put_torch(ns, hashes, blocks, tier, space)
         data = _as_rows(blocks, n, ns.block_bytes)
-        handle = self.prepare_store(ns, hashes)
+        handle = self.prepare_store(ns, hashes, tier=tier)
         idx = handle.allocated
         if len(idx):
             try:
-                scatter(self.region, handle.offsets[idx], data, idx, ns.block_bytes)
+                scatter(space, handle.offsets[idx], data, idx, ns.block_bytes)
             except BaseException:
                 self.release(handle, wait=False)  # abort: the slots go back
                 raise
             self.commit_store(handle)
         return _put_result(handle, len(idx))
 
-    def get(self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: Any = None) -> GetResult:
+    def get(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        out: Any = None,
+        *,
+        tier: str = "dram",
+    ) -> GetResult:
         """Read the longest present prefix of `hashes` into `out` (or a new array).
 
         `out`: a (n, block_bytes) numpy array, or a CPU or CUDA torch tensor.
+        tier="gpu" reads through the daemon's GPU pool (blocks are moved up first).
         """
         n = len(hashes)
-        if out is not None and _is_cuda(out):
-            return self._get_cuda(ns, hashes, out)
+        space = self._space(tier) if tier != "dram" or self.region is not None else None
+        if (out is not None and _is_cuda(out)) or _is_cuda(space):
+            if space is None:
+                raise errors.Unavailable(
+                    "loading into a CUDA tensor needs the daemon's region mapped"
+                )
+            return self._get_torch(ns, hashes, out, tier, space)
         if out is not None:
             out = _as_rows(out, n, ns.block_bytes, writable=True)
-        if self.region is None:
+        if space is None:
             reply = self._call(
                 self._stub.GetInline,
                 pb.GetInlineRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
@@ -461,63 +547,95 @@ class Client:
                 return GetResult(reply.found_blocks, data.copy())
             out[: reply.found_blocks] = data
             return GetResult(reply.found_blocks, out[: reply.found_blocks])
-        handle = self.prepare_load(ns, hashes)
+        handle = self.prepare_load(ns, hashes, tier=tier)
         try:
             if out is None:
                 out = np.empty((handle.found, ns.block_bytes), dtype=np.uint8)
-            gather(self.region, handle.offsets, out, ns.block_bytes)
+            gather(space, handle.offsets, out, ns.block_bytes)
         finally:
             # The pin only has to outlive the copy; don't wait for the answer.
             self.release(handle, wait=False)
         return GetResult(handle.found, out[: handle.found])
 
-    def _put_cuda(
-        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, blocks: torch.Tensor
+    def _put_torch(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        blocks: Any,
+        tier: str,
+        space: Any,
     ) -> PutResult:
-        """Device -> region: one torch copy per run of neighbouring slots."""
+        """Blocks -> region or GPU pool with torch: one copy per run of neighbouring slots.
+
+        Used when either side is on a CUDA device (host -> pool, device -> region,
+        device -> pool: device to device through the pool's IPC mapping).
+        """
         import torch
 
-        assert self.region is not None
         n = len(hashes)
-        src = _cuda_rows(blocks, n, ns.block_bytes)
-        handle = self.prepare_store(ns, hashes)
+        src = (
+            _cuda_rows(blocks, n, ns.block_bytes)
+            if _is_cuda(blocks)
+            else torch.from_numpy(_as_rows(blocks, n, ns.block_bytes))
+        )
+        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
+        handle = self.prepare_store(ns, hashes, tier=tier)
         idx = handle.allocated
-        region_t = torch.from_numpy(self.region)
         offs = handle.offsets[idx]
         try:
             for s, e in _runs(offs, idx, ns.block_bytes):
                 o, r = int(offs[s]), int(idx[s])
-                region_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes).copy_(
+                space_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes).copy_(
                     src[r : r + e - s]
                 )
+            _synchronize(src, space_t)  # the bytes must be in place before the commit
         except BaseException:
             self.release(handle, wait=False)
             raise
         self.commit_store(handle)
         return _put_result(handle, len(idx))
 
-    def _get_cuda(
-        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: torch.Tensor
+    def _get_torch(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        out: Any,
+        tier: str,
+        space: Any,
     ) -> GetResult:
-        """Region -> device: one torch copy per run of neighbouring slots."""
+        """Region or GPU pool -> out with torch: one copy per run of neighbouring slots."""
         import torch
 
-        if self.region is None:
-            raise errors.Unavailable("loading into a CUDA tensor needs the daemon's region mapped")
-        dst = _cuda_rows(out, len(hashes), ns.block_bytes)
-        handle = self.prepare_load(ns, hashes)
+        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
+        handle = self.prepare_load(ns, hashes, tier=tier)
         try:
-            region_t = torch.from_numpy(self.region)
+            if out is None:
+                out = torch.empty(
+                    (handle.found, ns.block_bytes), dtype=torch.uint8, device=space_t.device
+                )
+                dst = out
+            elif _is_cuda(out):
+                dst = _cuda_rows(out, len(hashes), ns.block_bytes)
+            else:
+                dst = torch.from_numpy(_as_rows(out, len(hashes), ns.block_bytes, writable=True))
             offs = handle.offsets
             for s, e in _runs(offs, None, ns.block_bytes):
                 o = int(offs[s])
                 dst[s:e].copy_(
-                    region_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes)
+                    space_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes)
                 )
-            torch.cuda.synchronize(dst.device)  # the pin must outlive the copy
+            _synchronize(dst, space_t)  # the pin must outlive the copy
         finally:
             self.release(handle, wait=False)
-        return GetResult(handle.found, dst[: handle.found])  # type: ignore[arg-type]
+        return GetResult(handle.found, dst[: handle.found])
+
+
+def _synchronize(*tensors: Any) -> None:
+    import torch
+
+    for t in tensors:
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
 
 
 def _cuda_rows(tensor: torch.Tensor, n: int, block_bytes: int) -> torch.Tensor:

@@ -122,11 +122,16 @@ class DiskConfig(_Section):
     blocks in the background. 1.0 = write every block to disk (write-behind)."""
     eviction_policy: str = "lru"
     """Order in which the disk drops its copies when full: lru | s3fifo."""
+    when_full: Literal["reject", "drop"] = "reject"
+    """When the disk cannot take writes (filesystem out of space, every slot busy) and
+    DRAM has no free or clean room: reject = stores fail with RESOURCE_EXHAUSTED;
+    drop = stores succeed by dropping the coldest blocks not yet on disk."""
 
 
 class GpuConfig(_Section):
-    device: int = -1
-    """CUDA device of the GPU tier; -1 = no GPU tier."""
+    device: str = ""
+    """Device of the GPU tier: "cuda:N"; "" = no GPU tier. "cpu" runs the same tier over a
+    shared-memory file (tests and CPU-only demos; no speed-up)."""
     capacity_bytes: int = 0
     """Hard cap of the GPU tier's pool (allocated once at start)."""
     chunk_bytes: int = 64 * MiB
@@ -304,6 +309,10 @@ def validate(config: Config) -> None:
         problems.append("leases: need 0 < default_ttl_s <= max_ttl_s")
     if config.limits.max_blocks_per_request <= 0:
         problems.append("limits.max_blocks_per_request must be > 0")
+    if config.gpu.device and (
+        config.gpu.chunk_bytes <= 0 or config.gpu.capacity_bytes < config.gpu.chunk_bytes
+    ):
+        problems.append("gpu: need 0 < gpu.chunk_bytes <= gpu.capacity_bytes")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
     if problems:

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvstore.config import Config
 from kvstore.errors import (
@@ -50,6 +51,9 @@ from kvstore.tiers import Tier, warm
 from kvstore.tiers.disk import checksum_of
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
 from kvstore.tiers.hierarchy import CLEAN_VICTIM_WINDOW, DiskLayer
+
+if TYPE_CHECKING:
+    from kvstore.tiers.gpu_layer import GpuLayer
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +90,9 @@ class Block:
     # DRAM only (offset >= 0), on disk only (tier DISK, offset -1), or both
     # ("clean": its DRAM copy can be dropped for free).
     disk_slot: int = -1
+    # Offset of the block in the GPU pool; -1 = none. A block is in GPU or in
+    # DRAM, never both (tier GPU: offset -1); it may have a disk copy too.
+    gpu_offset: int = -1
 
 
 @dataclass(slots=True)
@@ -99,9 +106,13 @@ class StorePlan:
 class LoadPlan:
     lease_id: int
     blocks: list[Block]
+    tier: Tier = Tier.DRAM
 
     @property
     def offsets(self) -> list[int]:
+        """Byte offsets into the tier the load asked for (the region or the GPU pool)."""
+        if self.tier is Tier.GPU:
+            return [b.gpu_offset for b in self.blocks]
         return [b.offset for b in self.blocks]
 
 
@@ -166,6 +177,12 @@ class BlockManager:
                     "disk.slab_bytes must be at least dram.chunk_bytes (the largest block)"
                 )
             self.disk = DiskLayer(self, config.disk)
+        # The GPU tier above DRAM, if configured (imports torch only then).
+        self.gpu: GpuLayer | None = None
+        if config.gpu.device:
+            from kvstore.tiers.gpu_layer import GpuLayer
+
+            self.gpu = GpuLayer(self, config.gpu)
         if config.dram.warm_restart:
             self._restore_warm()
             region.close_hooks.append(self._save_warm)
@@ -213,9 +230,23 @@ class BlockManager:
 
     # ---------------------------------------------------------------- store
 
-    def prepare_store(self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0) -> StorePlan:
+    def _gpu_for(self, tier: Tier) -> GpuLayer | None:
+        """The GPU layer when a call asks for the GPU tier; None for DRAM."""
+        if tier is Tier.GPU:
+            if self.gpu is None:
+                raise StateConflict("no GPU tier on this node (gpu.device is not set)")
+            return self.gpu
+        if tier is not Tier.DRAM:
+            raise InvalidRequest(f"clients store to and load from GPU or DRAM, not {tier.name}")
+        return None
+
+    def prepare_store(
+        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
+    ) -> StorePlan:
+        """Reserve slots in `tier` (DRAM, or GPU when this node has a GPU tier)."""
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
+        gpu = self._gpu_for(tier)
         expires_at_s = time.monotonic() + self._ttl(ttl_s)
         n = len(hashes)
         statuses = bytearray(n)
@@ -237,14 +268,18 @@ class BlockManager:
                 if h in ns.pending or h in seen:
                     statuses[i] = STORE_IN_FLIGHT
                     continue
-                offset = self._allocate(ns)
+                offset = self._allocate(ns) if gpu is None else gpu.allocate(ns)
                 if offset is None:
                     statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
                     break
-                block = Block(ns, h, Tier.DRAM, offset)
-                self._slot_owner[offset] = block
+                if gpu is None:
+                    block = Block(ns, h, Tier.DRAM, offset)
+                    self._slot_owner[offset] = block
+                    ns.used_bytes += ns.slot_bytes
+                else:
+                    block = Block(ns, h, Tier.GPU, -1)
+                    gpu.take(block, offset)
                 ns.pending[h] = block
-                ns.used_bytes += ns.slot_bytes
                 reserved.append(block)
                 seen.add(h)
                 offsets[i] = offset
@@ -253,9 +288,10 @@ class BlockManager:
                 self._unpin(block)
         if not reserved:
             if STORE_NO_ROOM in statuses:
+                capacity = self.allocator.capacity_bytes if gpu is None else gpu.capacity_bytes
                 raise CapacityExhausted(
-                    f"no room for {n} blocks of {ns.block_bytes} bytes: the DRAM tier "
-                    f"({self.allocator.capacity_bytes} bytes) is full of pinned or in-flight blocks"
+                    f"no room for {n} blocks of {ns.block_bytes} bytes: the {tier.name} tier "
+                    f"({capacity} bytes) is full of pinned or in-flight blocks"
                     + (
                         " or the namespace quota is reached"
                         if self.config.limits.namespace_quota_bytes
@@ -297,25 +333,31 @@ class BlockManager:
             )
         self.leases.pop(lease_id)
         committed_set = set(map(id, to_commit))
+        # A lease's blocks are all in one tier: the one prepare_store was asked for.
+        tier = lease.blocks[0].tier if lease.blocks else Tier.DRAM
+        policy = self._policy(ns.slot_bytes)
+        if tier is Tier.GPU:
+            assert self.gpu is not None
+            policy = self.gpu.policy(ns.slot_bytes)
         for block in lease.blocks:
             del ns.pending[block.block_hash]
             if id(block) in committed_set:
                 block.state = BlockState.COMMITTED
                 ns.blocks[block.block_hash] = block
-                self._policy(ns.slot_bytes).insert(block)
+                policy.insert(block)
             else:
-                self._free_slot(block)
+                self._free_pending(block)
         self.counters.stored_blocks += len(to_commit)
         if to_commit:
             self.sink.blocks_stored(
                 ns,
                 [b.block_hash for b in to_commit],
-                Tier.DRAM.medium,
+                tier.medium,
                 parent_block_hash,
                 token_ids or None,
             )
-        if self.disk is not None and to_commit:
-            self.disk.committed(to_commit)
+        if self.disk is not None and to_commit and tier is Tier.DRAM:
+            self.disk.committed(to_commit)  # GPU blocks reach disk through DRAM
         return len(to_commit)
 
     # ----------------------------------------------------------------- load
@@ -336,37 +378,46 @@ class BlockManager:
         self.counters.lookup_miss_blocks += len(hashes) - n
         return LookupResult(n, by_tier)
 
-    def prepare_load(self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0) -> LoadPlan:
+    def prepare_load(
+        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
+    ) -> LoadPlan:
+        """Pin the longest prefix present in `tier` (see prepare_load_async for moves)."""
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
+        self._gpu_for(tier)
         expires_at_s = time.monotonic() + self._ttl(ttl_s)
         found: list[Block] = []
         blocks = ns.blocks
         for h in hashes:
             block = blocks.get(h)
-            # Only DRAM blocks have bytes a client can read: prepare_load_async
-            # promotes disk blocks first.
-            if block is None or block.doomed or block.tier is not Tier.DRAM:
+            # Only blocks in the asked tier have bytes the client can reach there:
+            # prepare_load_async moves the others first.
+            if block is None or block.doomed or block.tier is not tier:
                 break
             found.append(block)
         if not found:
-            return LoadPlan(0, [])
+            return LoadPlan(0, [], tier)
         for block in found:
             self._pin(block)
             self._touch(block)
         self.counters.loaded_blocks += len(found)
         lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s)
-        return LoadPlan(lease.lease_id, found)
+        return LoadPlan(lease.lease_id, found, tier)
 
     async def prepare_load_async(
-        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0
+        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
     ) -> LoadPlan:
-        """prepare_load after promoting the prefix's disk blocks into DRAM."""
-        if self.disk is not None:
+        """prepare_load after moving the prefix into `tier`: disk blocks are promoted
+        into DRAM, then DRAM blocks up into the GPU pool (or GPU blocks down to DRAM)."""
+        if self.disk is not None or self.gpu is not None:
             ns = self.namespace(ns_id)
             self._check_count(len(hashes))
-            await self.disk.promote(ns, list(hashes))
-        return self.prepare_load(ns_id, hashes, ttl_s)
+            self._gpu_for(tier)
+            if self.disk is not None:
+                await self.disk.promote(ns, list(hashes))
+            if self.gpu is not None:
+                await self.gpu.move(ns, list(hashes), tier)
+        return self.prepare_load(ns_id, hashes, ttl_s, tier)
 
     def release(self, lease_ids: Sequence[int]) -> int:
         """End leases: unpin loads, abort stores. Unknown ids raise after the rest are released."""
@@ -401,7 +452,7 @@ class BlockManager:
             ns = lease.namespace
             for block in lease.blocks:
                 del ns.pending[block.block_hash]
-                self._free_slot(block)
+                self._free_pending(block)
 
     def _lease(self, lease_id: int, kind: LeaseKind) -> Lease:
         lease = self.leases.get(lease_id)
@@ -481,6 +532,14 @@ class BlockManager:
             if block.doomed and block.namespace.blocks.get(block.block_hash) is block:
                 self._remove(block, emit=True)
 
+    def _free_pending(self, block: Block) -> None:
+        """Give back the slot of a block whose store was aborted."""
+        if block.gpu_offset >= 0:
+            assert self.gpu is not None
+            self.gpu.free(block)
+        else:
+            self._free_slot(block)
+
     def _free_slot(self, block: Block) -> None:
         del self._slot_owner[block.offset]
         self.allocator.free(block.offset)
@@ -504,6 +563,10 @@ class BlockManager:
             self._policy(ns.slot_bytes).remove(block)
             self._free_slot(block)
             media.append(Tier.DRAM.medium)
+        if block.gpu_offset >= 0 and self.gpu is not None:
+            self.gpu.policy(ns.slot_bytes).remove(block)
+            self.gpu.free(block)
+            media.append(Tier.GPU.medium)
         if emit:
             for medium in media:
                 self.sink.blocks_removed(ns, [block.block_hash], medium)
@@ -607,15 +670,30 @@ class BlockManager:
 
     def stats(self) -> Stats:
         blocks = sum(len(p) for p in self._policies.values())  # committed, in DRAM
-        pending = sum(len(ns.pending) for ns in self.namespaces.values())
-        dram = TierStats(
-            Tier.DRAM,
-            self.allocator.capacity_bytes,
-            self.allocator.used_bytes,
-            blocks + pending,
-            self._pinned_blocks,
+        pending = [b for ns in self.namespaces.values() for b in ns.pending.values()]
+        gpu_pending = sum(1 for b in pending if b.gpu_offset >= 0)
+        gpu_pinned = 0
+        tiers = []
+        if self.gpu is not None:
+            gpu_pinned = sum(1 for b in self.gpu.owner.values() if b.pins)
+            tiers.append(
+                TierStats(
+                    Tier.GPU,
+                    self.gpu.capacity_bytes,
+                    self.gpu.used_bytes,
+                    self.gpu.committed_blocks() + gpu_pending,
+                    gpu_pinned,
+                )
+            )
+        tiers.append(
+            TierStats(
+                Tier.DRAM,
+                self.allocator.capacity_bytes,
+                self.allocator.used_bytes,
+                blocks + len(pending) - gpu_pending,
+                self._pinned_blocks - gpu_pinned,
+            )
         )
-        tiers = [dram]
         if self.disk is not None:
             tiers.append(
                 TierStats(
@@ -733,6 +811,8 @@ class BlockManager:
         )
 
     async def close(self) -> None:
-        """Stop background work and close the lower tiers (the region is the daemon's)."""
+        """Stop background work and close the other tiers (the region is the daemon's)."""
         if self.disk is not None:
             await self.disk.close()
+        if self.gpu is not None:
+            self.gpu.close()

@@ -76,7 +76,7 @@ class DaemonProcess:
     def remove_region(self) -> None:
         """Delete the region file and its warm-restart manifest (after the daemon stopped)."""
         region = str(self.settings["dram.path"])
-        for path in (region, region + ".manifest"):
+        for path in (region, region + ".manifest", region + ".gpu"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -12,11 +12,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+import msgspec
 import numpy as np
 
 from kvstore import __version__, errors
 from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
+from kvstore.tiers import Tier
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
 
@@ -83,6 +85,16 @@ def unpack_i32(data: bytes, what: str) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
+def tier_from_pb(value: int) -> Tier:
+    """The tier a store or load asks for: UNSPECIFIED means DRAM."""
+    if value == pb.TIER_UNSPECIFIED:
+        return Tier.DRAM
+    try:
+        return Tier(value)
+    except ValueError:
+        raise errors.InvalidRequest(f"unknown tier {value}") from None
+
+
 def spec_from_pb(spec: Any) -> NamespaceSpec:
     return NamespaceSpec(
         model=spec.model,
@@ -124,7 +136,18 @@ class StoreService(pb_grpc.StoreServiceServicer):
 
     async def Hello(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         region = self.manager.region
+        gpu = self.manager.gpu
+        gpu_fields: dict[str, Any] = {}
+        if gpu is not None:
+            handle = gpu.handle
+            gpu_fields = {
+                "gpu_device": self.config.gpu.device,
+                "gpu_pool_bytes": gpu.capacity_bytes,
+                "gpu_ipc_handle": msgspec.msgpack.encode(handle) if handle is not None else b"",
+                "gpu_region_path": gpu.host_region.path if gpu.host_region is not None else "",
+            }
         return pb.HelloResponse(
+            **gpu_fields,
             node_id=self.manager.node_id,
             version=__version__,
             region_path=region.path,
@@ -144,12 +167,15 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def run() -> Any:
             hashes = unpack_u64(request.block_hashes)
-            plan = self.manager.prepare_store(request.namespace_id, hashes, request.lease_ttl_s)
+            tier = tier_from_pb(request.tier)
+            plan = self.manager.prepare_store(
+                request.namespace_id, hashes, request.lease_ttl_s, tier
+            )
             return pb.PrepareStoreResponse(
                 lease_id=plan.lease_id,
                 statuses=bytes(plan.statuses),
                 offsets=pack_u64(plan.offsets),
-                tier=pb.TIER_DRAM,
+                tier=int(tier),  # type: ignore[arg-type]
             )
 
         return await call(context, run)
@@ -192,13 +218,14 @@ class StoreService(pb_grpc.StoreServiceServicer):
             hashes = unpack_u64(request.block_hashes)
             await self._fill_from_hint(request, hashes)
             plan = await self.manager.prepare_load_async(
-                request.namespace_id, hashes, request.lease_ttl_s
+                request.namespace_id, hashes, request.lease_ttl_s, tier_from_pb(request.tier)
             )
             return pb.PrepareLoadResponse(
                 lease_id=plan.lease_id,
                 found_blocks=len(plan.blocks),
                 offsets=pack_u64(plan.offsets),
                 checksums=pack_u64([b.checksum for b in plan.blocks]),
+                tier=int(plan.tier),  # type: ignore[arg-type]
             )
 
         return await call_async(context, run)

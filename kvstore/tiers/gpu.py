@@ -71,7 +71,15 @@ def _as_tensor(data: Any) -> torch.Tensor:
 class GpuTier:
     """Block slots over one device tensor."""
 
-    def __init__(self, capacity_bytes: int, chunk_bytes: int, device: str | torch.device) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        chunk_bytes: int,
+        device: str | torch.device,
+        *,
+        pool: torch.Tensor | None = None,
+    ) -> None:
+        """pool: memory to carve instead of allocating (a shared-memory tensor in host mode)."""
         import torch
 
         self.device = torch.device(device)
@@ -94,6 +102,11 @@ class GpuTier:
             raise ConfigError("gpu tier: capacity_bytes must be at least chunk_bytes")
         self.allocator = SlabAllocator(capacity_bytes, chunk_bytes)
         self.capacity_bytes = self.allocator.capacity_bytes
+        if pool is not None:
+            if pool.dtype != torch.uint8 or pool.numel() < self.capacity_bytes:
+                raise ConfigError(f"gpu tier: the pool must be >= {self.capacity_bytes} uint8")
+            self.pool = pool[: self.capacity_bytes]
+            return
         try:
             self.pool = torch.empty(self.capacity_bytes, dtype=torch.uint8, device=self.device)
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError

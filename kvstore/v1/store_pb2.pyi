@@ -64,7 +64,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request")
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,10 @@ class HelloResponse(_message.Message):
     DEFAULT_LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    GPU_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    GPU_REGION_PATH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     region_path: str
@@ -81,7 +85,11 @@ class HelloResponse(_message.Message):
     default_lease_ttl_s: float
     max_block_bytes: int
     max_blocks_per_request: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ...) -> None: ...
+    gpu_device: str
+    gpu_pool_bytes: int
+    gpu_ipc_handle: bytes
+    gpu_region_path: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ...) -> None: ...
 
 class DeclareNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -98,14 +106,16 @@ class DeclareNamespaceResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s")
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "tier")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_hashes: bytes
     lease_ttl_s: float
-    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareStoreResponse(_message.Message):
     __slots__ = ("lease_id", "statuses", "offsets", "tier")
@@ -168,30 +178,34 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_blocks: _Optional[int] = ..., by_tier: _Optional[_Iterable[_Union[TierCount, _Mapping]]] = ...) -> None: ...
 
 class PrepareLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "peer_hint", "peer_timeout_s")
+    __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "peer_hint", "peer_timeout_s", "tier")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     PEER_HINT_FIELD_NUMBER: _ClassVar[int]
     PEER_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_hashes: bytes
     lease_ttl_s: float
     peer_hint: str
     peer_timeout_s: float
-    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
-    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums")
+    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     found_blocks: int
     offsets: bytes
     checksums: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

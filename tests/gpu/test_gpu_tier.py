@@ -104,3 +104,37 @@ def test_hbm_dram_copy_rate_against_torch():
     )
     assert h2d[0] > 0.5 * ref_h2d[0]
     assert d2h[0] > 0.5 * ref_d2h[0]
+
+
+def test_daemon_gpu_tier_device_to_device_and_demotion(daemon_factory):
+    """A daemon with gpu.device=cuda:0: the client maps the pool through the IPC
+    handle from Hello, stores from and loads into CUDA tensors device to device,
+    and a full pool demotes to DRAM (pinned host memory) with bytes intact."""
+    from kvstore.client import Client
+    from tests.conftest import make_spec
+
+    block = 1 << 20
+    d = daemon_factory(
+        dram_bytes=64 << 20,
+        chunk_bytes=4 << 20,
+        settings={
+            "gpu.device": "cuda:0",
+            "gpu.capacity_bytes": "16MiB",
+            "gpu.chunk_bytes": "4MiB",
+        },
+    )
+    with Client(d.address) as c:
+        assert c.info.gpu_device == "cuda:0" and c.info.gpu_ipc_handle
+        assert c.gpu_pool().is_cuda
+        ns = c.declare_namespace(make_spec(block))
+        src = torch.randint(0, 256, (32, block), dtype=torch.uint8, device="cuda")
+        hashes = list(range(1, 33))
+        assert c.put(ns, hashes, src, tier="gpu").stored == 32  # 16 fit: 16 demoted
+        res = c.lookup(ns, hashes)
+        assert res.prefix_blocks == 32 and res.by_tier == {"dram": 16, "gpu": 16}
+        out = torch.empty_like(src)
+        got = c.get(ns, hashes, out, tier="gpu")  # the first 16 come back up (the rest go down)
+        assert got.found >= 16
+        assert torch.equal(out[: got.found], src[: got.found])
+        back = c.get(ns, hashes)  # a host reader: everything moved to DRAM
+        assert back.found == 32 and np.array_equal(back.data, src.cpu().numpy())
