@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -50,6 +50,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     without kv_transfer_params["kvstore_peer"]; "" = pull from peers only when hinted."""
     peer_timeout_s: float = 2.0
     """Deadline of one pull from a peer (the request waits for it in the scheduler)."""
+    tier: Literal["dram", "gpu"] = "dram"
+    """Daemon tier the engine copies to and from: "gpu" = the daemon's GPU pool (device to
+    device on a CUDA engine; needs gpu.device on the daemon), "dram" = its shared region."""
 
     def resolved_address(self) -> str:
         return self.address or os.environ.get("KVSTORE_ADDRESS", "") or DEFAULT_ADDRESS

@@ -182,18 +182,17 @@ class Copier(Protocol):
 
 
 class BlockCopier:
-    """Moves whole blocks between a CPU ``PagedKV`` and a region, in batches.
+    """Moves whole blocks between a ``PagedKV`` and a region on the same device, in batches.
 
-    On the CPU the forward and the copies share the same cores, so there is
-    nothing to overlap: loads complete inside ``load`` and saves run as one
-    batch in ``finish_save``, after the step's forward.
+    A CPU cache with the DRAM region (or a host-mode GPU pool), or a CUDA cache
+    with the daemon's GPU pool (device to device). On the CPU the forward and the
+    copies share the same cores, so there is nothing to overlap: loads complete
+    inside ``load`` and saves run as one batch in ``finish_save``, after the
+    step's forward. On CUDA the copies are queued on the current stream (after
+    the forward) and waited for before leases are released or blocks committed.
     """
 
     def __init__(self, kv: PagedKV) -> None:
-        if kv.device is not None and kv.device.type != "cpu":
-            raise ConfigError(
-                f"BlockCopier copies CPU caches; this one is on {kv.device} (use CudaBlockCopier)"
-            )
         self.kv = kv
         self._staging: torch.Tensor | None = None
         self._pending_save: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
@@ -231,12 +230,19 @@ class BlockCopier:
         batch = plan_batch(self.kv, region, offsets, block_ids)
         if batch is None:
             return
+        device = self.kv.device or torch.device("cpu")
+        if region.device != device:
+            raise InvalidRequest(
+                f"the daemon's blocks are on {region.device}, the KV cache on {device}: "
+                "a CUDA cache with tier=dram uses CudaBlockCopier"
+            )
         unit, offsets, block_ids = batch
         region_rows = _rows(region, unit)
         for layer in self.kv.layers:
             kv_idx, reg_idx = row_indices(layer, self.kv.num_blocks, unit, offsets, block_ids)
             kv_rows = _rows(layer.pages.reshape(-1), unit)
-            kv_index, reg_index = torch.from_numpy(kv_idx), torch.from_numpy(reg_idx)
+            kv_index = torch.from_numpy(kv_idx).to(device)
+            reg_index = torch.from_numpy(reg_idx).to(device)
             staging = self._staging_for(len(kv_idx), kv_rows)
             if to_kv:
                 torch.index_select(region_rows, 0, reg_index, out=staging)
@@ -244,6 +250,8 @@ class BlockCopier:
             else:
                 torch.index_select(kv_rows, 0, kv_index, out=staging)
                 region_rows.index_copy_(0, reg_index, staging)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # leases end / commits follow right after
 
     def _staging_for(self, nrows: int, like: torch.Tensor) -> torch.Tensor:
         import torch
@@ -252,5 +260,5 @@ class BlockCopier:
         need = nrows * width
         buf = self._staging
         if buf is None or buf.dtype != like.dtype or buf.numel() < need:
-            buf = self._staging = torch.empty(max(need, 1), dtype=like.dtype)
+            buf = self._staging = torch.empty(max(need, 1), dtype=like.dtype, device=like.device)
         return buf[:need].view(nrows, width)

@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -68,6 +68,7 @@ class DaemonSession:
         self._retry_at = 0.0
         self._retry_wait_s = retry_initial_s
         self._region_identity: tuple[int, int] | None = None
+        self._gpu_identity: tuple[int, int] | None = None  # host-mode GPU pool file
         self._broken_by: str | None = None  # why the link broke, until reconnected
         self.generation = 0  # bumped on every (re)connect: region views must be rebuilt
         self.failures = 0
@@ -128,10 +129,28 @@ class DaemonSession:
         self._broken_by = None
         return client
 
+    def gpu_pool(self) -> Any:
+        """The daemon's GPU pool (a CUDA tensor, or numpy in host mode), or None."""
+        client = self._client
+        if client is None:
+            return None
+        try:
+            pool = client.gpu_pool()
+        except errors.KVStoreError as exc:
+            self._note_failure("map the GPU pool", exc)
+            return None
+        if client.info.gpu_region_path and self._gpu_identity is None:
+            self._gpu_identity = _identity(client.info.gpu_region_path)
+        return pool
+
     def region_is_current(self) -> bool:
         """Whether the mapped region is still the file the daemon serves offsets of."""
         client = self._client
         if client is None or not client.mapped or self._link.reset:
+            return False
+        if self._gpu_identity is not None and (
+            _identity(client.info.gpu_region_path) != self._gpu_identity
+        ):
             return False
         return _identity(client.info.region_path) == self._region_identity
 
@@ -189,6 +208,7 @@ class DaemonSession:
         self._link = _LinkWatch(None)
         self._namespaces.clear()
         self._region_identity = None
+        self._gpu_identity = None
         if client is not None:
             try:
                 client.close()

@@ -115,11 +115,14 @@ class WorkerSide:
                 "support this layout (padded or hybrid pages)"
             )
         self.kv = kv
-        if kv.device is not None and kv.device.type == "cuda":
+        on_cuda = kv.device is not None and kv.device.type == "cuda"
+        if on_cuda and self.config.tier == "dram":
             from connectors.vllm.cuda import CudaBlockCopier
 
             self.copier = CudaBlockCopier(kv)
         else:
+            # A CPU cache, or the GPU tier: both sides on one device, so the
+            # same batched index_select/index_copy_ runs there (device to device).
             self.copier = BlockCopier(kv)
 
     # ------------------------------------------------------------ per step
@@ -224,7 +227,7 @@ class WorkerSide:
         handle = self.session.call_in(
             "prepare load",
             self.layout.spec(tenant),
-            lambda c, ns: c.prepare_load(ns, hashes, lease_ttl_s=ttl),
+            lambda c, ns: c.prepare_load(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
         )
         if handle is None:
             return 0, None
@@ -239,13 +242,16 @@ class WorkerSide:
         to_check = np.flatnonzero(sums)
         if not len(to_check):
             return found
-        region = self.session.region
+        region = self._region()
         if region is None:
             return 0
         block_bytes = handle.namespace.block_bytes
         for i in to_check.tolist():
             off = int(handle.offsets[i])
-            if xxhash.xxh3_64_intdigest(region[off : off + block_bytes].data) != int(sums[i]):
+            block = region[off : off + block_bytes]
+            if block.is_cuda:
+                block = block.cpu()  # rare: only blocks that crossed disk or network
+            if xxhash.xxh3_64_intdigest(block.numpy().data) != int(sums[i]):
                 self.counters.checksum_failures += 1
                 logger.warning(
                     "kvstore: block %d of a load failed its checksum; recomputing from it", i
@@ -304,7 +310,7 @@ class WorkerSide:
         return self.session.call_in(
             "prepare store",
             self.layout.spec(tenant),
-            lambda c, ns: c.prepare_store(ns, hashes, lease_ttl_s=ttl),
+            lambda c, ns: c.prepare_store(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
         )
 
     def _commit(self, batch: _SaveBatch) -> None:
@@ -342,14 +348,17 @@ class WorkerSide:
     # ------------------------------------------------------------ region
 
     def _region(self) -> torch.Tensor | None:
+        """Where this connector's offsets point: the DRAM region, or the GPU pool."""
         import torch
 
-        region = self.session.region
+        region = self.session.region if self.config.tier == "dram" else self.session.gpu_pool()
         if region is None:
             self._region_t = None
             return None
         if self._region_t is None or self._region_generation != self.session.generation:
-            self._region_t = torch.from_numpy(region)
+            self._region_t = (
+                region if isinstance(region, torch.Tensor) else torch.from_numpy(region)
+            )
             self._region_generation = self.session.generation
         return self._region_t
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
+from kvstore.v1 import store_pb2
 from tests.integration import vllm_model as vm
 
 pytestmark = [
@@ -154,6 +155,31 @@ def test_cache_salt_isolates_tenants(restart_runs, reference):
     assert same_tenant["num_cached_tokens"] == [_full_block_tokens(SALTED[0])]
     assert same_tenant["connector"]["worker_loaded_blocks"] == _full_block_tokens(SALTED[0]) // BS
     assert other_tenant["tokens"] == same_tenant["tokens"] == reference["salted"]
+
+
+def test_gpu_tier_restart_hits_and_same_tokens(model_dir, workdir, reference, daemon_factory):
+    """kv_connector_extra_config tier="gpu": the engine stores into and loads from the
+    daemon's GPU pool. In host mode here (gpu.device = "cpu", no CUDA): the same
+    connector and daemon code as on a GPU, with a CPU cache and a shared-file pool."""
+    daemon = daemon_factory(
+        "d_gpu",
+        tcp=False,
+        dram_bytes=128 << 20,
+        settings={"gpu.device": "cpu", "gpu.capacity_bytes": "64MiB", "gpu.chunk_bytes": "4MiB"},
+    )
+    a = vm.run_once(
+        workdir, "gpu_a", _spec(model_dir, daemon.address, [_step(SHARED)], tier="gpu")
+    )["steps"][0]
+    with Client(daemon.address, map_region=False) as c:
+        tiers = {store_pb2.Tier.Name(t.tier): t.blocks for t in c.stats().tiers}
+    assert a["connector"]["worker_saved_blocks"] > 0
+    assert tiers["TIER_GPU"] == a["connector"]["worker_saved_blocks"] and tiers["TIER_DRAM"] == 0
+    b = vm.run_once(
+        workdir, "gpu_b", _spec(model_dir, daemon.address, [_step(SHARED)], tier="gpu")
+    )["steps"][0]
+    assert b["num_cached_tokens"] == [_full_block_tokens(p) for p in SHARED]
+    assert b["connector"]["worker_load_failed_blocks"] == 0
+    assert a["tokens"] == b["tokens"] == reference["shared"]
 
 
 def test_two_engines_share_one_daemon(model_dir, workdir, reference, daemon_factory):
