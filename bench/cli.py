@@ -17,6 +17,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("bench.local", "store/load throughput of one daemon through the client"),
     "tiers": ("bench.tiers", "DRAM/disk tier throughput, demotion and promotion"),
+    "gpu": ("bench.gpu", "GPU tier moves (HBM <-> pinned DRAM) vs a torch copy"),
     "policy": ("bench.policy", "eviction policies compared on a trace"),
     "indexer": ("bench.indexer", "indexer event ingest and Score latency"),
     "p2p": ("bench.p2p", "peer-to-peer block transfer (NIXL) between daemons"),
