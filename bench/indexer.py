@@ -391,8 +391,17 @@ def run(args: argparse.Namespace) -> int:
                 f"  memory: {(after - before) / replicas:.1f} bytes per block replica "
                 f"(Redis used_memory delta; fill {rfill:,.0f}/s)"
             )
+            # The goal is judged on the direct read: the mirror is a local copy
+            # (in-memory speed by construction), reported beside it, not instead.
+            direct_ok = r_s.p99_s <= 5 * mem_s.p99_s
+            mirror_ok = m_s.p99_s <= 5 * mem_s.p99_s
+            print(
+                "  score goal (p99 <= 5x in-memory): direct Redis read "
+                f"{'met' if direct_ok else 'MISSED'}; mirror read (redis_read=mirror, the "
+                f"default) {'met' if mirror_ok else 'MISSED'}"
+            )
             ok &= r_scores == mem_scores and m_scores == mem_scores
-            ok &= min(r_s.p99_s, m_s.p99_s) <= 5 * mem_s.p99_s and mem_rate <= 5 * r_rate
+            ok &= direct_ok and mem_rate <= 5 * r_rate
             mirror.close()
             r.close()
         finally:
