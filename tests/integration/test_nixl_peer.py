@@ -501,3 +501,27 @@ def test_peer_hint_failures_leave_the_local_answer(peer_daemon, daemon_factory) 
         ns = c.declare_namespace(make_spec(block))
         with pytest.raises(StateConflict, match=r"peer\.enabled"):
             c.lookup(ns, [1], peer_hint="node-a")
+
+
+def test_pull_of_blocks_the_owner_holds_in_its_gpu_tier(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Peers read the owner's registered DRAM region: GPU-tier blocks (host mode
+    here) are moved down before they are served, and arrive intact."""
+    pytest.importorskip("torch")
+    block = 64 * 1024
+    a = peer_daemon(
+        "gpu-owner",
+        extra={"gpu.device": "cpu", "gpu.capacity_bytes": "4MiB", "gpu.chunk_bytes": "4MiB"},
+    )
+    b = peer_daemon("gpu-puller")
+    hashes = list(range(500, 516))
+    with Client(a.address) as c:
+        ns = c.declare_namespace(make_spec(block))
+        assert c.put(ns, hashes, blocks_for(hashes, block), tier="gpu").stored == 16
+        assert c.lookup(ns, hashes).by_tier == {"gpu": 16}
+    put(b, [], block)
+    r = fetch(b, ns.namespace_id, hashes, a)
+    assert r.prefix_blocks == 16 and r.fetched_blocks == 16 and r.corrupt_blocks == 0
+    assert_holds(b, hashes, block)
+    with Client(a.address) as c:
+        assert c.lookup(ns, hashes).by_tier == {"dram": 16}
+    assert no_leases_soon(a)
