@@ -147,7 +147,7 @@ def _tier_name(tier: int) -> str:
 
 
 def _tier_value(tier: str) -> Any:
-    """"dram" | "gpu" -> the protobuf Tier value."""
+    """ "dram" | "gpu" -> the protobuf Tier value."""
     if tier not in ("dram", "gpu"):
         raise errors.InvalidRequest(f'tier must be "dram" or "gpu", got {tier!r}')
     return pb.Tier.Value("TIER_" + tier.upper())
@@ -608,6 +608,7 @@ class Client:
 
         space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
         handle = self.prepare_load(ns, hashes, tier=tier)
+        result: Any = None
         try:
             if out is None:
                 out = torch.empty(
@@ -617,7 +618,9 @@ class Client:
             elif _is_cuda(out):
                 dst = _cuda_rows(out, len(hashes), ns.block_bytes)
             else:
-                dst = torch.from_numpy(_as_rows(out, len(hashes), ns.block_bytes, writable=True))
+                rows = _as_rows(out, len(hashes), ns.block_bytes, writable=True)
+                dst = torch.from_numpy(rows)
+                result = rows  # a numpy (or CPU tensor) out gets a numpy prefix back
             offs = handle.offsets
             for s, e in _runs(offs, None, ns.block_bytes):
                 o = int(offs[s])
@@ -625,9 +628,11 @@ class Client:
                     space_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes)
                 )
             _synchronize(dst, space_t)  # the pin must outlive the copy
+            if result is None:
+                result = dst
         finally:
             self.release(handle, wait=False)
-        return GetResult(handle.found, dst[: handle.found])
+        return GetResult(handle.found, result[: handle.found])
 
 
 def _synchronize(*tensors: Any) -> None:

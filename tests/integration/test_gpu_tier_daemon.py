@@ -159,3 +159,25 @@ def test_a_gpu_store_abandoned_mid_way_leaks_nothing(daemon_factory, tmp_path):
         wait_until(lambda: tiers(c)["TIER_GPU"].used_bytes == 0)
         assert tiers(c)["TIER_GPU"].used_bytes == 0 and c.stats().active_leases == 0
         assert c.put(ns, list(range(16)), blocks_for(range(16)), tier="gpu").stored == 16
+
+
+def test_the_torch_copy_path_over_a_host_pool(daemon_factory, tmp_path):
+    """The copies a CUDA client takes (one torch copy_ per run of slots) run here
+    over the host-mode pool with CPU tensors: same code, no device."""
+    import torch
+
+    d = gpu_daemon(daemon_factory, tmp_path)
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        hashes = list(range(40, 52))
+        src = torch.from_numpy(blocks_for(hashes))
+        assert c._put_torch(ns, hashes, src, "gpu", c.gpu_pool()).stored == 12
+        out = np.zeros((12, BLOCK), dtype=np.uint8)
+        got = c._get_torch(ns, hashes, out, "gpu", c.gpu_pool())
+        assert got.found == 12 and isinstance(got.data, np.ndarray)
+        assert np.array_equal(out, blocks_for(hashes))
+        got = c._get_torch(ns, hashes, None, "gpu", c.gpu_pool())
+        assert torch.equal(got.data, src)
+        # And into DRAM (a CUDA tensor's store to the region takes this path too).
+        assert c._put_torch(ns, [99], src[:1], "dram", c.region).stored == 1
+        assert np.array_equal(c.get(ns, [99]).data[0], blocks_for([40])[0])
