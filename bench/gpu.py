@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             f"gpu.device={device}",
             f"gpu.capacity_bytes={pool_bytes}",
             f"gpu.chunk_bytes={chunk}",
+            # Measure the moves themselves: no background demotion racing them.
+            "gpu.demote_free_fraction=0",
         ],
     )
     region = Region(config.dram.path, config.dram.capacity_bytes, prefault=True, huge_pages="off")

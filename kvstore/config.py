@@ -136,6 +136,10 @@ class GpuConfig(_Section):
     """Hard cap of the GPU tier's pool (allocated once at start)."""
     chunk_bytes: int = 64 * MiB
     """Slab size of the pool, as dram.chunk_bytes."""
+    demote_free_fraction: float = 0.1
+    """Keep at least this share of the pool free, moving the coldest blocks to DRAM in
+    the background, so a store into the GPU tier rarely waits for a demotion.
+    0 = demote only when a store needs the slot."""
 
 
 class PeerConfig(_Section):
@@ -313,6 +317,8 @@ def validate(config: Config) -> None:
         config.gpu.chunk_bytes <= 0 or config.gpu.capacity_bytes < config.gpu.chunk_bytes
     ):
         problems.append("gpu: need 0 < gpu.chunk_bytes <= gpu.capacity_bytes")
+    if not 0.0 <= config.gpu.demote_free_fraction < 1.0:
+        problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
     if problems:

@@ -358,6 +358,8 @@ class BlockManager:
             )
         if self.disk is not None and to_commit and tier is Tier.DRAM:
             self.disk.committed(to_commit)  # GPU blocks reach disk through DRAM
+        if self.gpu is not None and to_commit and tier is Tier.GPU:
+            self.gpu.wake()  # keep room in the pool for the next store
         return len(to_commit)
 
     # ----------------------------------------------------------------- load
@@ -815,4 +817,4 @@ class BlockManager:
         if self.disk is not None:
             await self.disk.close()
         if self.gpu is not None:
-            self.gpu.close()
+            await self.gpu.aclose()

@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 # Coldest blocks looked at per slot a store needs before giving up.
 VICTIM_WINDOW = 64
+# Blocks the background demoter moves per copy (bounds how long they stay pinned).
+DEMOTE_BATCH = 32
 
 
 class GpuLayer:
@@ -88,6 +90,9 @@ class GpuLayer:
         self.owner: dict[int, Block] = {}  # pool offset -> block (pending or committed)
         self.pinned_blocks = 0
         self._moving: dict[int, asyncio.Future[None]] = {}  # id(block) -> its move
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     # ---------------------------------------------------------------- slots
 
@@ -190,18 +195,27 @@ class GpuLayer:
 
     async def move(self, ns: Namespace, hashes: list[int], tier: Tier) -> None:
         """Bring the present prefix of hashes into `tier` (GPU or DRAM), as far as room allows."""
-        m = self.manager
         prefix: list[Block] = []
         for h in hashes:
             block = ns.blocks.get(h)
             if block is None or block.doomed:
                 break
             prefix.append(block)
+        await self._move_blocks(ns, prefix, tier)
+        if tier is Tier.GPU:
+            self.wake()
+
+    async def _move_blocks(self, ns: Namespace, prefix: list[Block], tier: Tier) -> int:
+        """Move committed blocks of ns into `tier`, in order, until one finds no room.
+
+        Returns how many this call moved."""
+        m = self.manager
         source = Tier.DRAM if tier is Tier.GPU else Tier.GPU
         if all(b.tier is not source for b in prefix) and not any(
             id(b) in self._moving for b in prefix
         ):
-            return
+            return 0
+        moved = 0
         for block in prefix:
             m._pin(block)  # nothing in the prefix is evicted or moved by others meanwhile
         try:
@@ -244,6 +258,7 @@ class GpuLayer:
                 else:
                     for block, offset in planned:
                         self._finish_move(block, offset, tier)
+                    moved = len(planned)
                 finally:
                     for block, _ in planned:
                         self._moving.pop(id(block), None)
@@ -253,6 +268,7 @@ class GpuLayer:
         finally:
             for block in prefix:
                 m._unpin(block)
+        return moved
 
     def _finish_move(self, block: Block, offset: int, tier: Tier) -> None:
         m = self.manager
@@ -289,6 +305,61 @@ class GpuLayer:
             dst[d : d + nbytes].copy_(src[s : s + nbytes], non_blocking=self.pinned)
         self.tier.synchronize()
 
+    # ------------------------------------------------- background demotion
+
+    def wake(self) -> None:
+        """Start or nudge the background demoter (after blocks entered the pool)."""
+        if self._closed or self.config.demote_free_fraction <= 0:
+            return
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return  # not serving yet
+            self._task = loop.create_task(self._run(), name="kvstore-gpu-demoter")
+
+    def _need_bytes(self) -> int:
+        """Pool bytes to free to reach gpu.demote_free_fraction."""
+        target = int(self.config.demote_free_fraction * self.capacity_bytes)
+        return target - (self.capacity_bytes - self.used_bytes)
+
+    async def _run(self) -> None:
+        """Keep a share of the pool free, so a store into the GPU tier rarely waits
+        for a demotion: the coldest blocks move to DRAM off the event loop."""
+        assert self._wake is not None
+        while not self._closed:
+            self._wake.clear()
+            moved = 0
+            while not self._closed and self._need_bytes() > 0:
+                batch = self._cold_batch()
+                if not batch:
+                    break  # all pinned or moving: look again at the next nudge
+                step = 0
+                for ns, blocks in batch.items():
+                    step += await self._move_blocks(ns, blocks, Tier.DRAM)
+                if step == 0:
+                    break  # DRAM refused (full of pinned blocks): wait for a nudge
+                moved += step
+            if moved == 0 or self._need_bytes() <= 0:
+                await self._wake.wait()
+
+    def _cold_batch(self) -> dict[Namespace, list[Block]]:
+        """Up to DEMOTE_BATCH coldest movable blocks, by namespace (one copy size each)."""
+        need = self._need_bytes()
+        batch: dict[Namespace, list[Block]] = {}
+        for slot_bytes, policy in self.policies.items():
+            for block in cast("Iterator[Block]", policy.victims()):
+                if need <= 0 or sum(map(len, batch.values())) >= DEMOTE_BATCH:
+                    return batch
+                if block.pins or id(block) in self._moving:
+                    continue
+                batch.setdefault(block.namespace, []).append(block)
+                need -= slot_bytes
+        return batch
+
     # ---------------------------------------------------------------- stats
 
     @property
@@ -301,6 +372,18 @@ class GpuLayer:
 
     def committed_blocks(self) -> int:
         return sum(len(p) for p in self.policies.values())
+
+    async def aclose(self) -> None:
+        """Stop the background demoter and let running moves finish."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for running in list(self._moving.values()):
+            with contextlib.suppress(BaseException):
+                await running
+        self.close()
 
     def close(self) -> None:
         if self.pinned:

@@ -37,6 +37,7 @@ def gpu_daemon(daemon_factory, tmp_path, *, disk=False):
         "gpu.device": "cpu",
         "gpu.capacity_bytes": "1MiB",  # 16 blocks
         "gpu.chunk_bytes": "1MiB",
+        "gpu.demote_free_fraction": 0,  # exact placements; the background is unit-tested
     }
     if disk:
         (tmp_path / "disk").mkdir()

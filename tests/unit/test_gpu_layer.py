@@ -63,6 +63,8 @@ class Node:
             "gpu.device": "cpu",
             "gpu.capacity_bytes": gpu,
             "gpu.chunk_bytes": "64KiB",
+            # Exact placements below: no background demotion unless a test asks.
+            "gpu.demote_free_fraction": 0,
             **extra,
         }
         if disk:
@@ -319,3 +321,35 @@ def test_no_room_status_for_the_tail(tmp_path):
     assert list(plan.statuses) == [STORE_ALLOCATED, STORE_ALLOCATED, STORE_NO_ROOM]
     m.release([pin.lease_id, plan.lease_id])
     node.check_accounting()
+
+
+async def test_background_demoter_keeps_room_in_the_pool(tmp_path):
+    import asyncio
+
+    node = Node(tmp_path, **{"gpu.demote_free_fraction": 0.25})  # keep 2 of 8 slots free
+    m = node.m
+    node.put(list(range(1, 9)))  # fills the pool; the commit nudges the demoter
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        if m.gpu.used_bytes <= 6 * BLOCK:
+            break
+    assert m.gpu.used_bytes == 6 * BLOCK
+    assert [node.tier_of(h) for h in (1, 2)] == [Tier.DRAM, Tier.DRAM]  # the coldest moved
+    got = await node.get([1, 2], tier=Tier.DRAM)
+    assert same(got, [1, 2])
+    # A pinned pool: the demoter waits instead of spinning, and nothing is lost.
+    pin = m.prepare_load(node.ns.namespace_id, list(range(3, 9)), tier=Tier.GPU)
+    node.put([20, 21])
+    pin2 = m.prepare_load(node.ns.namespace_id, [20, 21], tier=Tier.GPU)  # before any await
+    await asyncio.sleep(0.05)
+    assert m.gpu.used_bytes == 8 * BLOCK and node.tier_of(20) is Tier.GPU
+    m.release([pin.lease_id, pin2.lease_id])
+    m.gpu.wake()
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        if m.gpu.used_bytes <= 6 * BLOCK:
+            break
+    assert m.gpu.used_bytes == 6 * BLOCK
+    assert m.stats().counters.evicted_blocks == 0
+    node.check_accounting()
+    await node.close()
