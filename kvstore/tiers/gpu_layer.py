@@ -374,7 +374,8 @@ class GpuLayer:
         return sum(len(p) for p in self.policies.values())
 
     async def aclose(self) -> None:
-        """Stop the background demoter and let running moves finish."""
+        """Stop the background demoter and let running moves finish; with warm restart,
+        move the pool's blocks down to DRAM first (the pool dies with the process)."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -383,7 +384,24 @@ class GpuLayer:
         for running in list(self._moving.values()):
             with contextlib.suppress(BaseException):
                 await running
+        if self.manager.config.dram.warm_restart:
+            self.demote_all()
         self.close()
+
+    def demote_all(self) -> int:
+        """Move every unpinned pool block down, coldest first (so DRAM's own eviction,
+        if it must make room, drops colder blocks before hotter ones). Returns the count."""
+        blocks = [
+            b
+            for policy in self.policies.values()
+            for b in cast("Iterator[Block]", policy.victims())
+            if b.pins == 0
+        ]
+        for block in blocks:
+            self.demote(block)
+        if blocks:
+            log.info("moved %d GPU-tier blocks to DRAM before exit", len(blocks))
+        return len(blocks)
 
     def close(self) -> None:
         if self.pinned:

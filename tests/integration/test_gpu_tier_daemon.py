@@ -182,3 +182,20 @@ def test_the_torch_copy_path_over_a_host_pool(daemon_factory, tmp_path):
         # And into DRAM (a CUDA tensor's store to the region takes this path too).
         assert c._put_torch(ns, [99], src[:1], "dram", c.region).stored == 1
         assert np.array_equal(c.get(ns, [99]).data[0], blocks_for([40])[0])
+
+
+def test_graceful_restart_keeps_the_gpu_tiers_blocks_in_dram(daemon_factory, tmp_path):
+    """The pool dies with the daemon: on SIGTERM its blocks move to DRAM first, so the
+    warm restart serves them."""
+    d = gpu_daemon(daemon_factory, tmp_path)
+    hashes = list(range(300, 312))
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        assert c.put(ns, hashes, blocks_for(hashes), tier="gpu").stored == 12
+    assert d.stop(keep_region=True) == 0
+    d.start()
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        assert c.lookup(ns, hashes).by_tier == {"dram": 12}
+        got = c.get(ns, hashes, tier="gpu")
+        assert got.found == 12 and np.array_equal(got.data, blocks_for(hashes))
