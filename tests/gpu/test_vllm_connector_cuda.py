@@ -57,3 +57,27 @@ def test_cuda_save_and_load_match_the_cpu_path_byte_for_byte():
         assert torch.equal(dst[:, new_ids.tolist()], src[:, ids.tolist()])
         others = [b for b in range(NUM_BLOCKS) if b not in new_ids.tolist()]
         assert dst[:, others].abs().sum().item() == 0
+
+
+def test_gpu_tier_copier_is_device_to_device_and_matches_the_cpu_path():
+    """tier="gpu": BlockCopier between a CUDA cache and a pool on the same device
+    gives the same bytes as the CPU path; a pool on another device is refused."""
+    from connectors.vllm.copier import BlockCopier, PagedKV
+    from kvstore.errors import InvalidRequest
+
+    gpu_layers = _layers("cuda", seed=1)
+    cpu_layers = [(n, t.cpu()) for n, t in gpu_layers]
+    gpu_kv = PagedKV.from_layers(gpu_layers, NUM_BLOCKS)
+    ids = np.array([2, 9, 11])
+    offsets = np.array([1, 4, 6]) * gpu_kv.block_bytes
+    pool = torch.zeros(8 * gpu_kv.block_bytes, dtype=torch.uint8, device="cuda")
+    BlockCopier(gpu_kv).save(pool, offsets, ids)
+    region_cpu = torch.zeros(8 * gpu_kv.block_bytes, dtype=torch.uint8)
+    BlockCopier(PagedKV.from_layers(cpu_layers, NUM_BLOCKS)).save(region_cpu, offsets, ids)
+    assert torch.equal(pool.cpu(), region_cpu)
+    target = [(n, torch.zeros_like(t)) for n, t in gpu_layers]
+    BlockCopier(PagedKV.from_layers(target, NUM_BLOCKS)).load(pool, offsets, np.array([0, 1, 3]))
+    for (_, src), (_, dst) in zip(gpu_layers, target, strict=True):
+        assert torch.equal(dst[:, [0, 1, 3]], src[:, ids.tolist()])
+    with pytest.raises(InvalidRequest, match="KV cache on"):
+        BlockCopier(gpu_kv).save(region_cpu, offsets, ids)
