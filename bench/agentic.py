@@ -23,13 +23,17 @@ The replay runs in modelled time (a discrete-event simulation): a request
 arrives when the requests it waits for have finished plus its think time;
 its node serves requests one at a time. When a request starts, the bench
 *measures* its sources against the real system: the GPU-cache model's
-prefix, then the local daemon's Lookup and a real load of those blocks
-(bytes verified), then, with peers on, a real pull of the rest of the
-prefix from the peer daemon holding most of it (read from the peer, stored
-into the local daemon, verified). Whatever is left is recomputed. When it
-finishes, its blocks (input and output) enter the GPU cache model and are
-stored into the local daemon, as a connector does. TTFT and throughput come
-from bench/costmodel.py (*modelled*).
+prefix, then the local daemon's Lookup, then, with peers on, the product's
+peer pull: the chosen node's daemon is asked (FetchFromPeer, by node id from
+its `peer.peers`) to pull the rest of the prefix from the peer daemon the
+index shows holding it, over NIXL (daemon to daemon; the bench moves no
+bytes), and the tokens credited to peers are what that daemon reports it
+fetched; then one real load of the local prefix, pulled blocks included
+(bytes verified). Whatever is left is recomputed, and every recomputed token
+is attributed to a cause (class Diagnosis). When it finishes, its blocks
+(input and output) enter the GPU cache model and are stored into the local
+daemon, as a connector does. TTFT and throughput come from
+bench/costmodel.py (*modelled*).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ import contextlib
 import heapq
 import os
 import random
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -104,6 +110,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="pull missing prefix blocks from the peer daemon that holds them",
     )
     p.add_argument(
+        "--peer-transport",
+        choices=("auto", "nixl", "grpc_stream"),
+        default="auto",
+        help="the daemons' peer.transport: auto = NIXL, or the daemon's gRPC stream "
+        "fallback (logged loudly, and flagged in the report) when NIXL cannot load",
+    )
+    p.add_argument(
         "--daemon-events",
         choices=("on", "off"),
         default="on",
@@ -133,16 +146,50 @@ class NodeProcs:
     engine_events: str = ""
 
 
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 @contextlib.contextmanager
 def cluster(
-    n: int, tmp: Path, dram_bytes: int, disk_bytes: int, chunk_bytes: int, events: bool = True
+    n: int,
+    tmp: Path,
+    dram_bytes: int,
+    disk_bytes: int,
+    chunk_bytes: int,
+    events: bool = True,
+    peer_transport: str = "",
 ) -> Iterator[list[NodeProcs]]:
-    """Start n daemons; stop them (SIGTERM, then kill) and remove their files."""
+    """Start n daemons; stop them (SIGTERM, then kill) and remove their files.
+
+    peer_transport ("auto", "nixl", "grpc_stream"; "" = peer transfer off): every
+    daemon serves and pulls blocks (`peer.enabled`), knows every other one by
+    node id (`peer.peers`), and they share one secret made for this cluster.
+    """
     nodes: list[NodeProcs] = []
     tag = f"{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
+    names = [f"node{i}" for i in range(n)]
+    ports = _free_ports(n) if peer_transport else [0] * n
+    secret = secrets.token_hex(16)
+    env = dict(os.environ)
+    if peer_transport:
+        # One host: UCX over loopback; NIXL's own logging at WARN (see README, Transports).
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        env["KVSTORE_PEER__SECRET"] = secret  # not on the command line (ps shows it)
     try:
         for i in range(n):
-            name = f"node{i}"
+            name = names[i]
             sock = tmp / f"{name}.sock"
             pub = f"ipc://{tmp}/{name}.events"
             args = [
@@ -155,7 +202,9 @@ def cluster(
                 "--set",
                 f"server.socket_path={sock}",
                 "--set",
-                "server.tcp_address=",
+                f"server.tcp_address=127.0.0.1:{ports[i]}"
+                if peer_transport
+                else "server.tcp_address=",
                 "--set",
                 "metrics.address=",
                 "--set",
@@ -173,6 +222,16 @@ def cluster(
                 "--set",
                 "log.level=warning",
             ]
+            if peer_transport:
+                args += [
+                    "--set",
+                    "peer.enabled=true",
+                    "--set",
+                    f"peer.transport={peer_transport}",
+                ]
+                for j, other in enumerate(names):
+                    if j != i:
+                        args += ["--set", f"peer.peers.{other}=127.0.0.1:{ports[j]}"]
             if disk_bytes:
                 (tmp / f"{name}.disk").mkdir(exist_ok=True)
                 args += [
@@ -185,7 +244,7 @@ def cluster(
                 ]
             log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 - owned by the process
             proc = subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, cwd=_common.repo_root()
+                args, stdout=log, stderr=subprocess.STDOUT, cwd=_common.repo_root(), env=env
             )
             log.close()
             nodes.append(NodeProcs(name, sock, pub, proc, f"ipc://{tmp}/{name}.engine-events"))
@@ -227,22 +286,16 @@ class Scorer(Protocol):
     def close(self) -> None: ...
 
 
-class EventIndex:
-    """The indexer's index (kvstore.indexer.memory.MemoryIndex) fed from every
-    daemon's and every engine model's ZMQ event stream, consumed in this
-    process so the modelled clock can drain it before each routing decision."""
-
-    description = "kvstore.indexer MemoryIndex fed by ZMQ KV events (consumed in-process)"
+class _EventTap:
+    """A ZMQ subscriber to every daemon's and engine model's KV-event stream, read
+    in this process without blocking."""
 
     def __init__(self, endpoints: Sequence[str]) -> None:
         import zmq
 
         from kvstore.events import wire
-        from kvstore.indexer.memory import MemoryIndex
 
-        self._zmq = zmq
-        self._wire = wire
-        self.index = MemoryIndex()
+        self._zmq, self._wire = zmq, wire
         self._decoder = wire.lean_decoder()
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -250,6 +303,24 @@ class EventIndex:
         self._sub.set_hwm(1_000_000)
         for ep in endpoints:
             self._sub.connect(ep)
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+        self._ctx.term()
+
+
+class EventIndex(_EventTap):
+    """The indexer's index (kvstore.indexer.memory.MemoryIndex) fed from every
+    daemon's and every engine model's ZMQ event stream, consumed in this
+    process so the modelled clock can drain it before each routing decision."""
+
+    description = "kvstore.indexer MemoryIndex fed by ZMQ KV events (consumed in-process)"
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        from kvstore.indexer.memory import MemoryIndex
+
+        super().__init__(endpoints)
+        self.index = MemoryIndex()
         self.events = 0
 
     def catch_up(self, max_messages: int = 100_000) -> int:
@@ -269,7 +340,7 @@ class EventIndex:
             batch = self._decoder.decode(frames[2])
             for ev in batch.events:
                 self.events += 1
-                if isinstance(ev, wire.LeanCleared):
+                if not isinstance(ev, wire.LeanStored | wire.LeanRemoved):
                     self.index.clear(node, model or None)
                     continue
                 hashes = np.fromiter(
@@ -285,10 +356,6 @@ class EventIndex:
 
     def score(self, hashes: np.ndarray) -> dict[str, Any]:
         return {s.node: s for s in self.index.score(MODEL, hashes)}
-
-    def close(self) -> None:
-        self._sub.close(linger=0)
-        self._ctx.term()
 
 
 class IndexerService:
@@ -531,6 +598,35 @@ class PreciseRouter:
 # -- replay ----------------------------------------------------------------------
 
 
+# Why a recomputed input token was not served from any cache (see Replay._diagnose).
+CAUSES: dict[str, str] = {
+    "new": "new in the trace (first sight: tool output, a task's first read)",
+    "partial_block": "partial last block (caches hold whole blocks) and the last token",
+    "in_flight": "being computed by a concurrent request, not finished (stored) yet",
+    "evicted_dram": "evicted before reuse: from DRAM, on every node that held it",
+    "evicted_disk": "evicted before reuse: from disk, on every node that held it",
+    "evicted_gpu": "evicted before reuse from every engine's GPU cache (no kvstore)",
+    "evicted_unseen": "evicted before reuse (the removal event was not seen yet)",
+    "store_refused": "refused at store time (no room: the tier was full of pinned blocks)",
+    "split_across_nodes": "held by another node than the chosen one and the peer pulled from",
+    "not_found_by_index": "held by another node, but the index showed no peer to pull from",
+    "peers_off": "held by another node's daemon (peer pulls off)",
+    "other_node_gpu_only": "in another engine's GPU cache (no kvstore to reach it)",
+    "local_not_loaded": "held by the chosen node's daemon but not loaded (a bug or a race)",
+    "peer_pull_short": "held by the pulled peer but the pull stopped before it",
+    "never_stored": "computed before but never offered to a daemon (a bug)",
+}
+
+
+DAEMON_COUNTERS = (
+    "stored_blocks",
+    "evicted_blocks",
+    "demoted_blocks",
+    "promoted_blocks",
+    "expired_leases",
+)
+
+
 @dataclass
 class Tally:
     input_tokens: int = 0
@@ -538,14 +634,76 @@ class Tally:
     tokens: dict[str, int] = field(
         default_factory=lambda: dict.fromkeys(("gpu", "dram", "disk", "peer", "recompute"), 0)
     )
+    recompute_causes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0))
     ttft_s: list[float] = field(default_factory=list)
     blocks_loaded: int = 0
     blocks_stored: int = 0
+    blocks_refused: int = 0
     blocks_pulled: int = 0
     verified_blocks: int = 0
     verify_failures: int = 0
+    # FetchFromPeer, as the daemons answered it.
+    peer_fetches: int = 0
+    peer_fetch_failures: int = 0
+    peer_fetched_blocks: int = 0
+    peer_corrupt_blocks: int = 0
+    peer_transports: dict[str, int] = field(default_factory=dict)
+    peer_fetch_s: list[float] = field(default_factory=list)
+    pool_served_tokens: int = 0
+    copies_per_block: float = 0.0
+    daemon_counters: dict[str, int] = field(default_factory=dict)
     requests: int = 0
     makespan_s: float = 0.0
+
+
+class RemovalLedger(_EventTap):
+    """What the daemons' own KV events say, for the diagnosis of recomputed tokens:
+    the tier each block was last removed from (BlockRemoved, medium CPU or DISK),
+    and which nodes hold each block now (BlockStored/BlockRemoved), hence how many
+    copies of a block the cluster keeps."""
+
+    MAX_BLOCKS = 4_000_000  # bounds memory of the removal map; older entries dropped
+
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        super().__init__(endpoints)
+        self.removed: OrderedDict[int, str] = OrderedDict()
+        # (node, medium) per held block: bounded by what the daemons hold.
+        self.held: dict[int, set[tuple[str, str]]] = {}
+        self.copies_samples: list[float] = []
+
+    def drain(self, max_messages: int = 100_000) -> None:
+        wire = self._wire
+        for _ in range(max_messages):
+            try:
+                frames = self._sub.recv_multipart(flags=self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                break
+            topic = wire.parse_topic(frames[0])
+            node = topic[0] if topic else ""
+            for ev in self._decoder.decode(frames[2]).events:
+                if isinstance(ev, wire.LeanStored):
+                    for h in ev.block_hashes:
+                        key = wire.block_hash_to_int(h)
+                        self.held.setdefault(key, set()).add((node, ev.medium or ""))
+                elif isinstance(ev, wire.LeanRemoved):
+                    for h in ev.block_hashes:
+                        key = wire.block_hash_to_int(h)
+                        self.removed[key] = ev.medium or ""
+                        self.removed.move_to_end(key)
+                        where = self.held.get(key)
+                        if where is not None:
+                            where.discard((node, ev.medium or ""))
+                            if not where:
+                                del self.held[key]
+        while len(self.removed) > self.MAX_BLOCKS:
+            self.removed.popitem(last=False)
+
+    def sample_copies(self) -> None:
+        """Nodes holding each distinct block (any tier), averaged over held blocks."""
+        self.drain()
+        if self.held:
+            nodes = sum(len({n for n, _ in w}) for w in self.held.values())
+            self.copies_samples.append(nodes / len(self.held))
 
 
 def block_payload(hashes: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -562,13 +720,127 @@ def verify(data: np.ndarray, hashes: np.ndarray) -> int:
     return int(np.count_nonzero((words != hashes[:, None]).any(axis=1)))
 
 
+class Diagnosis:
+    """Attributes every recomputed input token to one cause (CAUSES).
+
+    Block hashes are chained, so the blocks a request recomputes (those after the
+    prefix it was served) fall in order into: blocks some finished request had
+    computed ("lost": the cause is why the first of them was not found), then
+    blocks only unfinished requests are computing ("in_flight"), then blocks
+    nobody has computed ("new"); tokens past the last whole block are
+    "partial_block". Why the first lost block was not found is asked of the real
+    daemons (a Lookup of that one block on every node, which does not touch their
+    eviction order) and of the engine models, then of what the replay offered
+    (stored, refused) and of the daemons' BlockRemoved events (which tier).
+    """
+
+    def __init__(
+        self,
+        clients: list,
+        nss: list,
+        engines: list[GpuCacheModel],
+        ledger: RemovalLedger | None,
+        storage: bool,
+        peers: bool,
+        block_tokens: int,
+    ) -> None:
+        self.clients, self.nss, self.engines = clients, nss, engines
+        self.ledger, self.storage, self.peers = ledger, storage, peers
+        self.block_tokens = block_tokens
+        # The capacity reference: one LRU as large as the whole cluster's daemon
+        # tiers, fed the same requests in the same order, never holding a copy twice.
+        self.pool: OrderedDict[int, None] = OrderedDict()
+        self.pool_capacity = 0
+        self.pool_served_tokens = 0
+        self.computed: set[int] = set()
+        self.inflight: dict[int, int] = {}
+        self.offered: set[int] = set()
+        self.refused: set[int] = set()
+
+    def attribute(
+        self,
+        hashes: np.ndarray,
+        served: int,
+        recompute_tokens: int,
+        node: int,
+        pulled_from: int,
+        tally: Tally,
+    ) -> None:
+        B = self.block_tokens
+        tail = hashes[served:].tolist()
+        lost = in_flight = 0
+        for h in tail:
+            if h in self.computed:
+                lost += 1
+            elif h in self.inflight:
+                in_flight += 1
+        new = len(tail) - lost - in_flight
+        causes = tally.recompute_causes
+        causes["partial_block"] += recompute_tokens - len(tail) * B
+        causes["new"] += new * B
+        causes["in_flight"] += in_flight * B
+        if lost:
+            causes[self._why_lost(tail[0], node, pulled_from)] += lost * B
+
+    def pool_start(self, hashes: np.ndarray, ntok: int) -> None:
+        """Serve a request's prefix from the pooled LRU (touching it)."""
+        n = 0
+        for h in hashes.tolist():
+            if h not in self.pool:
+                break
+            self.pool.move_to_end(h)
+            n += 1
+        self.pool_served_tokens += min(n * self.block_tokens, max(0, ntok - 1))
+
+    def pool_finish(self, hashes: np.ndarray) -> None:
+        for h in hashes.tolist():
+            self.pool[h] = None
+            self.pool.move_to_end(h)
+        while len(self.pool) > self.pool_capacity:
+            self.pool.popitem(last=False)
+
+    def _why_lost(self, h: int, node: int, pulled_from: int) -> str:
+        if not self.storage:
+            others = [i for i, e in enumerate(self.engines) if i != node and h in e.blocks]
+            return "other_node_gpu_only" if others else "evicted_gpu"
+        holders = [
+            i
+            for i, (c, ns) in enumerate(zip(self.clients, self.nss, strict=True))
+            if c.lookup(ns, [h]).prefix_blocks
+        ]
+        if node in holders:
+            return "local_not_loaded"
+        if holders:
+            if not self.peers:
+                return "peers_off"
+            if pulled_from in holders:
+                return "peer_pull_short"
+            return "split_across_nodes" if pulled_from >= 0 else "not_found_by_index"
+        if h in self.offered:
+            assert self.ledger is not None
+            self.ledger.drain()
+            medium = self.ledger.removed.get(h)
+            return {"CPU": "evicted_dram", "DISK": "evicted_disk"}.get(
+                medium or "", "evicted_unseen"
+            )
+        if h in self.refused:
+            return "store_refused"
+        return "never_stored"
+
+
 class Replay:
     def __init__(
-        self, args: argparse.Namespace, trace: T.Trace, cost: CostModel, gpu_blocks: int
+        self,
+        args: argparse.Namespace,
+        trace: T.Trace,
+        cost: CostModel,
+        gpu_blocks: int,
+        pool_blocks: int,
     ) -> None:
         self.args, self.trace, self.cost = args, trace, cost
         self.tokens = T.TokenSource(trace.seed)
         self.gpu_blocks = gpu_blocks
+        self.pool_blocks = pool_blocks
         self.has_disk = args.disk_gb > 0
         self._hash_cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
@@ -615,6 +887,8 @@ class Replay:
             index = IndexerService(nodes, B, Path(nodes[0].socket).parent / "indexer.log")
         else:
             index = EventIndex([nd.events for nd in nodes] + [nd.engine_events for nd in nodes])
+        storage = strategy != GPU_ONLY
+        ledger = RemovalLedger([nd.events for nd in nodes]) if storage else None
         time.sleep(0.3)  # ZMQ slow joiner: let subscriptions reach the publishers
         router: Router
         if strategy == "random":
@@ -626,7 +900,6 @@ class Replay:
         else:
             router = PreciseRouter([nd.name for nd in nodes], index)
         tally = Tally()
-        storage = strategy != GPU_ONLY
         reqs = self.trace.requests
         if args.max_requests:
             reqs = reqs[: args.max_requests]
@@ -643,6 +916,17 @@ class Replay:
                 seq += 1
         queues: list[deque[str]] = [deque() for _ in range(n)]
         busy = [False] * n
+        # For the diagnosis of recomputed tokens: blocks of finished requests (their
+        # KV exists somewhere), of started unfinished ones (hash -> requests), and
+        # blocks a daemon accepted (stored or already held) or refused (no room).
+        diag = Diagnosis(clients, nss, engines, ledger, storage, args.peers == "on", B)
+        diag.pool_capacity = n * (self.pool_blocks if storage else self.gpu_blocks)
+        computed, inflight, offered, refused = (
+            diag.computed,
+            diag.inflight,
+            diag.offered,
+            diag.refused,
+        )
         score_s: list[float] = []
         wall0 = time.perf_counter()
         now = 0.0
@@ -652,25 +936,35 @@ class Replay:
             req = by_id[rid]
             hashes = self.hashes_of(req, False)
             ntok = req.input_tokens
+            diag.pool_start(hashes, ntok)
             gpu = engines[node].prefix(hashes)
             rest = hashes[gpu:]
             dram = disk = peer = 0
+            pulled_from = -1
             c, ns = clients[node], nss[node]
             if len(rest) and storage:
-                # The tier split needs a Lookup; without a disk tier every local
-                # hit is DRAM and the load itself (PrepareLoad) finds the prefix.
-                on_disk = c.lookup(ns, rest).by_tier.get("disk", 0) if self.has_disk else 0
-                got = c.get(ns, rest)
-                local = got.found
-                if local:
-                    tally.blocks_loaded += local
-                    tally.verified_blocks += local
-                    tally.verify_failures += verify(got.data, rest[:local])
-                    disk = min(local, on_disk)
+                # The local prefix and its tier split (Lookup does not touch the
+                # eviction order; the load below does, as an engine's would).
+                look = c.lookup(ns, rest)
+                local = look.prefix_blocks
+                if args.peers == "on" and local < len(rest):
+                    peer, pulled_from = self._pull(
+                        node, rest, local, clients, nss, index, nodes, tally
+                    )
+                if local + peer:
+                    # One load of everything now here (the pulled blocks included):
+                    # bytes verified against the hashes they were stored under.
+                    got = c.get(ns, rest)
+                    tally.blocks_loaded += got.found
+                    tally.verified_blocks += got.found
+                    tally.verify_failures += verify(got.data, rest[: got.found])
+                    # Peer blocks sit right after the local prefix and count only as
+                    # far as the load reached them; blocks that were already here
+                    # after a gap, which the pull's prefix also spans, are local.
+                    peer = min(peer, max(0, got.found - look.prefix_blocks))
+                    local = got.found - peer
+                    disk = min(local, look.by_tier.get("disk", 0))
                     dram = local - disk
-                missing = rest[local:]
-                if args.peers == "on" and len(missing):
-                    peer = self._pull(node, missing, clients, nss, index, nodes, tally)
             cap = max(0, ntok - 1)  # the last token is always computed
 
             def toks(b: int) -> int:
@@ -688,6 +982,11 @@ class Replay:
             for k, v in parts.items():
                 tally.tokens[k] += v
             tally.tokens["recompute"] += recompute
+            if recompute:
+                served = gpu + dram + disk + peer
+                diag.attribute(hashes, served, recompute, node, pulled_from, tally)
+            for h in self.hashes_of(req, True).tolist():
+                inflight[h] = inflight.get(h, 0) + 1
             tally.input_tokens += ntok
             tally.output_tokens += req.output_tokens
             ttft, occupancy, _ = cost.service(
@@ -708,10 +1007,26 @@ class Replay:
             req = by_id[rid]
             full = self.hashes_of(req, True)
             engines[node].insert(full)
+            fl = full.tolist()
+            for h in fl:
+                k = inflight[h] - 1
+                if k:
+                    inflight[h] = k
+                else:
+                    del inflight[h]
+            computed.update(fl)
+            diag.pool_finish(full)
             if storage:
                 res = clients[node].put(nss[node], full, block_payload(full, args.block_bytes))
                 tally.blocks_stored += res.stored
+                tally.blocks_refused += res.no_room
+                # NO_ROOM marks the tail from the first block that found no slot.
+                kept = len(fl) - res.no_room
+                offered.update(fl[:kept])
+                refused.update(fl[kept:])
             tally.requests += 1
+            if ledger is not None and tally.requests % 100 == 0:
+                ledger.sample_copies()
             last_finish[rid] = t
             for dep in dependents.get(rid, []):
                 if dep not in waiting:
@@ -752,9 +1067,22 @@ class Replay:
                 raise RuntimeError(f"replayed {tally.requests} of {len(reqs)} requests")
             if isinstance(router, PreciseRouter):
                 score_s = router.score_s
+            tally.pool_served_tokens = diag.pool_served_tokens
+            if ledger is not None and ledger.copies_samples:
+                tally.copies_per_block = float(np.mean(ledger.copies_samples))
+            if storage:
+                # What the daemons themselves counted (evictions, demotions, ...).
+                for c in clients:
+                    st = c.stats()
+                    for key in DAEMON_COUNTERS:
+                        tally.daemon_counters[key] = tally.daemon_counters.get(key, 0) + int(
+                            getattr(st, key)
+                        )
         finally:
             for e in engines:
                 e.close()
+            if ledger is not None:
+                ledger.close()
             index.close()
             for c in clients:
                 c.close()
@@ -764,34 +1092,54 @@ class Replay:
     def _pull(
         self,
         node: int,
-        missing: np.ndarray,
+        rest: np.ndarray,
+        local: int,
         clients: list,
         nss: list,
         index: Scorer,
         nodes: list[NodeProcs],
         tally: Tally,
-    ) -> int:
-        """Pull the longest run of `missing` that one peer daemon holds; -> blocks."""
+    ) -> tuple[int, int]:
+        """Have this node's daemon pull what it lacks of `rest` (it holds `local`
+        blocks of it) from the peer the index shows holding the longest run of the
+        rest: the product's FetchFromPeer over NIXL (or its logged gRPC fallback).
+        -> (blocks the daemon fetched that extend its prefix, peer index or -1)."""
+        from kvstore.errors import KVStoreError
+
         index.catch_up()
-        scores = index.score(missing)
-        # prefix_blocks counts blocks in any tier of the peer; its daemon holds
-        # what the engine computed unless it evicted them: the get below finds out.
+        scores = index.score(rest[local:])
+        # prefix_blocks counts blocks in any tier of the peer (its engine's GPU
+        # too); its daemon holds what the engine computed unless it evicted them,
+        # and the pull finds out.
         best, best_n = -1, 0
         for i, nd in enumerate(nodes):
             s = scores.get(nd.name)
             if i != node and s is not None and s.prefix_blocks > best_n:
                 best, best_n = i, s.prefix_blocks
         if best < 0:
-            return 0
-        got = clients[best].get(nss[best], missing[:best_n])
-        if not got.found:
-            return 0
-        bad = verify(got.data, missing[: got.found])
-        tally.verified_blocks += got.found
-        tally.verify_failures += bad
-        clients[node].put(nss[node], missing[: got.found], got.data)
-        tally.blocks_pulled += got.found
-        return got.found
+            return 0, -1
+        tally.peer_fetches += 1
+        t0 = time.perf_counter()
+        try:
+            reply = clients[node].fetch_from_peer(nss[node], rest, peer_node_id=nodes[best].name)
+        except KVStoreError as exc:
+            tally.peer_fetch_failures += 1
+            if tally.peer_fetch_failures <= 3:
+                print(
+                    f"  peer pull {nodes[node].name} <- {nodes[best].name} failed: {exc}",
+                    file=sys.stderr,
+                )
+            return 0, best
+        tally.peer_fetch_s.append(time.perf_counter() - t0)
+        tally.peer_transports[reply.transport] = tally.peer_transports.get(reply.transport, 0) + 1
+        tally.peer_fetched_blocks += reply.fetched_blocks
+        tally.peer_corrupt_blocks += reply.corrupt_blocks
+        # Served from the peer: what the daemon fetched, as far as it extends the
+        # prefix here (a block fetched past a hole in it cannot be used).
+        extends = max(0, int(reply.prefix_blocks) - local)
+        got = min(int(reply.fetched_blocks), extends)
+        tally.blocks_pulled += got
+        return got, best
 
     def _summary(self, t: Tally, wall_s: float, score_s: list[float]) -> dict[str, Any]:
         total = max(1, t.input_tokens)
@@ -820,6 +1168,22 @@ class Replay:
             "blocks_loaded": t.blocks_loaded,
             "blocks_stored": t.blocks_stored,
             "blocks_pulled": t.blocks_pulled,
+            "blocks_refused": t.blocks_refused,
+            "daemon_counters": t.daemon_counters,
+            "pooled_lru_cached_share": t.pool_served_tokens / total,
+            "daemon_copies_per_block": t.copies_per_block,
+            "recompute_causes": t.recompute_causes,
+            "recompute_cause_shares": {k: v / total for k, v in t.recompute_causes.items()},
+            "peer": {
+                "fetches": t.peer_fetches,
+                "failures": t.peer_fetch_failures,
+                "fetched_blocks": t.peer_fetched_blocks,
+                "fetched_bytes": t.peer_fetched_blocks * self.args.block_bytes,
+                "corrupt_blocks": t.peer_corrupt_blocks,
+                "transports": t.peer_transports,
+                "fetch_s_p50": float(np.percentile(t.peer_fetch_s, 50)) if t.peer_fetch_s else 0.0,
+                "fetch_s_p99": float(np.percentile(t.peer_fetch_s, 99)) if t.peer_fetch_s else 0.0,
+            },
             "verified_blocks": t.verified_blocks,
             "verify_failures": t.verify_failures,
             "wall_s": wall_s,
@@ -915,7 +1279,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir = _common.results_dir(
         args.results, f"agentic-{args.preset if not args.trace else 'file'}"
     )
-    replay = Replay(args, trace, cost, gpu_blocks)
+    replay = Replay(args, trace, cost, gpu_blocks, dram_blocks + disk_blocks)
     results: dict[str, Any] = {}
     print(
         f"agentic: {n_reqs} requests, {nodes_n} nodes, strategies {strategies}; "
@@ -933,6 +1297,7 @@ def run(args: argparse.Namespace) -> int:
                 disk_bytes,
                 chunk_bytes,
                 args.daemon_events == "on",
+                args.peer_transport if args.peers == "on" and strategy != GPU_ONLY else "",
             ) as procs,
         ):
             results[strategy] = replay.run(strategy, procs, progress)
@@ -941,9 +1306,18 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  {strategy:>11}: local hit {100 * s['local_prefix_hit_rate']:.1f}%  "
             f"cached {100 * s['cached_share']:.1f}%  throughput "
-            f"{s['throughput_tokens_per_s']:,.0f} tok/s (modelled)  wall {s['wall_s']:.1f} s",
+            f"{s['throughput_tokens_per_s']:,.0f} tok/s (modelled)  wall {s['wall_s']:.1f} s  "
+            f"peer pulls {s['peer']['fetches']} ({s['peer']['fetched_blocks']} blocks, "
+            f"{s['peer']['failures']} failed, via {s['peer']['transports'] or '-'})",
             file=sys.stderr,
         )
+        fallback = {k: v for k, v in s["peer"]["transports"].items() if k != "nixl"}
+        if fallback:
+            print(
+                f"  !!! {strategy}: {sum(fallback.values())} peer pulls went over {sorted(fallback)}, "
+                "NOT NIXL (NIXL did not load in the daemons; see their logs)",
+                file=sys.stderr,
+            )
     cluster_info = {
         "nodes": nodes_n,
         "gpu_blocks": gpu_blocks,
@@ -955,9 +1329,7 @@ def run(args: argparse.Namespace) -> int:
         "indexer": IndexerService.description
         if args.indexer == "service"
         else EventIndex.description,
-        "peers": "on (read from the peer daemon, stored locally, through the bench client)"
-        if args.peers == "on"
-        else "off",
+        "peers": _peers_description(args, results),
     }
     goal_rows, limits = goals(results)
     if preset == "cybergym" and not all(g["met"] for g in goal_rows):
@@ -980,6 +1352,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"results in {out_dir}")
     failures = sum(s["verify_failures"] for s in results.values())
     return 1 if failures else 0
+
+
+def _peers_description(args: argparse.Namespace, results: dict[str, Any]) -> str:
+    if args.peers != "on":
+        return "off"
+    transports: dict[str, int] = {}
+    for s in results.values():
+        for k, v in s["peer"]["transports"].items():
+            transports[k] = transports.get(k, 0) + v
+    used = ", ".join(f"{k} x {v}" for k, v in sorted(transports.items())) or "no pull made"
+    warn = (
+        " — WARNING: NOT NIXL: the daemons fell back to their gRPC stream (NIXL did not load)"
+        if set(transports) - {"nixl"}
+        else ""
+    )
+    return (
+        "on: the chosen node's daemon pulls the missing prefix from the peer daemon the "
+        f"index shows holding it (FetchFromPeer, peer.transport={args.peer_transport}; "
+        f"transports used: {used}){warn}"
+    )
 
 
 def _common_struct(stats: T.TraceStats) -> dict[str, Any]:
@@ -1005,20 +1397,38 @@ def explain_limits(
             f"local DRAM, {100 * sh['disk']:.1f}% local disk, {100 * sh['peer']:.1f}% peers, "
             f"{100 * sh['recompute']:.1f}% recomputed."
         )
-        lost = sh["recompute"] - compulsory
-        if lost > 0.005:
-            tiers = f"{cluster['nodes']} x {cluster['dram_blocks']} DRAM blocks"
-            if cluster["disk_blocks"]:
-                tiers += f" + {cluster['nodes']} x {cluster['disk_blocks']} disk blocks"
-            else:
-                tiers += " and no disk tier (--disk-gb 0)"
+        causes = sorted(
+            ((v, k) for k, v in p["recompute_cause_shares"].items() if v >= 0.0005), reverse=True
+        )
+        out.append(
+            "Precise's recomputed tokens by cause (measured, share of all input tokens): "
+            + "; ".join(f"{CAUSES[k]}: {100 * v:.1f}%" for v, k in causes)
+            + "."
+        )
+        tiers = f"{cluster['nodes']} x {cluster['dram_blocks']} DRAM blocks"
+        if cluster["disk_blocks"]:
+            tiers += f" + {cluster['nodes']} x {cluster['disk_blocks']} disk blocks"
+        pool = 1.0 - p["pooled_lru_cached_share"]
+        out.append(
+            f"Capacity reference (same run): one LRU as large as the whole cluster's daemon "
+            f"tiers ({tiers}), never holding a block twice, would have recomputed "
+            f"{100 * pool:.1f}% of input tokens against precise's {100 * sh['recompute']:.1f}%; "
+            "the difference is what placement (copies pulled to the chosen node, blocks on "
+            "other nodes) and the tiers' own behaviour cost beyond capacity."
+        )
+        if p.get("daemon_copies_per_block"):
             out.append(
-                f"Beyond the trace: {100 * lost:.1f}% of input tokens had been computed before "
-                "but were not found when their request started: evicted (the cluster holds "
-                f"{tiers}, against {p['blocks_stored']:,} blocks stored over the run), refused "
-                "by a full tier at store time, split across several peers (a pull reads one "
-                "peer), or not yet indexed (the indexer ingests events on its own clock while "
-                "the replay runs faster than real time; compare --indexer in-process)."
+                f"Copies: each distinct block the daemons held was held by "
+                f"{p['daemon_copies_per_block']:.2f} nodes on average over the run (daemon "
+                "events), so the cluster's DRAM held that many times fewer distinct blocks "
+                "than the pooled reference."
+            )
+        dc = p.get("daemon_counters") or {}
+        if cluster["disk_blocks"] and dc.get("evicted_blocks"):
+            out.append(
+                f"With a disk tier the daemons dropped {dc['evicted_blocks']:,} blocks from DRAM "
+                f"with no disk copy while demoting only {dc.get('demoted_blocks', 0):,} "
+                "(daemon counters): a block evicted from DRAM before it was demoted is lost."
             )
     a = results.get("approximate")
     if p and a:

@@ -187,6 +187,7 @@ def agentic_report(result: dict[str, Any], out_dir: Path, command: str) -> str:
             + f" | {s['tokens_recomputed']:,} | {s['ttft_s']['p50']:.2f} s / {s['ttft_s']['p90']:.2f} s"
             f" | {s['throughput_tokens_per_s']:,.0f} |"
         )
+    lines += _recompute_breakdown(strategies)
     goals = result.get("goals")
     if goals:
         lines += ["", "## Goals (CyberGym-like preset; published reference in brackets)", ""]
@@ -205,9 +206,20 @@ def agentic_report(result: dict[str, Any], out_dir: Path, command: str) -> str:
             lines += ["", "What limits them:", ""] + [f"- {x}" for x in result["limits"]]
     lines += ["", "## Measured run facts", ""]
     for name, s in strategies.items():
+        peer = s.get("peer", {})
+        pulls = (
+            f"{peer.get('fetches', 0):,} FetchFromPeer calls ({peer.get('failures', 0)} failed, "
+            f"transport {_transports(peer.get('transports', {}))}, p50 "
+            f"{peer.get('fetch_s_p50', 0.0) * 1e3:.1f} ms) fetched "
+            f"{peer.get('fetched_blocks', 0):,} blocks ({peer.get('fetched_bytes', 0) / 2**20:.1f} "
+            f"MiB, {peer.get('corrupt_blocks', 0)} corrupt), of which "
+            f"{s['blocks_pulled']:,} extended the prefix and were served"
+        )
         lines.append(
             f"- {name}: {s['blocks_loaded']:,} blocks loaded from daemons and "
-            f"{s['blocks_stored']:,} stored, {s['blocks_pulled']:,} pulled from peers; "
+            f"{s['blocks_stored']:,} stored ({s.get('blocks_refused', 0):,} refused: no room); "
+            f"{pulls}; daemon counters {s.get('daemon_counters') or '-'}; nodes holding "
+            f"each distinct block (mean over the run) {s.get('daemon_copies_per_block', 0.0):.2f}; "
             f"bytes verified: {s['verified_blocks']:,} blocks, {s['verify_failures']} failures; "
             f"wall {s['wall_s']:.1f} s; indexer Score p50 {s['score_latency_s']['p50'] * 1e3:.2f} ms."
         )
@@ -220,6 +232,48 @@ def agentic_report(result: dict[str, Any], out_dir: Path, command: str) -> str:
     md = "\n".join(lines) + "\n"
     (out_dir / "report.md").write_text(md)
     return md
+
+
+def _transports(t: dict[str, int]) -> str:
+    if not t:
+        return "-"
+    out = ", ".join(f"{k} x {v}" for k, v in sorted(t.items()))
+    return out + (" **(NOT NIXL: fallback)**" if set(t) - {"nixl"} else "")
+
+
+# Causes in report order; the labels come with the results (bench.agentic.CAUSES).
+def _recompute_breakdown(strategies: dict[str, Any]) -> list[str]:
+    """Each strategy's recomputed tokens by cause, as shares of all input tokens."""
+    from bench.agentic import CAUSES
+
+    have = [s for s in strategies.values() if "recompute_causes" in s]
+    if not have:
+        return []
+    used = [c for c in CAUSES if any(s["recompute_causes"].get(c) for s in have)]
+    lines = [
+        "",
+        "## Why tokens were recomputed (measured; share of all input tokens)",
+        "",
+        "| strategy | recomputed | " + " | ".join(used) + " | pooled-LRU reference |",
+        "|---|---:|" + "---:|" * len(used) + "---:|",
+    ]
+    for name, s in strategies.items():
+        if "recompute_causes" not in s:
+            continue
+        sh = s["recompute_cause_shares"]
+        lines.append(
+            f"| {name} | {_pct(s['token_shares']['recompute'])} | "
+            + " | ".join(_pct(sh.get(c, 0.0)) for c in used)
+            + f" | {_pct(1.0 - s.get('pooled_lru_cached_share', 0.0))} |"
+        )
+    lines += [""] + [f"- `{c}`: {CAUSES[c]}" for c in used]
+    lines.append(
+        "- pooled-LRU reference: the share a single LRU as large as the whole cluster's "
+        "daemon tiers (GPU caches for approximate-gpu-only), fed the same requests in the "
+        "same order and never holding a block twice, would have recomputed (computed in "
+        "the same run): what capacity alone costs."
+    )
+    return lines
 
 
 def agentic_plots(result: dict[str, Any], out_dir: Path) -> list[Path]:

@@ -3,6 +3,7 @@ bytes, real outputs (report, JSON, plots), kept small for 2 cores."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,6 +13,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+HAVE_NIXL = (
+    importlib.util.find_spec("nixl") is not None
+    or importlib.util.find_spec("nixl_cu12") is not None
+)
 
 
 def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -78,6 +83,24 @@ def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> 
     # The turns reuse their predecessors: something was served from the daemons
     # (or peers) and verified byte for byte.
     assert sum(s["verified_blocks"] for s in data["strategies"].values()) > 0
+    for name, s in data["strategies"].items():
+        # Every recomputed token has a cause, and none of them is a bench bug.
+        causes = s["recompute_causes"]
+        assert sum(causes.values()) == s["tokens_recomputed"], name
+        for bug in ("local_not_loaded", "never_stored"):
+            assert causes[bug] == 0, (name, causes)
+        peer = s["peer"]
+        assert peer["failures"] == 0 and peer["corrupt_blocks"] == 0, (name, peer)
+        assert s["blocks_pulled"] <= peer["fetched_blocks"], name
+        if HAVE_NIXL:
+            assert set(peer["transports"]) <= {"nixl"}, (name, peer)
+    # Random and round-robin routing send most turns of an agent to another node
+    # than its last one (seeded: the same every run): the chosen node's daemon
+    # pulls the prefix from the peer daemon, and those tokens are served.
+    for name in ("random", "round-robin"):
+        s = data["strategies"][name]
+        assert s["peer"]["fetched_blocks"] > 0 and s["blocks_pulled"] > 0, name
+        assert s["token_shares"]["peer"] > 0, name
     report = (out / "report.md").read_text()
     assert "Measured" in report and "Modelled" in report and "| precise |" in report
     for png in ("hit_rate.png", "tier_shares.png", "ttft_cdf.png"):

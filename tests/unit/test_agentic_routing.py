@@ -75,3 +75,36 @@ def test_block_payload_verifies_and_detects_corruption() -> None:
     data[1, 10] ^= 1
     assert A.verify(data, hashes) == 1
     assert A.verify(data[:0], hashes[:0]) == 0
+
+
+def test_diagnosis_attributes_every_recomputed_token(tmp_path: Path) -> None:
+    """The recomputed tail of a request splits, in chain order, into blocks some
+    finished request computed (lost: the cause of the first one), blocks only a
+    running request is computing (in flight), and new ones; the tokens past the
+    last whole block are the partial block. Engines only (no daemons): a lost
+    block is in another engine's cache or evicted from all of them."""
+    B = 16
+    g0 = A.GpuCacheModel("n0", 8, f"ipc://{tmp_path}/e0", B)
+    g1 = A.GpuCacheModel("n1", 8, f"ipc://{tmp_path}/e1", B)
+    try:
+        diag = A.Diagnosis([], [], [g0, g1], None, False, False, B)
+        hashes = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint64)
+        diag.computed.update([1, 2, 3])  # a finished request computed blocks 1..3
+        diag.inflight[4] = 1  # a running one is computing block 4
+        g1.insert(hashes[:3])  # and node 1's engine still holds 1..3
+        tally = A.Tally()
+        # Served block 1 on node 0; 5 blocks recomputed + 7 tokens past the last block.
+        recompute = 5 * B + 7
+        diag.attribute(hashes, 1, recompute, 0, -1, tally)
+        c = tally.recompute_causes
+        assert c["other_node_gpu_only"] == 2 * B  # blocks 2, 3: on node 1 only
+        assert c["in_flight"] == B and c["new"] == 2 * B and c["partial_block"] == 7
+        assert sum(c.values()) == recompute
+        # Once node 1 forgets them too, the same blocks are evicted everywhere.
+        g1.insert(np.arange(100, 108, dtype=np.uint64))
+        tally = A.Tally()
+        diag.attribute(hashes, 1, recompute, 0, -1, tally)
+        assert tally.recompute_causes["evicted_gpu"] == 2 * B
+    finally:
+        g0.close()
+        g1.close()
