@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             f"dram.path={region_path}",
             f"dram.capacity_bytes={2 * pool_bytes + 2 * chunk}",
             f"dram.chunk_bytes={chunk}",
+            "dram.warm_restart=false",  # a bench leaves nothing behind in /dev/shm
             f"gpu.device={device}",
             f"gpu.capacity_bytes={pool_bytes}",
             f"gpu.chunk_bytes={chunk}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ pytest.importorskip("torch")
 
 
 def test_bench_gpu_quick_prints_every_figure():
+    before = set(glob.glob("/dev/shm/kvstore-bench-gpu-*"))
     out = subprocess.run(
         [sys.executable, "-m", "bench", "gpu", "--quick"],
         capture_output=True,
@@ -22,3 +24,4 @@ def test_bench_gpu_quick_prints_every_figure():
     for line in ("promotion DRAM -> GPU", "demotion  GPU -> DRAM", "demotion to make room"):
         assert line in out.stdout
     assert "ratio" in out.stdout and "torch copy" in out.stdout
+    assert set(glob.glob("/dev/shm/kvstore-bench-gpu-*")) == before  # nothing left behind
