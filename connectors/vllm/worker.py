@@ -102,6 +102,7 @@ class WorkerSide:
         self._region_t: torch.Tensor | None = None
         self._region_generation = -1
         self._load_errors: set[int] = set()
+        self._warned: set[str] = set()
         self._step = _Step()
 
     # ------------------------------------------------------------ setup
@@ -162,6 +163,11 @@ class WorkerSide:
         if not current:
             # The daemon restarted onto another region file mid-step: the bytes
             # went to the old one, so committing would publish garbage.
+            self._warn_once(
+                "stale-region",
+                "kvstore: the link to the daemon was reset during a step; "
+                "that step's blocks are not stored",
+            )
             self._abort(step.saves)
             self._remap()
             return
@@ -295,6 +301,11 @@ class WorkerSide:
             return
         region = self._region()
         if region is None:
+            self._warn_once(
+                "no-region",
+                "kvstore: the daemon's blocks are not mapped in this process "
+                f"(tier {self.config.tier}); blocks are not stored",
+            )
             self._abort(self._step.saves)
             self._step.saves = []
             return
@@ -367,6 +378,12 @@ class WorkerSide:
         if self.session.connected and not self.session.region_is_current():
             logger.warning("kvstore: the daemon's region file changed; mapping it again")
             self.session.disconnect()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """A silent loss of saves must leave one line in the engine's log."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
 
     def close(self) -> None:
         self._region_t = None

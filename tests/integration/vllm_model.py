@@ -163,7 +163,12 @@ def finish_run(
         raise AssertionError(f"vLLM run timed out after {timeout_s}s:\n{_tail(log_path)}") from None
     if rc != 0 or not out_path.exists():
         raise AssertionError(f"vLLM run failed (rc={rc}):\n{_tail(log_path)}")
-    return json.loads(out_path.read_text())
+    out = json.loads(out_path.read_text())
+    # The connector's own log lines, for assertion messages when a count is off.
+    out["kvstore_log"] = [
+        line for line in _tail(log_path, 200_000).splitlines() if "kvstore" in line.lower()
+    ][-40:]
+    return out
 
 
 def run_once(tmp: Path, name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
