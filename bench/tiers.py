@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import Summary, gbps, summarize
+from kvstore.client import gather
 
 MiB = 1024 * 1024
 
@@ -183,8 +184,11 @@ def daemon_round(
     pool: np.ndarray,
     rep: int,
     between: Callable[[], float],
+    phases: list[tuple[float, float]],
 ) -> tuple[float, float, float, float]:
     """(write_s, reference read_s, read_s, promotion_s) of one run through a fresh daemon.
+
+    Appends the read's (PrepareLoad_s, client copy_s) to ``phases``.
 
     ``between`` (the plain-file read) runs after every write of the round and
     just before the daemon reads, so both reads meet the disk in the same state.
@@ -229,13 +233,24 @@ def daemon_round(
         # a reused, pre-faulted buffer (the reference reads into a reused one too).
         read_batch = max(1, (256 * MiB) // args.block_bytes)
         out = np.ones((min(n, read_batch), args.block_bytes), dtype=np.uint8)
+        # What client.get does, step by step, to time its phases: PrepareLoad
+        # (the daemon promotes the blocks: disk reads, checksums), then the
+        # client's copy out of the region; the release goes in the background.
+        promote_s = copy_s = 0.0
         t0 = time.perf_counter()
         for i in range(0, n, read_batch):
             part = hashes[i : i + read_batch]
-            got = client.get(ns, part, out=out[: len(part)])
-            if got.found != len(part):
-                raise RuntimeError(f"only {got.found} blocks came back from disk")
+            t1 = time.perf_counter()
+            handle = client.prepare_load(ns, part)
+            t2 = time.perf_counter()
+            if handle.found != len(part):
+                raise RuntimeError(f"only {handle.found} blocks came back from disk")
+            gather(client.region, handle.offsets, out[: len(part)], args.block_bytes)
+            client.release(handle, wait=False)
+            promote_s += t2 - t1
+            copy_s += time.perf_counter() - t2
         read_s = time.perf_counter() - t0
+        phases.append((promote_s, copy_s))
         # Make room: the next promotion must not evict (and time) these.
         client.delete(ns, hashes)
 
@@ -320,6 +335,8 @@ def run(args: argparse.Namespace) -> int:
         f"context {args.context_tokens} tokens = {ctx_blocks} blocks = {ctx_bytes / MiB:.0f} MiB"
     )
     ref_w, ref_r, kv_w, kv_r, promo = [], [], [], [], []
+    phases: list[tuple[float, float]] = []
+    load_before = os.getloadavg()
     ref_path = str(root / "plain.dat")
 
     def read_reference() -> float:
@@ -328,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for rep in range(args.repeats):
             ref_w.append(plain_write(ref_path, pool, n))
-            w, ref, r, p = daemon_round(root, args, pool, rep, read_reference)
+            w, ref, r, p = daemon_round(root, args, pool, rep, read_reference, phases)
             os.unlink(ref_path)
             ref_r.append(ref)
             kv_w.append(w)
@@ -346,12 +363,29 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"disk -> daemon read      {_fmt(kr, nbytes)}   ratio {sr.median_s / kr.median_s:.2f}x (goal >= 0.8x)"
     )
+    ratios = summarize([ref / kv for ref, kv in zip(ref_r, kv_r, strict=True)])
+    print(
+        f"  read ratio per run: median {ratios.median_s:.2f}x (p10..p90 "
+        f"{ratios.p10_s:.2f}..{ratios.p90_s:.2f}, min {ratios.min_s:.2f}x); runs: "
+        + " ".join(f"{ref / kv:.2f}" for ref, kv in zip(ref_r, kv_r, strict=True))
+    )
+    prep, copy = (summarize([ph[i] for ph in phases]) for i in (0, 1))
+    print(
+        f"  read phases (medians): PrepareLoad with promotion {prep.median_s * 1e3:.0f} ms "
+        f"({gbps(nbytes, prep.median_s):.2f} GB/s), client copy {copy.median_s * 1e3:.0f} ms, "
+        f"plain read {sr.median_s * 1e3:.0f} ms"
+    )
     print(
         f"promotion of a {args.context_tokens}-token context ({ctx_bytes / MiB:.0f} MiB, one PrepareLoad): "
         f"{_fmt(sp, ctx_bytes)}   vs plain read {gbps(ctx_bytes, sp.median_s) / gbps(nbytes, sr.median_s):.2f}x"
     )
     print(
         f"demotion (disk write) per {args.block_bytes / MiB:g} MiB block: {kw.median_s / n * 1e6:.0f} us"
+    )
+    load_after = os.getloadavg()
+    print(
+        f"load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after the "
+        f"disk runs ({os.cpu_count()} CPUs)"
     )
     free, evict = eviction_cost(args.eviction_blocks)
     print(

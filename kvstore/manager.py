@@ -288,6 +288,11 @@ class BlockManager:
                 self._unpin(block)
         if not reserved:
             if STORE_NO_ROOM in statuses:
+                if gpu is None and self.disk is not None and self.disk.keeps_dirty():
+                    raise CapacityExhausted(
+                        f"no room for {n} blocks of {ns.block_bytes} bytes: "
+                        + self.disk.full_message()
+                    )
                 capacity = self.allocator.capacity_bytes if gpu is None else gpu.capacity_bytes
                 raise CapacityExhausted(
                     f"no room for {n} blocks of {ns.block_bytes} bytes: the {tier.name} tier "
@@ -584,10 +589,13 @@ class BlockManager:
     def _allocate(self, ns: Namespace) -> int | None:
         """A slot for one block of ns, evicting cold unpinned blocks if needed."""
         quota = self.config.limits.namespace_quota_bytes
+        # A disk that cannot take writes (disk.when_full = "reject"): never drop
+        # a block that is not on disk yet; the store fails instead.
+        keep_dirty = self.disk is not None and self.disk.keeps_dirty()
         if (
             quota
             and ns.used_bytes + ns.slot_bytes > quota
-            and not self._evict_one(ns.slot_bytes, only=ns)
+            and not self._evict_one(ns.slot_bytes, only=ns, clean_only=keep_dirty)
         ):
             return None
         offset = self.allocator.alloc(ns.slot_bytes)
@@ -596,9 +604,12 @@ class BlockManager:
         # With a disk tier a dirty block is dropped only as a last resort: first
         # a clean one of this size, then a chunk of another size.
         if self.disk is not None and (
-            self._evict_one(ns.slot_bytes, clean_only=True) or self._steal_chunk(ns.slot_bytes)
+            self._evict_one(ns.slot_bytes, clean_only=True)
+            or self._steal_chunk(ns.slot_bytes, clean_only=keep_dirty)
         ):
             return self.allocator.alloc(ns.slot_bytes)
+        if keep_dirty:
+            return None
         if self._evict_one(ns.slot_bytes) or self._steal_chunk(ns.slot_bytes):
             return self.allocator.alloc(ns.slot_bytes)
         return None
@@ -629,7 +640,7 @@ class BlockManager:
         self._evict(victim)
         return True
 
-    def _steal_chunk(self, slot_bytes: int) -> bool:
+    def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False) -> bool:
         """Free a whole chunk held by another slot size whose blocks are all evictable.
 
         Taken when this size has nothing to evict: the coldest chunk is judged by
@@ -645,7 +656,11 @@ class BlockManager:
                 for chunk in self.allocator.chunks_of(other)
                 if all(
                     (b := self._slot_owner.get(off)) is None
-                    or (b.pins == 0 and b.state is BlockState.COMMITTED)
+                    or (
+                        b.pins == 0
+                        and b.state is BlockState.COMMITTED
+                        and (not clean_only or b.disk_slot >= 0)
+                    )
                     for off in self.allocator.chunk_slots(chunk)
                 )
             }

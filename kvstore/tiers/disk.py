@@ -24,6 +24,8 @@ record with new bytes.
 I/O runs on a bounded thread pool, never on the event loop, with ``O_DIRECT``
 where the filesystem takes it (unaligned buffers go through a per-thread
 aligned bounce buffer) and buffered I/O otherwise (tmpfs, some overlays).
+``read_many`` reads neighbouring slots with one ``preadv`` (up to 8 MiB, split
+so every I/O thread gets work) and verifies each block in the I/O thread.
 
 Primitives:
     DiskTier(path, capacity_bytes, ...)    opens or creates, recovers (ConfigError on a bad path)
@@ -31,6 +33,7 @@ Primitives:
     allocate(nbytes) -> slot | None        None: full for this size
     await write(slot, data, key, checksum) durable on return
     await read(slot, into)                 verified on return
+    await read_many([(slot, into)]) -> [error | None]   batched, each verified
     free(slot)
     await close()
 """
@@ -46,7 +49,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -59,6 +62,7 @@ from kvstore.errors import (
     ConfigError,
     DataCorruption,
     InvalidRequest,
+    KVStoreError,
     StateConflict,
 )
 from kvstore.tiers.dram import SlabAllocator
@@ -77,6 +81,11 @@ _FRAME = struct.Struct("<IQ")  # body length, xxh3-64 of body
 _BODY = struct.Struct("<BQQQQH")  # kind, slot, nbytes, checksum, block_hash, len(namespace)
 _COMMIT, _FREE = 1, 2
 _MAX_BODY = _BODY.size + 0xFFFF
+# Largest read of neighbouring slots in one preadv: big enough that a run of
+# small blocks costs one syscall and one thread hop, small enough that a load
+# of a few blocks still spreads over every I/O thread.
+MAX_RUN_BYTES = 8 * 1024 * 1024
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
@@ -86,6 +95,20 @@ def align_up(n: int, align: int = ALIGN_BYTES) -> int:
 Key = tuple[str, int]
 # Anything with the buffer protocol: bytes, memoryview, mmap, a contiguous numpy array.
 Buffer = Any
+
+
+def _skip(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The buffers left after the first ``nbytes`` were filled (a short preadv)."""
+    if nbytes == 0:
+        return views
+    out = []
+    for v in views:
+        if nbytes >= len(v):
+            nbytes -= len(v)
+            continue
+        out.append(v[nbytes:] if nbytes else v)
+        nbytes = 0
+    return out
 
 
 class DiskEntry(NamedTuple):
@@ -375,8 +398,12 @@ class DiskTier:
         try:
             if len(buf) > self._slot_bytes(slot):
                 raise InvalidRequest(f"{len(buf)} bytes do not fit disk slot {slot}")
-            prior = self._unsynced_free.pop(slot, None)
-            if prior is not None and not prior.done():
+            prior = self._unsynced_free.get(slot)
+            if prior is not None and prior.done() and prior.exception() is not None:
+                # Its FREE record never became durable (the journal's filesystem
+                # was full): append it again; the write fails if that fails too.
+                prior = self._unsynced_free[slot] = self._queue(_record(_FREE, slot), slot)
+            if prior is not None:
                 # The slot's FREE record must be durable before new bytes land in
                 # it, or a crash could pair the old COMMIT with the new bytes.
                 await asyncio.shield(prior)
@@ -402,22 +429,104 @@ class DiskTier:
         A block that fails verification (or was truncated away) is dropped from
         the tier before DataCorruption is raised: the caller must not free it.
         """
+        (error,) = await self.read_many([(slot, into)])
+        if error is not None:
+            raise error
+
+    async def read_many(self, reads: Sequence[tuple[int, Buffer]]) -> list[KVStoreError | None]:
+        """Fill each buffer with the block at its slot; one result per read, None = verified.
+
+        Runs of neighbouring slots are read with one ``preadv`` each, the runs
+        spread over the I/O threads; every block is checked against its checksum
+        in the I/O thread that read it. A block that fails (DataCorruption) is
+        dropped from the tier: the caller must not free it. An I/O error fails
+        the blocks of its run (BackendError); the others are unaffected.
+        Returns only when no thread writes into any buffer any more.
+        """
         self._check_open()
-        entry = self._entries.get(slot)
-        if entry is None:
-            raise StateConflict(f"disk slot {slot} holds no block")
-        out = memoryview(into).cast("B") if not isinstance(into, memoryview) else into.cast("B")
-        if len(out) != entry.nbytes:
-            raise InvalidRequest(f"read of {entry.nbytes} bytes into a {len(out)}-byte buffer")
-        async with self._io_sem():
-            ok = await self._run(self._io, self._pread_block, entry, out)
-        if not ok:
-            if self._entries.get(slot) is entry:
-                self.free(slot)
-            raise DataCorruption(
-                f"disk block {entry.block_hash:#x} of {entry.namespace_id} at slot {slot} "
-                "failed its checksum; dropped"
+        results: list[KVStoreError | None] = [None] * len(reads)
+        items: list[tuple[int, DiskEntry, memoryview]] = []
+        for i, (slot, into) in enumerate(reads):
+            entry = self._entries.get(slot)
+            if entry is None:
+                results[i] = StateConflict(f"disk slot {slot} holds no block")
+                continue
+            out = memoryview(into).cast("B")
+            if len(out) != entry.nbytes:
+                results[i] = InvalidRequest(
+                    f"read of {entry.nbytes} bytes into a {len(out)}-byte buffer"
+                )
+                continue
+            items.append((i, entry, out))
+        if not items:
+            return results
+        runs = self._runs(items)
+        loop = asyncio.get_running_loop()
+
+        async def read_run(run: list[tuple[int, DiskEntry, memoryview]]) -> list[bool]:
+            async with self._io_sem():
+                job = loop.run_in_executor(
+                    self._io, self._pread_run, [e for _, e, _ in run], [o for _, _, o in run]
+                )
+                try:
+                    return await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    # The thread may still be filling the buffers: they must not
+                    # be handed back (and reused) before it is done.
+                    while not job.done():
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await asyncio.wait([job])
+                    raise
+
+        outcomes = await asyncio.gather(*(read_run(run) for run in runs), return_exceptions=True)
+        for run, outcome in zip(runs, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                if not isinstance(outcome, KVStoreError):
+                    raise outcome  # cancelled, or a bug: not a per-block result
+                for i, _, _ in run:
+                    results[i] = outcome
+                continue
+            for (i, entry, _), ok in zip(run, outcome, strict=True):
+                if ok:
+                    continue
+                if self._entries.get(entry.slot) is entry:
+                    self.free(entry.slot)
+                results[i] = DataCorruption(
+                    f"disk block {entry.block_hash:#x} of {entry.namespace_id} at slot "
+                    f"{entry.slot} failed its checksum; dropped"
+                )
+        return results
+
+    def _runs(
+        self, items: list[tuple[int, DiskEntry, memoryview]]
+    ) -> list[list[tuple[int, DiskEntry, memoryview]]]:
+        """Group reads by neighbouring slots into runs that one preadv can fill."""
+        total = sum(e.nbytes for _, e, _ in items)
+        # At least one run per I/O thread when there is that much to read.
+        limit = min(MAX_RUN_BYTES, max(ALIGN_BYTES, total // self._io_threads))
+        runs: list[list[tuple[int, DiskEntry, memoryview]]] = []
+        run_end = -1
+        run_bytes = 0
+        for item in sorted(items, key=lambda it: it[1].slot):
+            _, entry, out = item
+            joinable = (not self.direct_io) or (
+                entry.nbytes % ALIGN_BYTES == 0 and _address(out) % ALIGN_BYTES == 0
             )
+            if (
+                joinable
+                and runs
+                and entry.slot == run_end
+                and run_bytes + entry.nbytes <= limit
+                and len(runs[-1]) < _IOV_MAX
+            ):
+                runs[-1].append(item)
+                run_bytes += entry.nbytes
+            else:
+                runs.append([item])
+                run_bytes = entry.nbytes
+            # An unjoinable read (bounce buffer) stands alone.
+            run_end = entry.slot + entry.nbytes if joinable else -1
+        return runs
 
     def _pwrite_block(self, slot: int, buf: memoryview, expected: int | None) -> int:
         digest = checksum_of(buf)
@@ -459,6 +568,28 @@ class DiskTier:
         if dst is not out:
             out[:] = dst[:nbytes]
         return True
+
+    def _pread_run(self, entries: list[DiskEntry], outs: list[memoryview]) -> list[bool]:
+        """Read neighbouring blocks with preadv and verify each: ok per block."""
+        if len(entries) == 1:
+            return [self._pread_block(entries[0], outs[0])]
+        total = sum(len(o) for o in outs)
+        start = entries[0].slot
+        done = 0
+        try:
+            while done < total:
+                n = os.preadv(self._data_fd, _skip(outs, done), start + done)
+                if n == 0:
+                    break  # the file was truncated under us: the rest fails below
+                done += n
+        except OSError as exc:
+            raise self._os_error(exc, "read") from None
+        oks = []
+        end = 0
+        for entry, out in zip(entries, outs, strict=True):
+            end += len(out)
+            oks.append(end <= done and checksum_of(out) == entry.checksum)
+        return oks
 
     def _bounce(self, nbytes: int) -> memoryview:
         buf: mmap.mmap | None = getattr(self._local, "buf", None)

@@ -11,13 +11,20 @@ moves bytes asynchronously. The two meet through *clean* blocks:
   copy is dropped and the block lives on, on disk (``BlockRemoved`` CPU). Only
   when no clean victim is near the cold end is a dirty block dropped.
 - A load whose prefix reaches disk-only blocks promotes them first: DRAM slots
-  are reserved, the disk reads (verified by checksum) fill them, then the load
-  lease is issued. A block that fails its checksum is dropped and the prefix
-  ends before it.
-- Disk full: the disk's own policy drops its coldest unpinned copies; a block
-  with no other copy leaves the store (``BlockRemoved`` DISK). If the disk
-  cannot take a block at all (every slot busy, or the filesystem is out of
-  space), demotion pauses and retries; the daemon keeps serving from DRAM.
+  are reserved, the disk reads them in one batch (neighbouring slots in one
+  read, each block verified by checksum), then the load lease is issued. A
+  block that fails its checksum is dropped and the prefix ends before it.
+  After such a load, readahead promotes the blocks in the following disk slots
+  into free DRAM (never evicting), so the next load of a long context finds
+  them there while this one's bytes are copied out.
+- Disk at its capacity: the disk's own policy drops its coldest unpinned
+  copies; a block with no other copy leaves the store (``BlockRemoved`` DISK).
+- Disk that cannot take writes (the filesystem is out of space, or every slot
+  is busy or pinned): demotion pauses and retries. With ``disk.when_full =
+  "reject"`` (default) a store that could only make room by dropping a block
+  not yet on disk fails (CapacityExhausted, RESOURCE_EXHAUSTED, naming the disk
+  path) until demotions land again (DISK_FULL_CLEAR_S); with ``"drop"`` the coldest such block
+  is dropped. Loads and lookups are served either way.
 
 Disk blocks recovered at start wait, parked by namespace id, until a client
 declares that namespace (ids are fingerprints of the spec, so they match).
@@ -53,6 +60,17 @@ CLEAN_VICTIM_WINDOW = 64
 DISK_VICTIM_WINDOW = 64
 # Pause after the disk refused a block (full of busy slots or out of space).
 DISK_FULL_BACKOFF_S = 0.5
+# A disk that refused a write counts as taking writes again only after a write
+# lands this long after the last refusal (or once nothing is left to demote): a
+# filesystem with a few crumbs of space takes one record and refuses the next.
+DISK_FULL_CLEAR_S = 1.0
+# Readahead after a load that read from disk: the disk-only blocks in the next
+# disk slots (demotion writes blocks in commit order, so a long context lies in
+# neighbouring slots) are promoted into *free* DRAM while the client copies, as
+# much as the load read, at most this much and half the free DRAM.
+READAHEAD_MAX_BYTES = 256 * 1024 * 1024
+# Readahead blocks no load used yet, remembered (by id) at most this many.
+READAHEAD_MAX_BLOCKS = 65536
 
 
 class DiskLayer:
@@ -89,7 +107,13 @@ class DiskLayer:
         self._paused_until_s = 0.0
         self._inflight: set[asyncio.Task[None]] = set()
         self._inflight_bytes = 0
-        self._promoting: dict[int, asyncio.Task[None]] = {}  # id(block) -> read
+        self._promoting: dict[int, asyncio.Task[None]] = {}  # id(block) -> its batch's read
+        self._ahead: dict[int, None] = {}  # id(block) of readahead blocks no load used yet
+        # Why the disk cannot take writes now ("" = it can): set when the demoter
+        # finds no slot or a write fails for space, cleared by the next write
+        # that lands.
+        self.full_reason = ""
+        self._full_at_s = 0.0  # when the disk last refused a write
         self._closed = False
 
     # ------------------------------------------------------------- recovery
@@ -168,8 +192,8 @@ class DiskLayer:
         coldest = itertools.islice(policy.victims(), DISK_VICTIM_WINDOW)
         victims = [b for b in cast("Iterator[Block]", coldest) if not b.pins]
         for victim in victims:
-            if victim.offset >= 0:
-                self.drop_disk_copy(victim, emit=True)  # still in DRAM: only its disk copy goes
+            if victim.offset >= 0 or victim.gpu_offset >= 0:
+                self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
             else:
                 m._remove(victim, emit=True)  # its only copy: the block leaves the store
                 m.counters.evicted_blocks += 1
@@ -188,6 +212,31 @@ class DiskLayer:
             del self.parked[ns_id]
         return None
 
+    # ------------------------------------------------------------ disk full
+
+    def _set_full(self, reason: str) -> None:
+        if reason != self.full_reason:
+            log.warning("%s; demotion paused", reason)
+        self.full_reason = reason
+        self._full_at_s = time.monotonic()
+
+    def keeps_dirty(self) -> bool:
+        """True while DRAM must not drop blocks that are not on disk yet to make room.
+
+        That is while the disk cannot take writes and ``disk.when_full`` is
+        "reject": such a drop would lose a block the disk could not save, so the
+        store that needs the room fails instead (and is retried by its client).
+        """
+        return bool(self.full_reason) and self.config.when_full == "reject"
+
+    def full_message(self) -> str:
+        """Why a store found no room while keeps_dirty(): for its RESOURCE_EXHAUSTED."""
+        return (
+            f"the DRAM tier has no free or clean room and the disk tier at "
+            f"{self.config.path} cannot take writes ({self.full_reason}); blocks not on "
+            'disk yet are kept (disk.when_full = "reject"): retry once the disk has room'
+        )
+
     # ------------------------------------------------------------ demotion
 
     def committed(self, blocks: list[Block]) -> None:
@@ -198,6 +247,7 @@ class DiskLayer:
     def forget(self, block: Block) -> None:
         """The block left the store."""
         self.dirty.pop(block, None)
+        self._ahead.pop(id(block), None)
 
     def wake(self) -> None:
         """Start or nudge the demoter."""
@@ -251,7 +301,9 @@ class DiskLayer:
             slot = self._disk_slot(block.namespace)
             if slot is None:
                 self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
-                log.warning("disk tier full of busy blocks; demotion paused")
+                self._set_full(
+                    f"every slot of the disk tier at {self.config.path} is busy or pinned"
+                )
                 return
             m._pin(block)  # its DRAM bytes are read in place by the write
             self._inflight_bytes += block.namespace.slot_bytes
@@ -268,6 +320,7 @@ class DiskLayer:
         except Exception as exc:
             if isinstance(exc, CapacityExhausted):
                 self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
+                self._set_full(str(exc))
             log.warning("demotion of a block failed: %s", exc)
         else:
             if ns.blocks.get(block.block_hash) is block and block.offset >= 0:
@@ -279,6 +332,11 @@ class DiskLayer:
                 m.sink.blocks_stored(ns, [block.block_hash], Tier.DISK.medium, None, None)
             else:
                 self.tier.free(slot)  # deleted while it was written
+            if self.full_reason and (
+                not self.dirty or time.monotonic() - self._full_at_s >= DISK_FULL_CLEAR_S
+            ):
+                log.warning("disk tier %s takes writes again", self.config.path)
+                self.full_reason = ""
         finally:
             self._inflight_bytes -= ns.slot_bytes
             m._unpin(block)
@@ -300,62 +358,141 @@ class DiskLayer:
             if block is None or block.doomed:
                 break
             prefix.append(block)
+        # Blocks that readahead brought in: this load used them, so read further.
+        hits = sum(self._ahead.pop(id(b), 0) is None for b in prefix) if self._ahead else 0
         if all(b.tier is not Tier.DISK for b in prefix):
+            if hits and prefix[-1].disk_slot >= 0:
+                self._read_ahead(ns, prefix[-1], hits * ns.block_bytes)
             return
         m = self.manager
         for block in prefix:
             m._pin(block)  # nothing in the prefix moves while the reads run
         try:
-            reads = []
+            waits: dict[int, asyncio.Task[None]] = {}  # by id(task): each batch once
+            batch: list[tuple[Block, int]] = []
+            waited = 0
             for block in prefix:
                 if block.tier is not Tier.DISK:
                     continue
                 task = self._promoting.get(id(block))
-                if task is None:
-                    offset = m._allocate(ns)
-                    if offset is None:
-                        break  # DRAM full of pinned blocks: the prefix ends here
-                    m._slot_owner[offset] = block
-                    ns.used_bytes += ns.slot_bytes
-                    task = asyncio.get_running_loop().create_task(self._read(block, offset))
+                if task is not None:  # another load (or readahead) is reading it already
+                    waits[id(task)] = task
+                    waited += 1
+                    continue
+                offset = m._allocate(ns)
+                if offset is None:
+                    break  # DRAM full of pinned blocks: the prefix ends here
+                m._slot_owner[offset] = block
+                ns.used_bytes += ns.slot_bytes
+                batch.append((block, offset))
+            if batch:
+                # One task reads the whole batch: neighbouring disk slots become
+                # one read, and the loop wakes once per run, not once per block.
+                task = asyncio.get_running_loop().create_task(self._read_batch(ns, batch))
+                for block, _ in batch:
                     self._promoting[id(block)] = task
-                reads.append(task)
-            if reads:
-                await asyncio.gather(*(asyncio.shield(t) for t in reads), return_exceptions=True)
+                waits[id(task)] = task
+            if waits:
+                await asyncio.gather(
+                    *(asyncio.shield(t) for t in waits.values()), return_exceptions=True
+                )
+            # Read ahead after a load that met the disk (or used readahead).
+            if (batch or waits or hits) and prefix[-1].disk_slot >= 0:
+                window = len(batch) + waited + hits
+                self._read_ahead(ns, prefix[-1], window * ns.block_bytes)
         finally:
             for block in prefix:
                 m._unpin(block)
 
-    async def _read(self, block: Block, offset: int) -> None:
+    def _read_ahead(self, ns: Namespace, last: Block, window_bytes: int) -> None:
+        """Promote the disk-only blocks of ns in the disk slots after ``last``'s, into free DRAM."""
         m = self.manager
-        ns = block.namespace
-        done = False
+        alloc = m.allocator
+        free_bytes = alloc.capacity_bytes - alloc.used_bytes
+        budget = min(max(window_bytes, ns.block_bytes), READAHEAD_MAX_BYTES, free_bytes // 2)
+        quota = m.config.limits.namespace_quota_bytes
+        step = align_up(ns.block_bytes)
+        slot = last.disk_slot + step
+        batch: list[tuple[Block, int]] = []
+        if len(self._ahead) >= READAHEAD_MAX_BLOCKS:
+            self._ahead.clear()  # mostly blocks evicted unread: forget them all
+        while budget >= ns.block_bytes:
+            entry = self.tier.entry(slot)
+            if entry is None or entry.namespace_id != ns.namespace_id:
+                break
+            block = ns.blocks.get(entry.block_hash)
+            if (
+                block is None
+                or block.tier is not Tier.DISK
+                or block.disk_slot != slot
+                or block.doomed
+                or id(block) in self._promoting
+            ):
+                break
+            if quota and ns.used_bytes + ns.slot_bytes > quota:
+                break
+            offset = alloc.alloc(ns.slot_bytes)  # free room only: readahead never evicts
+            if offset is None:
+                break
+            m._slot_owner[offset] = block
+            ns.used_bytes += ns.slot_bytes
+            m._pin(block)  # not dropped from disk or deleted under the read
+            batch.append((block, offset))
+            budget -= ns.block_bytes
+            slot += step
+        if not batch:
+            return
+        task = asyncio.get_running_loop().create_task(self._read_ahead_batch(ns, batch))
+        for block, _ in batch:
+            self._promoting[id(block)] = task
+
+    async def _read_ahead_batch(self, ns: Namespace, batch: list[tuple[Block, int]]) -> None:
         try:
-            await self.tier.read(block.disk_slot, m.region.view(offset, ns.block_bytes))
-            done = True
-        except DataCorruption as exc:
-            # The tier dropped its copy. The block had no other: it leaves the
-            # store at its last unpin (the promoting load holds a pin).
-            log.error("%s", exc)
-            self._policy(ns).remove(block)
-            block.disk_slot = -1
-            block.doomed = True
-            m.sink.blocks_removed(ns, [block.block_hash], Tier.DISK.medium)
-        except KVStoreError as exc:
-            log.warning("promotion of a block failed: %s", exc)
+            await self._read_batch(ns, batch)
         finally:
-            self._promoting.pop(id(block), None)
-            if not done:
+            for block, _ in batch:
+                if block.tier is Tier.DRAM:
+                    self._ahead[id(block)] = None
+                self.manager._unpin(block)
+
+    async def _read_batch(self, ns: Namespace, batch: list[tuple[Block, int]]) -> None:
+        m = self.manager
+        results: list[KVStoreError | None] | None = None
+        try:
+            results = await self.tier.read_many(
+                [(b.disk_slot, m.region.view(offset, ns.block_bytes)) for b, offset in batch]
+            )
+        finally:
+            promoted: list[int] = []
+            dropped: list[int] = []
+            for i, (block, offset) in enumerate(batch):
+                error = results[i] if results is not None else None
+                self._promoting.pop(id(block), None)
+                if results is not None and error is None:
+                    block.offset = offset
+                    block.tier = Tier.DRAM
+                    self.clean_bytes += ns.slot_bytes
+                    m._policy(ns.slot_bytes).insert(block)
+                    promoted.append(block.block_hash)
+                    continue
                 del m._slot_owner[offset]
                 m.allocator.free(offset)
                 ns.used_bytes -= ns.slot_bytes
-        if done:
-            block.offset = offset
-            block.tier = Tier.DRAM
-            self.clean_bytes += ns.slot_bytes
-            m._policy(ns.slot_bytes).insert(block)
-            m.counters.promoted_blocks += 1
-            m.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
+                if isinstance(error, DataCorruption):
+                    # The tier dropped its copy. The block had no other: it leaves
+                    # the store at its last unpin (the promoting load holds a pin).
+                    log.error("%s", error)
+                    self._policy(ns).remove(block)
+                    block.disk_slot = -1
+                    block.doomed = True
+                    dropped.append(block.block_hash)
+                elif error is not None:
+                    log.warning("promotion of a block failed: %s", error)
+            if promoted:
+                m.counters.promoted_blocks += len(promoted)
+                m.sink.blocks_stored(ns, promoted, Tier.DRAM.medium, None, None)
+            if dropped:
+                m.sink.blocks_removed(ns, dropped, Tier.DISK.medium)
 
     # --------------------------------------------------------------- stats
 

@@ -64,6 +64,9 @@ def test_tiers_bench_small(tmp_path):
         "promotion of a 2048-token context",
         "demotion (disk write) per",
         "eviction cost",
+        "read ratio per run: median",
+        "read phases (medians): PrepareLoad with promotion",
+        "load average (1 min)",
     ):
         assert what in out, out
     assert re.search(r"disk -> daemon read .* ratio \d+\.\d\dx", out)

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -185,6 +186,31 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return r.returncode == 0
 
 
+def _fill(path: Path) -> None:
+    """Write a ballast file until the filesystem is out of space."""
+    try:
+        with open(path, "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC  # the filesystem is full
+
+
+def _assert_no_leaks(c: Client) -> None:
+    # get() releases its load lease from a background thread: give it a moment.
+    deadline = time.monotonic() + 5
+    while (s := c.stats()).active_leases and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s.active_leases == 0, s
+    dram = next(t for t in s.tiers if t.tier != 3)
+    disk = next(t for t in s.tiers if t.tier == 3)
+    assert s.active_leases == 0
+    assert dram.pinned_blocks == 0
+    assert dram.used_bytes == dram.blocks * BLOCK  # every DRAM slot holds a block
+    assert disk.used_bytes == disk.blocks * BLOCK  # every disk slot too: no write left one
+
+
 def test_out_of_space_disk_keeps_the_daemon_serving(tmp_path):
     mnt = tmp_path / "small"
     if not _mount_tmpfs(mnt, "2m"):
@@ -203,38 +229,92 @@ def test_out_of_space_disk_keeps_the_daemon_serving(tmp_path):
         with pytest.raises(Unavailable) as info:
             d.start()
         assert f"disk tier path {mnt}: no space" in str(info.value)
+
+        def daemon(name: str, when_full: str) -> DaemonProcess:
+            return DaemonProcess(
+                tmp_path / name,
+                dram_bytes=512 * 1024,  # 128 blocks
+                chunk_bytes=256 * 1024,
+                settings={
+                    "disk.path": str(mnt),
+                    "disk.capacity_bytes": "1MiB",
+                    "disk.slab_bytes": "256KiB",
+                    "disk.demote_free_fraction": 1.0,
+                    "disk.when_full": when_full,
+                },
+            )
+
         # Fits at start; then the filesystem fills up under the daemon.
-        d = DaemonProcess(
-            tmp_path / "b",
-            dram_bytes=512 * 1024,
-            chunk_bytes=256 * 1024,
-            settings={
-                "disk.path": str(mnt),
-                "disk.capacity_bytes": "1MiB",
-                "disk.slab_bytes": "256KiB",
-                "disk.demote_free_fraction": 1.0,
-            },
-        )
-        with d, Client(d.address) as c:
+        with daemon("b", "reject") as d, Client(d.address) as c:
             ns = c.declare_namespace(make_spec(BLOCK))
-            try:
-                with open(mnt / "ballast", "wb") as f:
-                    while True:
-                        f.write(b"\0" * 65536)
-                        f.flush()
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC  # the filesystem is full
+            _fill(mnt / "ballast")
+            # The journal's last page still takes some records: let the demoter
+            # use them up and meet the full filesystem before DRAM fills (until
+            # then a disk that is only behind lets eviction drop blocks).
+            stored: list[int] = []
+            while "no space left" not in d.log_tail(400):
+                assert len(stored) < 128, "the demoter never met the full filesystem"
+                hashes = list(range(len(stored), len(stored) + 4))
+                c.put(ns, hashes, rows(hashes))
+                stored += hashes
+                time.sleep(0.05)
+            with pytest.raises(CapacityExhausted) as refused:
+                for i in range(len(stored), 512, 16):  # 4x what DRAM holds
+                    hashes = list(range(i, i + 16))
+                    # A put that found room for only some blocks stores a prefix of them.
+                    stored += hashes[: c.put(ns, hashes, rows(hashes)).stored]
+            err = refused.value
+            assert type(err) is CapacityExhausted
+            assert err.status_code == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+            assert f"the disk tier at {mnt} cannot take writes" in str(err)
+            assert "no space left" in str(err)
+            # DRAM (128 blocks) filled, plus what reached disk before the journal's
+            # last page filled up. Nothing acknowledged was dropped to make room.
+            assert 128 <= len(stored) < 512
+            assert c.lookup(ns, stored).prefix_blocks == len(stored)
+            assert c.stats().evicted_blocks == 0
+            # Still serving: the newest blocks load with the right bytes; the
+            # oldest may be on disk only, with no DRAM room to promote them.
+            recent = stored[-16:]
+            got = c.get(ns, recent)
+            assert got.found == 16 and np.array_equal(got.data, rows(recent))
+            got = c.get(ns, stored[:16])
+            assert np.array_equal(got.data, rows(stored[: got.found]))
+            with pytest.raises(CapacityExhausted):
+                c.put(ns, [10_000], rows([10_000]))  # still full: still refused
+            _assert_no_leaks(c)
+            # Room again: the demoter retries, its writes land, and stores succeed.
+            os.unlink(mnt / "ballast")
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    assert c.put(ns, [10_000], rows([10_000])).stored == 1
+                    break
+                except CapacityExhausted:
+                    assert time.monotonic() < deadline, "stores never succeeded again"
+                    time.sleep(0.1)
+            assert np.array_equal(c.get(ns, [10_000]).data, rows([10_000]))
+            deadline = time.monotonic() + 10
+            while "takes writes again" not in d.log_tail(400):
+                assert time.monotonic() < deadline, "the disk never counted as writable again"
+                time.sleep(0.05)
+            _assert_no_leaks(c)
+
+        # disk.when_full = "drop": stores keep succeeding, the oldest blocks not on
+        # disk go instead.
+        shutil.rmtree(tmp_path / "b", ignore_errors=True)
+        with daemon("c", "drop") as d, Client(d.address) as c:
+            ns = c.declare_namespace(make_spec(BLOCK, model="other"))
+            _fill(mnt / "ballast")
             for i in range(0, 256, 16):
                 hashes = list(range(i, i + 16))
                 c.put(ns, hashes, rows(hashes))
             recent = list(range(240, 256))
             got = c.get(ns, recent)
             assert got.found == 16 and np.array_equal(got.data, rows(recent))
-            deadline = time.monotonic() + 10
-            while "journal append failed: no space left" not in d.log_tail(400):
-                assert time.monotonic() < deadline, "the demoter never met the full disk"
-                time.sleep(0.05)
-            assert np.array_equal(c.get(ns, recent).data, rows(recent))  # and still serves
+            assert c.stats().evicted_blocks > 0
+            assert "no space left" in d.log_tail(400)
+            _assert_no_leaks(c)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 

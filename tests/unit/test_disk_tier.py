@@ -328,3 +328,48 @@ async def test_kill_9_loses_no_acknowledged_block(tmp_path):
         assert set(newest) <= set(present), (iteration, newest, sorted(present))
         await tier.close()
     assert acked
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+async def test_read_many_batches_neighbours_and_verifies_each_block(tmp_path, direct_io):
+    from kvstore.errors import InvalidRequest
+    from kvstore.tiers.disk import MAX_RUN_BYTES
+
+    tier = open_tier(tmp_path, capacity=8 * SLAB, direct_io=direct_io)
+    nbytes = 16 * 1024
+    slots = [await put(tier, h, nbytes) for h in range(1, 33)]  # 32 neighbouring slots
+    assert slots == [slots[0] + i * nbytes for i in range(32)]
+    flipped = slots[10]
+    fd = os.open(tmp_path / DATA_FILE, os.O_RDWR)
+    os.pwrite(fd, bytes([os.pread(fd, 1, flipped + 7)[0] ^ 0x80]), flipped + 7)
+    os.fsync(fd)
+    os.close(fd)
+    # Page-aligned destinations that neighbouring reads fill with one preadv,
+    # one misaligned destination (a bounce buffer when O_DIRECT), a freed slot
+    # and a buffer of the wrong size.
+    region = np.zeros(32 * nbytes + 4096 + 1, dtype=np.uint8)
+    base = (-region.ctypes.data) % 4096
+    outs = [region[base + i * nbytes : base + (i + 1) * nbytes] for i in range(32)]
+    odd = np.zeros(nbytes + 1, dtype=np.uint8)[1:]
+    tier.free(slots[31])
+    reads = [(s, o) for s, o in zip(slots[:30], outs, strict=False)]
+    reads += [(slots[30], odd), (slots[31], outs[31]), (slots[0], np.zeros(100, np.uint8))]
+    results = await tier.read_many(reads[::-1])  # any order: runs follow the slots
+    results = results[::-1]
+    for i in range(30):
+        if i == 10:
+            assert isinstance(results[i], DataCorruption)
+            continue
+        assert results[i] is None, (i, results[i])
+        assert np.array_equal(outs[i], block(i + 1, nbytes)), i
+    assert results[30] is None and np.array_equal(odd, block(31, nbytes))
+    assert isinstance(results[31], StateConflict)
+    assert isinstance(results[32], InvalidRequest)
+    assert tier.entry(flipped) is None  # dropped, the other blocks of its run kept
+    assert len(tier) == 31 - 1
+    # The grouping: runs of neighbours, each at most a share of the total per
+    # I/O thread (2 here) and MAX_RUN_BYTES; a misaligned buffer stands alone.
+    items = [(i, tier.entry(s), memoryview(outs[i])) for i, s in enumerate(slots[:8])]
+    runs = tier._runs(items)  # type: ignore[arg-type]
+    assert [len(r) for r in runs] == [4, 4] and 4 * nbytes <= MAX_RUN_BYTES
+    await tier.close()

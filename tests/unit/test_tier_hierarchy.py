@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import numpy as np
@@ -264,3 +265,104 @@ def test_allocator_rebuild_keeps_good_slots_and_rejects_impossible_ones():
     assert None not in fresh and not taken & set(fresh)  # never hands out a rebuilt slot
     alloc.free(4096)
     assert alloc.alloc(4096) == 4096
+
+
+async def _leased_disk_fills(node: Node) -> int:
+    """A disk of 4 slots, every one holding a block a load lease pins; DRAM (8) then fills.
+
+    The demoter finds no disk slot it may take (all pinned), so the disk cannot
+    take writes. Returns the lease.
+    """
+    node.put([1, 2, 3, 4])
+    await node.settle()
+    assert node.m.disk.blocks() == 4
+    plan = await node.m.prepare_load_async(node.ns.namespace_id, [1, 2, 3, 4])
+    assert len(plan.blocks) == 4
+    node.put([5, 6, 7, 8])  # the last free DRAM slots: dirty, and the disk is full
+    await node.settle()
+    assert "busy or pinned" in node.m.disk.full_reason
+    return plan.lease_id
+
+
+def _no_leaks(node: Node, *, leases: int) -> None:
+    stats = node.m.stats()
+    dram, disk = stats.tiers[0], stats.tiers[1]
+    assert stats.active_leases == leases
+    assert dram.used_bytes == dram.blocks * node.ns.slot_bytes  # no slot without a block
+    assert disk.used_bytes == disk.blocks * BLOCK
+    assert not node.m.disk.tier._writing  # no disk slot held by a write that ended
+
+
+async def test_disk_that_cannot_take_writes_rejects_stores_and_keeps_serving(tmp_path):
+    from kvstore.errors import CapacityExhausted
+
+    node = Node(tmp_path, dram="128KiB", disk="64KiB")  # 8 blocks in DRAM, 4 on disk
+    lease = await _leased_disk_fills(node)
+    with pytest.raises(CapacityExhausted) as info:
+        node.put([9])  # only a block not on disk could make room: refused
+    message = str(info.value)
+    assert f"disk tier at {tmp_path / 'disk'} cannot take writes" in message
+    assert "busy or pinned" in message
+    assert all(h in node.ns.blocks for h in range(1, 9))  # nothing was dropped
+    assert node.m.stats().counters.evicted_blocks == 0
+    # Still serving: lookups, and loads of what is there, with the right bytes.
+    assert node.m.lookup(node.ns.namespace_id, list(range(1, 9))).prefix_blocks == 8
+    for h, block in zip(range(5, 9), await node.get([5, 6, 7, 8]), strict=True):
+        assert np.array_equal(block, data(h))
+    _no_leaks(node, leases=1)
+    # The lease ends: the disk may drop its coldest copies again, a demotion
+    # lands, and stores succeed.
+    node.m.release([lease])
+    for _ in range(200):
+        await node.settle()
+        if not node.m.disk.full_reason:
+            break
+        await asyncio.sleep(0.02)
+    assert not node.m.disk.full_reason
+    plan = node.put([9])
+    assert plan.statuses[0] == 0
+    _no_leaks(node, leases=0)
+    await node.close()
+
+
+async def test_disk_that_cannot_take_writes_drops_undemoted_blocks_if_configured(tmp_path):
+    node = Node(tmp_path, dram="128KiB", disk="64KiB", **{"disk.when_full": "drop"})
+    lease = await _leased_disk_fills(node)
+    plan = node.put([9])  # room made by dropping a block that was not on disk
+    assert plan.statuses[0] == 0
+    assert node.m.stats().counters.evicted_blocks == 1
+    assert sum(h in node.ns.blocks for h in range(5, 9)) == 3
+    node.m.release([lease])
+    _no_leaks(node, leases=0)
+    await node.close()
+
+
+async def test_readahead_promotes_the_next_disk_blocks_into_free_dram(tmp_path):
+    node = Node(tmp_path)  # DRAM 16 blocks
+    node.put(list(range(1, 11)))
+    await node.settle()
+    node.m.disk.tier.close_sync()  # a crash: the blocks are on disk only after it
+    node.region.close_hooks.clear()
+    node.region.close(unlink=True)
+    node2 = Node(tmp_path)
+    assert node2.m.lookup(node2.ns.namespace_id, list(range(1, 11))).by_tier == {Tier.DISK: 10}
+    got = await node2.get([1, 2])  # reads 2 blocks from disk: 2 more follow them
+    for h, b in zip([1, 2], got, strict=True):
+        assert np.array_equal(b, data(h))
+    for _ in range(100):
+        if node2.tier_of(4) is Tier.DRAM:
+            break
+        await asyncio.sleep(0.01)
+    assert [node2.tier_of(h) for h in range(1, 6)] == [Tier.DRAM] * 4 + [Tier.DISK]
+    # The next load finds them in DRAM, with the right bytes, and reads further ahead.
+    got = await node2.get([1, 2, 3, 4])
+    for h, b in zip([1, 2, 3, 4], got, strict=True):
+        assert np.array_equal(b, data(h))
+    for _ in range(100):
+        if node2.tier_of(6) is Tier.DRAM:
+            break
+        await asyncio.sleep(0.01)
+    assert node2.tier_of(6) is Tier.DRAM
+    stats = node2.m.stats()
+    assert stats.counters.evicted_blocks == 0 and stats.tiers[0].pinned_blocks == 0
+    await node2.close()
