@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
+# Loads longer than two of these are pipelined: the daemon prepares the next
+# chunk while the client copies this one (see Client._get_pipelined).
+PIPELINE_CHUNK_BYTES = 64 * 1024 * 1024
 STORE_ALLOCATED = pb.STORE_ALLOCATED
 
 ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
@@ -547,6 +550,8 @@ class Client:
                 return GetResult(reply.found_blocks, data.copy())
             out[: reply.found_blocks] = data
             return GetResult(reply.found_blocks, out[: reply.found_blocks])
+        if n * ns.block_bytes > 2 * PIPELINE_CHUNK_BYTES:
+            return self._get_pipelined(ns, hashes, out, tier, space)
         handle = self.prepare_load(ns, hashes, tier=tier)
         try:
             if out is None:
@@ -556,6 +561,66 @@ class Client:
             # The pin only has to outlive the copy; don't wait for the answer.
             self.release(handle, wait=False)
         return GetResult(handle.found, out[: handle.found])
+
+    def _get_pipelined(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        out: np.ndarray | None,
+        tier: str,
+        space: np.ndarray,
+    ) -> GetResult:
+        """A long prefix in chunks: the daemon prepares chunk k+1 (promoting it from
+        disk, moving it between tiers) while this process copies chunk k out.
+
+        One PrepareLoad for the whole prefix would make the copy wait for every
+        disk read; here only the first chunk's does. Same result as one call:
+        the longest present prefix, each chunk pinned until its copy is done.
+        """
+        n, block_bytes = len(hashes), ns.block_bytes
+        packed = np.asarray(hashes, dtype="<u8")
+        per = max(1, PIPELINE_CHUNK_BYTES // block_bytes)
+        chunks = [(s, min(n, s + per)) for s in range(0, n, per)]
+        if out is None:
+            out = np.empty((n, block_bytes), dtype=np.uint8)
+
+        def send(i: int) -> Any:
+            s, e = chunks[i]
+            request = pb.PrepareLoadRequest(
+                namespace_id=ns.namespace_id,
+                block_hashes=packed[s:e].tobytes(),
+                tier=_tier_value(tier),
+            )
+            return self._stub.PrepareLoad.future(
+                request, timeout=self.timeout_s, metadata=self._metadata
+            )
+
+        found = 0
+        pending = send(0)
+        try:
+            for i, (s, e) in enumerate(chunks):
+                future, pending = pending, None
+                try:
+                    reply = future.result()
+                except grpc.RpcError as exc:
+                    raise error_from_rpc(exc) from None
+                complete = reply.found_blocks == e - s
+                if complete and i + 1 < len(chunks):
+                    pending = send(i + 1)  # in flight while this chunk is copied
+                try:
+                    gather(space, _u64(reply.offsets), out[s:e], block_bytes)
+                finally:
+                    self.release(reply.lease_id, wait=False)
+                found += reply.found_blocks
+                if not complete:
+                    break
+        finally:
+            if pending is not None:  # an error cut the pipeline: free what it pinned
+                try:
+                    self.release(pending.result().lease_id, wait=False)
+                except grpc.RpcError:
+                    pass
+        return GetResult(found, out[:found])
 
     def _put_torch(
         self,

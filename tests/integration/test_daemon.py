@@ -241,3 +241,30 @@ def test_background_releases_unpin_in_batches(daemon):
             time.sleep(0.02)
         s = c.stats()
         assert s.active_leases == 0 and s.tiers[0].pinned_blocks == 0 and s.expired_leases == 0
+
+
+def test_long_get_is_pipelined_in_chunks_with_the_same_result(daemon, monkeypatch):
+    """A get longer than two chunks asks for chunk k+1 while copying chunk k: same
+    bytes, same longest-prefix answer, no lease left behind."""
+    import kvstore.client as client_module
+
+    monkeypatch.setattr(client_module, "PIPELINE_CHUNK_BYTES", 256 << 10)  # 4 blocks
+    block_bytes = 64 << 10
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(make_spec(block_bytes))
+        hashes = list(range(7000, 7030))
+        data = blocks_for(hashes, block_bytes)
+        assert c.put(ns, hashes, data).stored == 30
+        got = c.get(ns, hashes)
+        assert got.found == 30 and np.array_equal(got.data, data)
+        out = np.zeros_like(data)
+        assert c.get(ns, hashes, out).found == 30 and np.array_equal(out, data)
+        # A hole in the 5th chunk: the prefix ends there, later chunks are not pinned.
+        c.delete(ns, [hashes[17]])
+        got = c.get(ns, hashes + [1, 2])
+        assert got.found == 17 and np.array_equal(got.data, data[:17])
+        assert c.get(ns, [999] + hashes).found == 0
+        deadline = time.monotonic() + 5
+        while c.stats().active_leases and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.stats().active_leases == 0

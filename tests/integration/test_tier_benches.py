@@ -65,7 +65,7 @@ def test_tiers_bench_small(tmp_path):
         "demotion (disk write) per",
         "eviction cost",
         "read ratio per run: median",
-        "read phases (medians): PrepareLoad with promotion",
+        "read path: Client.get in 256 MiB loads",
         "load average (1 min)",
     ):
         assert what in out, out
