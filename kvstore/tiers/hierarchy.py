@@ -3,10 +3,11 @@
 The manager stays synchronous (every call atomic on the event loop); the disk
 moves bytes asynchronously. The two meet through *clean* blocks:
 
-- A background demoter copies DRAM blocks to disk ahead of need, oldest
-  commit first, keeping at least ``disk.demote_free_fraction`` of the DRAM
-  tier free or clean (clean = also on disk). It reads the region in place: the
-  block is pinned while its write runs, committed bytes never change.
+- A background demoter copies DRAM blocks to disk ahead of need, the ones
+  DRAM would evict soonest first (then oldest commit first), keeping at least
+  ``disk.demote_free_fraction`` of the DRAM tier free or clean (clean = also
+  on disk). It reads the region in place: the block is pinned while its write
+  runs, committed bytes never change.
 - When DRAM needs room, the manager's eviction prefers a clean victim: its DRAM
   copy is dropped and the block lives on, on disk (``BlockRemoved`` CPU). Only
   when no clean victim is near the cold end is a dirty block dropped.
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, cast
 from kvstore.errors import CapacityExhausted, ConfigError, DataCorruption, KVStoreError
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
+from kvstore.eviction.lru import LRUPolicy
 from kvstore.tiers import Tier
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 
@@ -58,6 +60,13 @@ log = logging.getLogger(__name__)
 CLEAN_VICTIM_WINDOW = 64
 # Disk victims looked at per slot the demoter needs.
 DISK_VICTIM_WINDOW = 64
+# DRAM blocks the demoter looks at from the cold end of each DRAM eviction
+# order per pass, for the dirty blocks DRAM would drop soonest. Bounded: once
+# demoted, blocks stay at the cold end (clean) until evicted, so an unbounded
+# walk would cost O(clean blocks) per finished write. Four times the window
+# eviction itself looks at (4 * CLEAN_VICTIM_WINDOW): the next evictions'
+# victims lie within it; past it, commit order stands in for the cold order.
+COLD_SCAN_BLOCKS = 1024
 # Pause after the disk refused a block (full of busy slots or out of space).
 DISK_FULL_BACKOFF_S = 0.5
 # A disk that refused a write counts as taking writes again only after a write
@@ -65,8 +74,9 @@ DISK_FULL_BACKOFF_S = 0.5
 # filesystem with a few crumbs of space takes one record and refuses the next.
 DISK_FULL_CLEAR_S = 1.0
 # Readahead after a load that read from disk: the disk-only blocks in the next
-# disk slots (demotion writes blocks in commit order, so a long context lies in
-# neighbouring slots) are promoted into *free* DRAM while the client copies, as
+# disk slots (demotion follows DRAM's cold order, where the blocks of a context
+# stored or hit together stay in context order, so a long context mostly lies
+# in neighbouring slots) are promoted into *free* DRAM while the client copies, as
 # much as the load read, at most this much and half the free DRAM.
 READAHEAD_MAX_BYTES = 256 * 1024 * 1024
 # Readahead blocks no load used yet, remembered (by id) at most this many.
@@ -96,10 +106,9 @@ class DiskLayer:
             self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
         self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
         # DRAM blocks with no disk copy, oldest commit first: what the demoter
-        # copies down. Commit order, not the DRAM policy's order: demotion only
-        # makes a copy (the policy still decides what leaves DRAM), and a FIFO
-        # finds the next dirty block in O(1) where the policy's cold end fills
-        # up with blocks already clean.
+        # copies down. It takes them in the DRAM policy's cold order first (see
+        # _candidates), this FIFO after: a block committed long ago but hit
+        # since is not the one DRAM drops next.
         self.dirty: dict[Block, None] = {}
         self.max_inflight = max(1, 2 * config.io_threads)
         self._wake: asyncio.Event | None = None
@@ -288,12 +297,46 @@ class DiskLayer:
                     await asyncio.wait_for(self._wake.wait(), timeout=0.05)
             self._wake.clear()
 
+    def _candidates(self) -> list[Block]:
+        """Dirty DRAM blocks to copy down, the ones DRAM drops soonest first.
+
+        DRAM eviction takes its victims from the cold end of its policy and
+        drops a dirty one when no clean one is near (CLEAN_VICTIM_WINDOW), so
+        the demoter copies the dirty blocks nearest that end first: in commit
+        order it would copy old blocks that were hit since (hot, evicted last)
+        while the cold ones are dropped uncopied. The walk looks at
+        COLD_SCAN_BLOCKS blocks per size class at most: the cold end fills up
+        with blocks already clean, and a cursor cannot resume a walk of a
+        policy that moves blocks between walks. The commit FIFO follows, for
+        blocks past that bound (for blocks never hit it is the same order).
+
+        Only an LRU order is walked: an S3-FIFO walk moves the keys it hands
+        out to the tail of their queue (it expects them removed), so walking
+        it without evicting would reorder DRAM eviction; it keeps the FIFO.
+        A list, not an iterator: starting a write can drop disk copies and
+        remove blocks, which a live walk of a dict must not see.
+        """
+        look = 16 * self.max_inflight
+        dirty = self.dirty
+        cold: list[list[Block]] = []
+        for policy in self.manager._policies.values():
+            if isinstance(policy, LRUPolicy):
+                coldest = itertools.islice(policy.victims(), COLD_SCAN_BLOCKS)
+                found = filter(dirty.__contains__, coldest)  # the skip runs in C
+                cold.append(list(cast("Iterator[Block]", itertools.islice(found, look))))
+        # Size classes in turn: each has its own eviction and its own cold end.
+        ordered = [b for row in itertools.zip_longest(*cold) for b in row if b is not None]
+        # Bounded look-ahead past pinned blocks at the head of the queue.
+        ordered += itertools.islice(dirty, look)
+        return ordered
+
     def _start_writes(self) -> None:
         m = self.manager
         if time.monotonic() < self._paused_until_s:
             return
-        # Bounded look-ahead past pinned blocks at the head of the queue.
-        for block in list(itertools.islice(self.dirty, 16 * self.max_inflight)):
+        if len(self._inflight) >= self.max_inflight or self._need_bytes() <= 0:
+            return  # the common case (every commit wakes the demoter): no walk
+        for block in self._candidates():
             if len(self._inflight) >= self.max_inflight or self._need_bytes() <= 0:
                 return
             if block.pins or block.offset < 0:

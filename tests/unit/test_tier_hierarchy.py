@@ -366,3 +366,35 @@ async def test_readahead_promotes_the_next_disk_blocks_into_free_dram(tmp_path):
     stats = node2.m.stats()
     assert stats.counters.evicted_blocks == 0 and stats.tiers[0].pinned_blocks == 0
     await node2.close()
+
+
+async def test_demoter_copies_the_blocks_dram_drops_next_not_the_oldest_commits(tmp_path):
+    # 1024 DRAM slots: more than eviction's clean-victim window, so a clean
+    # block at the hot end cannot stand in for a dirty one at the cold end.
+    node = Node(tmp_path, dram="4MiB", disk="16MiB", fraction=0.1)
+    m = node.m
+    assert m.disk is not None
+    ns = m.declare_namespace(make_spec(4096))
+    target = int(0.1 * 1024)  # blocks the demoter keeps free or clean
+
+    def put(hashes):
+        m.commit_store(m.prepare_store(ns.namespace_id, hashes).lease_id)
+
+    put(list(range(900)))  # free room above the target: nothing demoted
+    await node.settle()
+    assert m.disk.blocks() == 0
+    # The oldest commits are hit: they are the hottest blocks now.
+    plan = await m.prepare_load_async(ns.namespace_id, list(range(300)))
+    m.release([plan.lease_id])
+    put(list(range(900, 1024)))  # DRAM full: the demoter copies `target` blocks
+    await node.settle()
+    on_disk = {h for h, b in ns.blocks.items() if b.disk_slot >= 0}
+    assert len(on_disk) >= target
+    assert on_disk.isdisjoint(range(300))  # not the hot ones, for all their age
+    assert set(range(300, 300 + target)) <= on_disk  # the coldest
+    # The next stores evict the coldest blocks: each one's copy is on disk.
+    put(list(range(1024, 1024 + target)))
+    assert m.stats().counters.evicted_blocks == 0
+    assert all(ns.blocks[h].tier is Tier.DISK for h in range(300, 300 + target))
+    assert all(ns.blocks[h].tier is Tier.DRAM for h in range(300))
+    await node.close()
