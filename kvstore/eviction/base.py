@@ -10,7 +10,9 @@ Primitives:
     insert(key)   a block became resident in the tier
     touch(key)    the block was hit (lookup/load)
     remove(key)   the block left the tier (evicted, deleted, demoted)
-    victims()     keys, coldest first
+    victims()     keys, coldest first (the walk of an eviction: may reorder the policy)
+    coldest()     keys, about coldest first, without changing anything (for a
+                  reader that evicts nothing, like the disk demoter)
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class EvictionPolicy(Protocol):
     def remove(self, key: Hashable) -> None: ...
 
     def victims(self) -> Iterator[Hashable]: ...
+
+    def coldest(self) -> Iterator[Hashable]: ...
 
     def __len__(self) -> int: ...
 

@@ -28,6 +28,9 @@ class LRUPolicy:
         # removes any, as the interface requires.
         return iter(self._order)
 
+    def coldest(self) -> Iterator[Hashable]:
+        return iter(self._order)  # victims() changes nothing here either
+
     def __len__(self) -> int:
         return len(self._order)
 

@@ -74,6 +74,17 @@ class S3FIFOPolicy:
         self._restore()
         return self._walk()
 
+    def coldest(self) -> Iterator[Hashable]:
+        """About the order the next walks would evict in, without moving anything:
+        unhit keys of small, unhit keys of main, then the hit ones (which a walk
+        would first move to main or give another round)."""
+        self._restore()
+        freq = self._freq
+        yield from (k for k in self._small if not freq[k])
+        yield from (k for k in self._main if not freq[k])
+        yield from (k for k in self._small if freq[k])
+        yield from (k for k in self._main if freq[k])
+
     def _walk(self) -> Iterator[Hashable]:
         # Every step either yields a key (taking it out of its queue), moves a
         # hit key from small to main, or lowers a main key's counter: at most

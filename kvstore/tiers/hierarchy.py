@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, cast
 from kvstore.errors import CapacityExhausted, ConfigError, DataCorruption, KVStoreError
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
-from kvstore.eviction.lru import LRUPolicy
 from kvstore.tiers import Tier
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 
@@ -310,9 +309,8 @@ class DiskLayer:
         policy that moves blocks between walks. The commit FIFO follows, for
         blocks past that bound (for blocks never hit it is the same order).
 
-        Only an LRU order is walked: an S3-FIFO walk moves the keys it hands
-        out to the tail of their queue (it expects them removed), so walking
-        it without evicting would reorder DRAM eviction; it keeps the FIFO.
+        The walk uses the policies' read-only ``coldest()`` order (an S3-FIFO
+        ``victims()`` walk moves the keys it hands out, expecting them removed).
         A list, not an iterator: starting a write can drop disk copies and
         remove blocks, which a live walk of a dict must not see.
         """
@@ -320,10 +318,9 @@ class DiskLayer:
         dirty = self.dirty
         cold: list[list[Block]] = []
         for policy in self.manager._policies.values():
-            if isinstance(policy, LRUPolicy):
-                coldest = itertools.islice(policy.victims(), COLD_SCAN_BLOCKS)
-                found = filter(dirty.__contains__, coldest)  # the skip runs in C
-                cold.append(list(cast("Iterator[Block]", itertools.islice(found, look))))
+            coldest = itertools.islice(policy.coldest(), COLD_SCAN_BLOCKS)
+            found = filter(dirty.__contains__, coldest)  # the skip runs in C
+            cold.append(list(cast("Iterator[Block]", itertools.islice(found, look))))
         # Size classes in turn: each has its own eviction and its own cold end.
         ordered = [b for row in itertools.zip_longest(*cold) for b in row if b is not None]
         # Bounded look-ahead past pinned blocks at the head of the queue.

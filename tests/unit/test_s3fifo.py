@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvstore.eviction.lru import LRUPolicy
@@ -143,3 +145,21 @@ def test_abandoned_walk_loses_no_key():
         del it  # the manager found room and stopped early
     policy.insert(1000)  # the next operation restores the walk's held keys
     assert sorted(policy.victims()) == [*range(100), 1000]
+
+
+def test_coldest_is_read_only_and_puts_unhit_keys_first():
+    def build():
+        p = S3FIFOPolicy(small_ratio=0.5, ghost_min=4)
+        for k in range(10):
+            p.insert(k)
+        for k in (1, 3):
+            p.touch(k)
+        return p
+
+    p, q = build(), build()
+    order = list(p.coldest())
+    assert sorted(order) == list(range(10))
+    assert order.index(0) < order.index(1) and order.index(2) < order.index(3)  # hit keys later
+    assert list(p.coldest()) == order  # reading twice sees the same order: nothing moved
+    # And an eviction walk afterwards is exactly that of a policy never read.
+    assert list(itertools.islice(p.victims(), 6)) == list(itertools.islice(q.victims(), 6))

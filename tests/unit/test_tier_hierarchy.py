@@ -368,10 +368,13 @@ async def test_readahead_promotes_the_next_disk_blocks_into_free_dram(tmp_path):
     await node2.close()
 
 
-async def test_demoter_copies_the_blocks_dram_drops_next_not_the_oldest_commits(tmp_path):
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+async def test_demoter_copies_the_blocks_dram_drops_next_not_the_oldest_commits(tmp_path, policy):
     # 1024 DRAM slots: more than eviction's clean-victim window, so a clean
     # block at the hot end cannot stand in for a dirty one at the cold end.
-    node = Node(tmp_path, dram="4MiB", disk="16MiB", fraction=0.1)
+    node = Node(
+        tmp_path, dram="4MiB", disk="16MiB", fraction=0.1, **{"dram.eviction_policy": policy}
+    )
     m = node.m
     assert m.disk is not None
     ns = m.declare_namespace(make_spec(4096))
