@@ -428,6 +428,11 @@ class Client:
             self._releaser = _Releaser(self._stub, self.timeout_s, self._metadata)
         self._releaser.put(lease_id)
 
+    def flush_releases(self) -> None:
+        """Send the background releases queued so far and wait for them (wait=False
+        releases are otherwise in flight for a moment after the call returns)."""
+        self._flush_releases()
+
     def _flush_releases(self) -> None:
         if self._releaser is not None:
             self._releaser.close()
