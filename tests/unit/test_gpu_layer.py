@@ -17,27 +17,11 @@ from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.tiers import Tier
 from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
+from tests.sinks import RecordingSink
 
 pytest.importorskip("torch")
 
 BLOCK = 16 * 1024
-
-
-class RecordingSink:
-    def __init__(self):
-        self.events = []
-
-    def blocks_stored(self, ns, hashes, medium, parent, tokens):
-        self.events.append(("stored", medium, list(hashes)))
-
-    def blocks_removed(self, ns, hashes, medium):
-        self.events.append(("removed", medium, list(hashes)))
-
-    def all_cleared(self, ns):
-        self.events.append(("cleared", None, []))
-
-    def hashes(self, kind, medium):
-        return [h for k, m, hs in self.events if (k, m) == (kind, medium) for h in hs]
 
 
 def data(h: int) -> np.ndarray:
