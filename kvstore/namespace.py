@@ -16,6 +16,8 @@ import msgspec
 from kvstore.errors import InvalidRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from kvstore.manager import Block
 
 MAX_NAME_CHARS = 256
@@ -94,3 +96,14 @@ class Namespace:
     @property
     def block_size_tokens(self) -> int:
         return self.spec.block_size_tokens
+
+    def present_prefix(self, hashes: Sequence[int]) -> list[Block]:
+        """The committed blocks of the longest present prefix of hashes (in any tier),
+        stopping at the first missing or doomed one: what the tier moves work on."""
+        prefix = []
+        for h in hashes:
+            block = self.blocks.get(h)
+            if block is None or block.doomed:
+                break
+            prefix.append(block)
+        return prefix

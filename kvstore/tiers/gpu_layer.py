@@ -195,13 +195,7 @@ class GpuLayer:
 
     async def move(self, ns: Namespace, hashes: list[int], tier: Tier) -> None:
         """Bring the present prefix of hashes into `tier` (GPU or DRAM), as far as room allows."""
-        prefix: list[Block] = []
-        for h in hashes:
-            block = ns.blocks.get(h)
-            if block is None or block.doomed:
-                break
-            prefix.append(block)
-        await self._move_blocks(ns, prefix, tier)
+        await self._move_blocks(ns, ns.present_prefix(hashes), tier)
         if tier is Tier.GPU:
             self.wake()
 

@@ -392,12 +392,7 @@ class DiskLayer:
 
     async def promote(self, ns: Namespace, hashes: list[int]) -> None:
         """Bring the disk-only blocks of the longest present prefix into DRAM."""
-        prefix: list[Block] = []
-        for h in hashes:
-            block = ns.blocks.get(h)
-            if block is None or block.doomed:
-                break
-            prefix.append(block)
+        prefix = ns.present_prefix(hashes)
         # Blocks that readahead brought in: this load used them, so read further.
         hits = sum(self._ahead.pop(id(b), 0) is None for b in prefix) if self._ahead else 0
         if all(b.tier is not Tier.DISK for b in prefix):
