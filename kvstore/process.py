@@ -71,7 +71,10 @@ class DaemonProcess:
         tag = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:12]
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() else workdir
-        return str(base / f"kvstore-test-{tag}-{name}.dram")
+        # A test run sets KVSTORE_TEST_RUN so its clean-up touches only its own
+        # regions, never those of another run on the same machine.
+        run = os.environ.get("KVSTORE_TEST_RUN", "x")
+        return str(base / f"kvstore-test-{run}-{tag}-{name}.dram")
 
     def remove_region(self) -> None:
         """Delete the region file and its warm-restart manifest (after the daemon stopped)."""

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=.venv/bin/python
+# Validators and console scripts the tests call (kvstore, kubernetes-validate,
+# ruff) live in the venv: without it on PATH their tests would not find them.
+export PATH="$PWD/.venv/bin:$PATH"
 export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN} UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 # Tests that check our hashes and events against vLLM's own code run vLLM in a
 # child interpreter: the one venv here has it.

@@ -50,7 +50,10 @@ def daemon(daemon_factory) -> DaemonProcess:
     return daemon_factory()
 
 
-_REGIONS = "/dev/shm/kvstore-test-*"
+# Regions of this run only (DaemonProcess names them after KVSTORE_TEST_RUN):
+# another test run on the same machine keeps its regions.
+os.environ.setdefault("KVSTORE_TEST_RUN", f"r{os.getpid()}")
+_REGIONS = f"/dev/shm/kvstore-test-{os.environ['KVSTORE_TEST_RUN']}-*"
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -65,3 +68,45 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+# Under CI=true a skipped test is a failure, except where CUDA is what is missing:
+# a missing tool must not pass for a green run. Reasons that name CUDA (the `gpu`
+# marker's tests) may skip.
+_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+_CUDA_WORDS = ("cuda", "gpu")
+
+
+def _skip_allowed(reason: str, item: pytest.Item | None) -> bool:
+    if item is not None and item.get_closest_marker("gpu") is not None:
+        return True
+    return any(word in reason.lower() for word in _CUDA_WORDS)
+
+
+def _skip_reason(longrepr: object) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if _CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = _skip_reason(report.longrepr)
+        if not _skip_allowed(reason, item):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under CI=true (only CUDA tests may skip): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if _CI and report.skipped:
+        reason = _skip_reason(report.longrepr)
+        path = str(getattr(collector, "path", ""))
+        if not _skip_allowed(reason, None) and "/tests/gpu/" not in path:
+            report.outcome = "failed"
+            report.longrepr = f"module skipped under CI=true (only CUDA tests may skip): {reason}"
