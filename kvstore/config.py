@@ -357,11 +357,11 @@ def _toml_value(value: Any) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README, read from this module's source.
+    """The config reference table for docs/configuration.md, read from this module's source.
 
     Field docstrings (the string under each field) are not kept at run time,
     so they are read with ast; defaults come from the classes themselves.
-    tests/unit/test_readme.py checks the README carries this exact table.
+    tests/unit/test_readme.py checks docs/configuration.md carries this exact table.
     """
     import ast
     import inspect

@@ -1,4 +1,4 @@
-"""Refresh the generated parts of README.md (the config reference)."""
+"""Refresh the generated parts of the docs (docs/configuration.md: the config reference)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from kvstore.config import reference_markdown
 
 START, END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-readme = Path(__file__).resolve().parent.parent / "README.md"
+readme = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 text = readme.read_text()
 head, rest = text.split(START, 1)
 _, tail = rest.split(END, 1)
