@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from kvstore.client import Client
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, LeaseNotFound
 from tests.conftest import make_spec
 
 HASHES = 48  # per namespace: small enough that clients collide on the same blocks
 NAMESPACES = ("life-a", "life-b")
-# Statuses a client may see under these faults; anything else fails the test.
+# Statuses a client may see under these faults; anything else fails the test. A
+# LeaseNotFound (or a subclass, raised by the daemon or by the client's own lease
+# clock) says the lease ran out: expected with these TTLs, and what the client must learn.
 EXPECTED_CODES = {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "NOT_FOUND", "CANCELLED"}
 
 
@@ -49,8 +51,7 @@ class Worker:
         self.stall = stall
         self.client = Client(address, timeout_s=5.0)
         self.namespaces = [
-            self.client.declare_namespace(make_spec(block_bytes, model=name))
-            for name in NAMESPACES
+            self.client.declare_namespace(make_spec(block_bytes, model=name)) for name in NAMESPACES
         ]
         self.cache: dict[tuple[int, int], np.ndarray] = {}
         self.ops: Counter[str] = Counter()
@@ -104,7 +105,7 @@ class Worker:
                 code = getattr(exc, "status_code", None)
                 name = code.name if code is not None else type(exc).__name__
                 self.errors[name] += 1
-                if name not in EXPECTED_CODES:
+                if name not in EXPECTED_CODES and not isinstance(exc, LeaseNotFound):
                     self.unexpected.append(f"{op.__name__}: {exc}")
         self.client.timeout_s = 5.0
         self.client.flush_releases()
@@ -146,9 +147,7 @@ class Worker:
         if stall_s:
             time.sleep(stall_s)  # a stalled reader: its lease runs out before the copy
         space = c.gpu_pool() if handle.tier == "gpu" else c.region
-        got = [
-            np.array(space[int(o) : int(o) + self.block_bytes]) for o in handle.offsets
-        ]
+        got = [np.array(space[int(o) : int(o) + self.block_bytes]) for o in handle.offsets]
         c.timeout_s = 5.0
         try:
             c.release(handle)
@@ -173,7 +172,9 @@ class Worker:
         idx = handle.allocated
         if not len(idx):
             return
-        time.sleep(0.5)  # past the TTL and two reaper passes
+        # Past the TTL and several reaper passes (leases.reap_interval_s = 0.05), well
+        # inside the quarantine that bug 4's fix keeps expired slots in (2 s).
+        time.sleep(0.5)
         space = c.gpu_pool() if handle.tier == "gpu" else c.region
         for i in idx:
             off = int(handle.offsets[i])
