@@ -123,3 +123,63 @@ def test_stalled_readers_and_writers_never_change_anyone_elses_bytes(daemon_fact
     writer's late bytes must land in no slot another client reads."""
     d = lifetime_daemon(daemon_factory, tmp_path)
     check_run(d, run_clients(d.address, stall=True))
+
+
+def test_a_peers_pin_keeps_its_dram_bytes_while_local_clients_move_blocks(daemon_factory, tmp_path):
+    """Issue 19 bug 1, the peer side: a peer reads (NIXL or the byte stream) the DRAM
+    offsets its PinForPull returned; a local get(tier="gpu") of the same blocks must
+    not move them out from under it, nor may a store reuse the slots."""
+    import grpc
+    import numpy as np
+
+    from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
+    from tests.integration.lifetime_worker import payload
+
+    secret = "lifetime-secret"
+    d = daemon_factory(
+        dram_bytes=512 << 10,
+        chunk_bytes=64 << 10,
+        settings={
+            "gpu.device": "cpu",
+            "gpu.capacity_bytes": "256KiB",
+            "gpu.chunk_bytes": "64KiB",
+            "gpu.demote_free_fraction": 0,
+            "peer.enabled": "true",
+            "peer.secret": secret,
+            "peer.transport": "grpc_stream",
+        },
+    )
+    spec = make_spec(BLOCK, model="peer-pin")
+    hashes = [1, 2, 3, 4]
+    rows = np.stack([payload(0, h, BLOCK) for h in hashes])
+    md = (("x-kvstore-cluster-secret", secret),)
+    with Client(d.address) as c, grpc.insecure_channel(d.tcp_address) as channel:
+        ns = c.declare_namespace(spec)
+        assert c.put(ns, hashes, rows).stored == 4
+        peer = peer_pb2_grpc.PeerServiceStub(channel)
+        pin = peer.PinForPull(
+            peer_pb2.PinForPullRequest(
+                spec=store_pb2.NamespaceSpec(
+                    **{f: getattr(spec, f) for f in spec.__struct_fields__}
+                ),
+                block_hashes=np.asarray(hashes, dtype="<u8").tobytes(),
+                lease_ttl_s=30,
+            ),
+            metadata=md,
+            timeout=10,
+        )
+        assert pin.found_blocks == 4
+        got = c.get(ns, hashes, tier="gpu")  # a local engine wants them in its tier
+        assert all(np.array_equal(got.data[i], rows[i]) for i in range(got.found))
+        others = list(range(100, 132))  # DRAM holds 32: reuses any slot set free
+        c.put(ns, others, np.stack([payload(0, h, BLOCK) for h in others]))
+        streamed = b"".join(
+            chunk.data
+            for chunk in peer.StreamBlocks(
+                peer_pb2.StreamBlocksRequest(lease_id=pin.lease_id, offsets=pin.offsets),
+                metadata=md,
+                timeout=10,
+            )
+        )
+        assert streamed == rows.tobytes(), "the peer's pinned DRAM bytes changed"
+        peer.ReleasePull(peer_pb2.ReleasePullRequest(lease_ids=[pin.lease_id]), metadata=md)
