@@ -14,10 +14,13 @@ an inclusive copy would waste it); it may also have a disk copy. So:
 
 Bytes move with one ``copy_`` per block between the pool and the region
 (pinned with ``cudaHostRegister`` on CUDA, so the copies are DMA). Moves that a
-load asks for run in a worker thread with the blocks pinned, off the event
-loop; demotions to make room for a store run inline, because prepare_store is
+load asks for run in a worker thread with the blocks held, off the event
+loop, in a task that always finishes (a cancelled load only stops waiting);
+demotions to make room for a store run inline, because prepare_store is
 one atomic step (a 2 MiB block costs ~0.1 ms over PCIe; ~0.3 ms as a host
-memcpy here).
+memcpy here). A block pinned where it is (a lease, a peer's pin, a disk
+write reading it) is never moved: a load asking for the other tier misses on
+it until the pin goes (see docs/slot-lifetimes.md).
 
 The ``cpu`` device runs exactly this logic over a shared-memory file instead of
 HBM, so the whole path (daemon, client, demotion, promotion) is tested on
