@@ -17,6 +17,22 @@ the others: no locks, no lost or duplicated block, no deadlock.
 Invariants: a committed block's bytes never change (a hash is never rebound);
 a pinned block (load lease) is never evicted or freed; a slot is owned by at
 most one block; used bytes never exceed the tier's capacity.
+
+Slot lifetime: a slot is reused only when nothing can still touch it. Two
+kinds of hold keep a block alive:
+
+- a *pin* (``pins``) says "something reads or writes this block's bytes where
+  they are now": a load lease (a client's copy, a peer's NIXL read), a disk
+  write reading the DRAM copy, a promotion read landing in a reserved slot. A
+  pinned block is never evicted, freed, or moved to another tier.
+- a *hold* (``holds``, counted in ``pins`` too) says only "keep this block in
+  the store": a tier move or promotion keeps the rest of its prefix from being
+  evicted while it works. A held block may change tiers; ``movable`` is true
+  when every pin on it is a hold.
+
+Delete of a pinned block takes it out of the index at once (Lookup, PrepareLoad
+and PrepareStore all stop seeing it, so a new store of the same hash is a new
+block) and frees its slots at the last unpin.
 """
 
 from __future__ import annotations
@@ -84,8 +100,14 @@ class Block:
     offset: int
     state: BlockState = BlockState.PENDING
     pins: int = 0
+    # Holds among the pins: keep-alive only, the block may move between tiers.
+    holds: int = 0
     checksum: int = 0  # xxh3-64 once computed (disk/peer paths); 0 = not yet
-    doomed: bool = False  # delete asked while pinned: remove at last unpin
+    # Deleted while pinned: out of the index already, its slots go at last unpin.
+    doomed: bool = False
+    # Bumped whenever the DRAM copy's slot changes, so work that read the DRAM
+    # copy at one place can tell on completion that it is still the same copy.
+    dram_generation: int = 0
     # Slot of the block's copy in the disk tier; -1 = none. A block may be in
     # DRAM only (offset >= 0), on disk only (tier DISK, offset -1), or both
     # ("clean": its DRAM copy can be dropped for free).
@@ -483,12 +505,13 @@ class BlockManager:
             if block is None:
                 continue
             if block.pins:
-                block.doomed = True
+                media = self._doom(block)
                 busy += 1
             else:
-                for medium in self._remove(block, emit=False):
-                    removed.setdefault(medium, []).append(h)
+                media = self._remove(block, emit=False)
                 deleted += 1
+            for medium in media:
+                removed.setdefault(medium, []).append(h)
         for medium, removed_hashes in removed.items():
             self.sink.blocks_removed(ns, removed_hashes, medium)
         return deleted, busy
@@ -505,11 +528,12 @@ class BlockManager:
         count = 0
         for block in list(ns.blocks.values()):
             if block.pins:
-                block.doomed = True
+                media = self._doom(block)
             else:
-                for medium in self._remove(block, emit=False):
-                    removed.setdefault(medium, []).append(block.block_hash)
+                media = self._remove(block, emit=False)
                 count += 1
+            for medium in media:
+                removed.setdefault(medium, []).append(block.block_hash)
         for medium, hashes in removed.items():
             self.sink.blocks_removed(ns, hashes, medium)
         return count
@@ -536,8 +560,41 @@ class BlockManager:
         block.pins -= 1
         if block.pins == 0:
             self._pinned_blocks -= 1
-            if block.doomed and block.namespace.blocks.get(block.block_hash) is block:
-                self._remove(block, emit=True)
+            if block.doomed:
+                self._free_copies(block)
+
+    def pin(self, block: Block) -> None:
+        """Pin a block's bytes where they are (see the module notes)."""
+        self._pin(block)
+
+    def unpin(self, block: Block) -> None:
+        self._unpin(block)
+
+    def hold(self, block: Block) -> None:
+        """Keep a block in the store while a tier move works; it may still move."""
+        block.holds += 1
+        self._pin(block)
+
+    def unhold(self, block: Block) -> None:
+        assert block.holds > 0, "unhold of a block not held"
+        block.holds -= 1
+        self._unpin(block)
+
+    @staticmethod
+    def movable(block: Block) -> bool:
+        """True when a tier move may take the block from its slot: it is still in the
+        store and nothing reads or writes its bytes where they are (only holds)."""
+        return block.pins == block.holds and not block.doomed
+
+    def doom(self, block: Block) -> None:
+        """The block must leave the store (its only copy failed verification, say);
+        its slots go when its last pin does. For a tier that found it broken."""
+        if block.doomed:
+            return
+        if block.pins:
+            self._doom(block)
+        else:
+            self._remove(block, emit=True)
 
     def _free_pending(self, block: Block) -> None:
         """Give back the slot of a block whose store was aborted."""
@@ -551,6 +608,43 @@ class BlockManager:
         del self._slot_owner[block.offset]
         self.allocator.free(block.offset)
         block.namespace.used_bytes -= block.namespace.slot_bytes
+        block.dram_generation += 1
+
+    def _unindex(self, block: Block) -> list[str]:
+        """Take a committed block out of the index and every eviction order (its
+        slots stay its own). Returns the media it was in, for BlockRemoved."""
+        ns = block.namespace
+        if ns.blocks.get(block.block_hash) is block:
+            del ns.blocks[block.block_hash]
+        media = []
+        if self.disk is not None:
+            self.disk.forget(block)
+            if block.disk_slot >= 0:
+                self.disk.unlist(block)
+                media.append(Tier.DISK.medium)
+        if block.offset >= 0:
+            self._policy(ns.slot_bytes).remove(block)
+            media.append(Tier.DRAM.medium)
+        if block.gpu_offset >= 0 and self.gpu is not None:
+            self.gpu.policy(ns.slot_bytes).remove(block)
+            media.append(Tier.GPU.medium)
+        return media
+
+    def _free_copies(self, block: Block) -> None:
+        """Free every slot of a block that left the index and that nothing pins."""
+        assert block.pins == 0, "freeing the slots of a pinned block"
+        if block.disk_slot >= 0 and self.disk is not None:
+            self.disk.drop_disk_copy(block, emit=False)
+        if block.offset >= 0:
+            self._free_slot(block)
+            block.offset = -1
+        if block.gpu_offset >= 0 and self.gpu is not None:
+            self.gpu.free(block)
+
+    def _doom(self, block: Block) -> list[str]:
+        """Delete of a pinned block: out of the index now, slots at the last unpin."""
+        block.doomed = True
+        return self._unindex(block)
 
     def _remove(self, block: Block, *, emit: bool) -> list[str]:
         """Drop a committed, unpinned block from the index and free its slots.
@@ -558,25 +652,11 @@ class BlockManager:
         Returns the media it left (for the caller's events when ``emit`` is False).
         """
         assert block.pins == 0, "removing a pinned block"
-        ns = block.namespace
-        del ns.blocks[block.block_hash]
-        media = []
-        if self.disk is not None:
-            self.disk.forget(block)
-        if block.disk_slot >= 0 and self.disk is not None:
-            self.disk.drop_disk_copy(block, emit=False)
-            media.append(Tier.DISK.medium)
-        if block.offset >= 0:
-            self._policy(ns.slot_bytes).remove(block)
-            self._free_slot(block)
-            media.append(Tier.DRAM.medium)
-        if block.gpu_offset >= 0 and self.gpu is not None:
-            self.gpu.policy(ns.slot_bytes).remove(block)
-            self.gpu.free(block)
-            media.append(Tier.GPU.medium)
+        media = self._unindex(block)
+        self._free_copies(block)
         if emit:
             for medium in media:
-                self.sink.blocks_removed(ns, [block.block_hash], medium)
+                self.sink.blocks_removed(block.namespace, [block.block_hash], medium)
         return media
 
     def _evict(self, block: Block) -> None:

@@ -49,7 +49,7 @@ import mmap
 import os
 import struct
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -183,6 +183,9 @@ class DiskTier:
         self._journal_fd = -1
         self._journal_bytes = 0
         self.direct_io = False
+        # Called in the I/O thread before each block write ("write") or read run
+        # ("read"): tests force the timing of in-flight disk I/O with it.
+        self.io_hook: Callable[[str], None] | None = None
         self._open(direct_io)
 
     # ---------------------------------------------------------------- opening
@@ -529,6 +532,8 @@ class DiskTier:
         return runs
 
     def _pwrite_block(self, slot: int, buf: memoryview, expected: int | None) -> int:
+        if self.io_hook is not None:
+            self.io_hook("write")
         digest = checksum_of(buf)
         if expected is not None and digest != expected:
             raise DataCorruption(f"source of disk slot {slot} changed before it was written")
@@ -571,6 +576,8 @@ class DiskTier:
 
     def _pread_run(self, entries: list[DiskEntry], outs: list[memoryview]) -> list[bool]:
         """Read neighbouring blocks with preadv and verify each: ok per block."""
+        if self.io_hook is not None:
+            self.io_hook("read")
         if len(entries) == 1:
             return [self._pread_block(entries[0], outs[0])]
         total = sum(len(o) for o in outs)

@@ -14,10 +14,13 @@ an inclusive copy would waste it); it may also have a disk copy. So:
 
 Bytes move with one ``copy_`` per block between the pool and the region
 (pinned with ``cudaHostRegister`` on CUDA, so the copies are DMA). Moves that a
-load asks for run in a worker thread with the blocks pinned, off the event
-loop; demotions to make room for a store run inline, because prepare_store is
+load asks for run in a worker thread with the blocks held, off the event
+loop, in a task that always finishes (a cancelled load only stops waiting);
+demotions to make room for a store run inline, because prepare_store is
 one atomic step (a 2 MiB block costs ~0.1 ms over PCIe; ~0.3 ms as a host
-memcpy here).
+memcpy here). A block pinned where it is (a lease, a peer's pin, a disk
+write reading it) is never moved: a load asking for the other tier misses on
+it until the pin goes (see docs/slot-lifetimes.md).
 
 The ``cpu`` device runs exactly this logic over a shared-memory file instead of
 HBM, so the whole path (daemon, client, demotion, promotion) is tested on
@@ -31,7 +34,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import ConfigError
@@ -89,7 +92,9 @@ class GpuLayer:
         self.policies: dict[int, EvictionPolicy] = {}  # by slot size
         self.owner: dict[int, Block] = {}  # pool offset -> block (pending or committed)
         self.pinned_blocks = 0
-        self._moving: dict[int, asyncio.Future[None]] = {}  # id(block) -> its move
+        self._moving: dict[int, asyncio.Task[int]] = {}  # id(block) -> its move
+        # Called in the copy thread before each copy: tests force timing with it.
+        self.copy_hook: Callable[[], None] | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -200,20 +205,22 @@ class GpuLayer:
             self.wake()
 
     async def _move_blocks(self, ns: Namespace, prefix: list[Block], tier: Tier) -> int:
-        """Move committed blocks of ns into `tier`, in order, until one finds no room.
+        """Move committed blocks of ns into `tier`, in order, until one finds no room
+        or is pinned where it is (a lease or a disk write reads it there).
 
-        Returns how many this call moved."""
+        Returns how many this call moved. The copy runs in a task that owns its
+        blocks' holds and reserved slots and always finishes (a cancelled load
+        stops waiting for it, nothing more), so no slot is lost or freed early."""
         m = self.manager
         source = Tier.DRAM if tier is Tier.GPU else Tier.GPU
         if all(b.tier is not source for b in prefix) and not any(
             id(b) in self._moving for b in prefix
         ):
             return 0
-        moved = 0
         for block in prefix:
-            m._pin(block)  # nothing in the prefix is evicted or moved by others meanwhile
+            m.hold(block)  # nothing in the prefix is evicted meanwhile
         try:
-            waits: list[asyncio.Future[None]] = []
+            waits: list[asyncio.Task[int]] = []
             planned: list[tuple[Block, int]] = []
             for block in prefix:
                 running = self._moving.get(id(block))
@@ -222,6 +229,8 @@ class GpuLayer:
                     continue
                 if block.tier is not source:
                     continue
+                if not m.movable(block):
+                    break  # pinned where it is: it stays, and the prefix in `tier` ends
                 offset = self.allocate(ns) if tier is Tier.GPU else m._allocate(ns)
                 if offset is None:
                     break  # the tier is full of pinned blocks: the prefix ends here
@@ -230,38 +239,55 @@ class GpuLayer:
                 else:
                     m._slot_owner[offset] = block
                 planned.append((block, offset))
+            mine: asyncio.Task[int] | None = None
             if planned:
-                done = asyncio.get_running_loop().create_future()
                 for block, _ in planned:
-                    self._moving[id(block)] = done
-                try:
-                    pairs = [
-                        (b.offset, off) if tier is Tier.GPU else (b.gpu_offset, off)
-                        for b, off in planned
-                    ]
-                    await asyncio.to_thread(self._copy, pairs, ns.block_bytes, up=tier is Tier.GPU)
-                except Exception as exc:
-                    log.error("moving %d blocks to %s failed: %s", len(planned), tier.name, exc)
-                    for _block, offset in planned:
-                        if tier is Tier.GPU:
-                            del self.owner[offset]
-                            self.tier.free(offset)
-                        else:
-                            del m._slot_owner[offset]
-                            m.allocator.free(offset)
-                else:
-                    for block, offset in planned:
-                        self._finish_move(block, offset, tier)
-                    moved = len(planned)
-                finally:
-                    for block, _ in planned:
-                        self._moving.pop(id(block), None)
-                    done.set_result(None)
+                    m.hold(block)  # the move's own hold, released when it is done
+                mine = asyncio.get_running_loop().create_task(self._run_move(ns, planned, tier))
+                for block, _ in planned:
+                    self._moving[id(block)] = mine
+                waits.append(mine)
             if waits:
-                await asyncio.gather(*(asyncio.shield(w) for w in waits))
+                await asyncio.gather(*(asyncio.shield(w) for w in waits), return_exceptions=True)
+            if mine is None or mine.cancelled() or mine.exception() is not None:
+                return 0
+            return mine.result()
         finally:
             for block in prefix:
-                m._unpin(block)
+                m.unhold(block)
+
+    async def _run_move(self, ns: Namespace, planned: list[tuple[Block, int]], tier: Tier) -> int:
+        """Copy planned blocks into their reserved slots in `tier`, then switch each
+        block over if nothing pinned it at the source meanwhile; every slot of a
+        block that does not switch goes back. Returns how many switched."""
+        m = self.manager
+        moved = 0
+        copied = False
+        try:
+            pairs = [
+                (b.offset, off) if tier is Tier.GPU else (b.gpu_offset, off) for b, off in planned
+            ]
+            await asyncio.to_thread(self._copy_off_loop, pairs, ns.block_bytes, tier is Tier.GPU)
+            copied = True
+        except Exception as exc:
+            log.error("moving %d blocks to %s failed: %s", len(planned), tier.name, exc)
+        finally:
+            source = Tier.DRAM if tier is Tier.GPU else Tier.GPU
+            for block, offset in planned:
+                self._moving.pop(id(block), None)
+                # A reader that pinned the block at its source during the copy
+                # still reads there: the source stays, the copy is dropped.
+                if copied and block.tier is source and m.movable(block):
+                    self._finish_move(block, offset, tier)
+                    moved += 1
+                elif tier is Tier.GPU:
+                    del self.owner[offset]
+                    self.tier.free(offset)
+                else:
+                    del m._slot_owner[offset]
+                    m.allocator.free(offset)
+            for block, _ in planned:
+                m.unhold(block)
         return moved
 
     def _finish_move(self, block: Block, offset: int, tier: Tier) -> None:
@@ -290,6 +316,12 @@ class GpuLayer:
             m.counters.demoted_blocks += 1
             m.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
             m.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
+
+    def _copy_off_loop(self, pairs: list[tuple[int, int]], nbytes: int, up: bool) -> None:
+        """_copy in a worker thread (the moves a load asks for)."""
+        if self.copy_hook is not None:
+            self.copy_hook()
+        self._copy(pairs, nbytes, up=up)
 
     def _copy(self, pairs: list[tuple[int, int]], nbytes: int, *, up: bool) -> None:
         """Copy blocks DRAM -> pool (up) or pool -> DRAM; pairs are (source, destination)."""

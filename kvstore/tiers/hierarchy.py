@@ -180,6 +180,11 @@ class DiskLayer:
         m.counters.demoted_blocks += 1
         m.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
 
+    def unlist(self, block: Block) -> None:
+        """The block left the index: its disk copy is no eviction victim any more
+        (its slot is freed with drop_disk_copy once nothing reads it)."""
+        self._policy(block.namespace).remove(block)
+
     def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
         """Forget a block's disk copy (it must not be pinned by a disk read)."""
         self._policy(block.namespace).remove(block)
@@ -345,17 +350,20 @@ class DiskLayer:
                     f"every slot of the disk tier at {self.config.path} is busy or pinned"
                 )
                 return
-            m._pin(block)  # its DRAM bytes are read in place by the write
+            m.pin(block)  # its DRAM bytes are read in place by the write: it stays put
             self._inflight_bytes += block.namespace.slot_bytes
-            task = asyncio.get_running_loop().create_task(self._demote(block, slot))
+            task = asyncio.get_running_loop().create_task(
+                self._demote(block, slot, block.offset, block.dram_generation)
+            )
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
 
-    async def _demote(self, block: Block, slot: int) -> None:
+    async def _demote(self, block: Block, slot: int, offset: int, generation: int) -> None:
+        """Write the DRAM copy at ``offset`` (of ``generation``) to disk ``slot``."""
         m = self.manager
         ns = block.namespace
         try:
-            view = m.region.view(block.offset, ns.block_bytes)
+            view = m.region.view(offset, ns.block_bytes)
             checksum = await self.tier.write(slot, view, (ns.namespace_id, block.block_hash))
         except Exception as exc:
             if isinstance(exc, CapacityExhausted):
@@ -363,7 +371,15 @@ class DiskLayer:
                 self._set_full(str(exc))
             log.warning("demotion of a block failed: %s", exc)
         else:
-            if ns.blocks.get(block.block_hash) is block and block.offset >= 0:
+            # The disk copy is the block's only if the DRAM copy it was read from
+            # is still the block's (same slot, never freed meanwhile: the pin
+            # keeps it there, the generation proves it).
+            if (
+                ns.blocks.get(block.block_hash) is block
+                and block.offset == offset
+                and block.dram_generation == generation
+                and block.disk_slot < 0
+            ):
                 self.dirty.pop(block, None)
                 block.disk_slot = slot
                 block.checksum = checksum
@@ -379,7 +395,7 @@ class DiskLayer:
                 self.full_reason = ""
         finally:
             self._inflight_bytes -= ns.slot_bytes
-            m._unpin(block)
+            m.unpin(block)
             # Leave the in-flight set before waking the loop (a done callback
             # would run only after the loop looked, and it would sleep forever).
             task = asyncio.current_task()
@@ -401,7 +417,7 @@ class DiskLayer:
             return
         m = self.manager
         for block in prefix:
-            m._pin(block)  # nothing in the prefix moves while the reads run
+            m.hold(block)  # nothing in the prefix is evicted while the reads run
         try:
             waits: dict[int, asyncio.Task[None]] = {}  # by id(task): each batch once
             batch: list[tuple[Block, int]] = []
@@ -419,10 +435,14 @@ class DiskLayer:
                     break  # DRAM full of pinned blocks: the prefix ends here
                 m._slot_owner[offset] = block
                 ns.used_bytes += ns.slot_bytes
+                # The read's own pin: the disk copy and the reserved slot stay the
+                # block's until the read has landed, even if this load is cancelled.
+                m.pin(block)
                 batch.append((block, offset))
             if batch:
                 # One task reads the whole batch: neighbouring disk slots become
                 # one read, and the loop wakes once per run, not once per block.
+                # It owns its pins and slots and always finishes (shielded below).
                 task = asyncio.get_running_loop().create_task(self._read_batch(ns, batch))
                 for block, _ in batch:
                     self._promoting[id(block)] = task
@@ -437,7 +457,7 @@ class DiskLayer:
                 self._read_ahead(ns, prefix[-1], window * ns.block_bytes)
         finally:
             for block in prefix:
-                m._unpin(block)
+                m.unhold(block)
 
     def _read_ahead(self, ns: Namespace, last: Block, window_bytes: int) -> None:
         """Promote the disk-only blocks of ns in the disk slots after ``last``'s, into free DRAM."""
@@ -471,26 +491,25 @@ class DiskLayer:
                 break
             m._slot_owner[offset] = block
             ns.used_bytes += ns.slot_bytes
-            m._pin(block)  # not dropped from disk or deleted under the read
+            m.pin(block)  # not dropped from disk or deleted under the read
             batch.append((block, offset))
             budget -= ns.block_bytes
             slot += step
         if not batch:
             return
-        task = asyncio.get_running_loop().create_task(self._read_ahead_batch(ns, batch))
+        task = asyncio.get_running_loop().create_task(self._read_batch(ns, batch, ahead=True))
         for block, _ in batch:
             self._promoting[id(block)] = task
 
-    async def _read_ahead_batch(self, ns: Namespace, batch: list[tuple[Block, int]]) -> None:
-        try:
-            await self._read_batch(ns, batch)
-        finally:
-            for block, _ in batch:
-                if block.tier is Tier.DRAM:
-                    self._ahead[id(block)] = None
-                self.manager._unpin(block)
+    async def _read_batch(
+        self, ns: Namespace, batch: list[tuple[Block, int]], *, ahead: bool = False
+    ) -> None:
+        """Read a batch of disk blocks into their reserved DRAM slots.
 
-    async def _read_batch(self, ns: Namespace, batch: list[tuple[Block, int]]) -> None:
+        The caller pinned each block and reserved its slot; this task owns both
+        from then on and lands or gives back every slot, then unpins, whatever
+        happens to the load that started it. ``ahead``: readahead blocks, to be
+        remembered as such once they land."""
         m = self.manager
         results: list[KVStoreError | None] | None = None
         try:
@@ -503,26 +522,32 @@ class DiskLayer:
             for i, (block, offset) in enumerate(batch):
                 error = results[i] if results is not None else None
                 self._promoting.pop(id(block), None)
-                if results is not None and error is None:
+                # Deleted while it was read: the slot goes back, the block is gone.
+                if results is not None and error is None and not block.doomed:
                     block.offset = offset
                     block.tier = Tier.DRAM
                     self.clean_bytes += ns.slot_bytes
                     m._policy(ns.slot_bytes).insert(block)
                     promoted.append(block.block_hash)
+                    if ahead:
+                        self._ahead[id(block)] = None
                     continue
                 del m._slot_owner[offset]
                 m.allocator.free(offset)
                 ns.used_bytes -= ns.slot_bytes
                 if isinstance(error, DataCorruption):
                     # The tier dropped its copy. The block had no other: it leaves
-                    # the store at its last unpin (the promoting load holds a pin).
+                    # the index now, its slots at its last unpin (this read's).
                     log.error("%s", error)
                     self._policy(ns).remove(block)
                     block.disk_slot = -1
-                    block.doomed = True
-                    dropped.append(block.block_hash)
+                    if not block.doomed:
+                        m.doom(block)
+                        dropped.append(block.block_hash)
                 elif error is not None:
                     log.warning("promotion of a block failed: %s", error)
+            for block, _ in batch:
+                m.unpin(block)
             if promoted:
                 m.counters.promoted_blocks += len(promoted)
                 m.sink.blocks_stored(ns, promoted, Tier.DRAM.medium, None, None)
