@@ -280,8 +280,10 @@ class InstrumentedPeerService:
     async def ReleasePull(self, request: Any, context: Any) -> Any:
         return await self.inner.ReleasePull(request, context)
 
-    def StreamBlocks(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        return self.inner.StreamBlocks(request, context)  # type: ignore[no-any-return]
+    async def StreamBlocks(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        # An async generator itself: gRPC serves a plain function returning one as unary.
+        async for chunk in self.inner.StreamBlocks(request, context):
+            yield chunk
 
 
 class PeerMetrics:

@@ -574,16 +574,15 @@ def test_pull_counters_on_both_daemons_metrics_and_stats(peer_daemon) -> None:  
     r = fetch(b, ns_b.namespace_id, hashes, a)
     assert (r.fetched_blocks, r.corrupt_blocks, r.prefix_blocks) == (23, 1, 40)
     # Pull 3 fails: nobody listens there.
-    with pytest.raises(grpc.RpcError) as err:
-        with grpc.insecure_channel(b.address) as channel:
-            peer_pb2_grpc.PeerFetchServiceStub(channel).FetchFromPeer(
-                peer_pb2.FetchFromPeerRequest(
-                    namespace_id=ns_b.namespace_id,
-                    block_hashes=np.asarray(hashes, dtype="<u8").tobytes(),
-                    peer_address=f"127.0.0.1:{free_port()}",
-                ),
-                timeout=30,
-            )
+    with pytest.raises(grpc.RpcError) as err, grpc.insecure_channel(b.address) as channel:
+        peer_pb2_grpc.PeerFetchServiceStub(channel).FetchFromPeer(
+            peer_pb2.FetchFromPeerRequest(
+                namespace_id=ns_b.namespace_id,
+                block_hashes=np.asarray(hashes, dtype="<u8").tobytes(),
+                peer_address=f"127.0.0.1:{free_port()}",
+            ),
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     pulled = {
