@@ -203,11 +203,21 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.HasField("spec"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+        known = len(self.manager.namespaces)
         ns = await call(context, lambda: self.manager.declare_namespace(spec_from_pb(request.spec)))
+        siblings = sibling_layouts(self.manager, ns.spec)
+        if siblings and len(self.manager.namespaces) > known:
+            log.warning(
+                "namespace %s of model %r differs from %d other namespace(s) only in its "
+                "layout (%r vs %s): their clients never share a block (hash seed or page format)",
+                ns.namespace_id,
+                ns.spec.model,
+                len(siblings),
+                ns.spec.layout,
+                ", ".join(repr(x) for x in siblings),
+            )
         return pb.DeclareNamespaceResponse(
-            namespace_id=ns.namespace_id,
-            block_bytes=ns.block_bytes,
-            sibling_layouts=sibling_layouts(self.manager, ns.spec),
+            namespace_id=ns.namespace_id, block_bytes=ns.block_bytes, sibling_layouts=siblings
         )
 
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
