@@ -307,6 +307,10 @@ class PeerMetrics:
             buckets=PULL_BUCKETS_S,
             registry=registry,
         )
+        # Zero series from the start: a dashboard shows "no pulls", not "no data".
+        for transport in (KIND_NIXL, KIND_GRPC_STREAM):
+            self.pull_duration.labels(transport)
+            self.pin_duration.labels(transport)
 
     def observe_pull(self, transport: str, seconds: float) -> None:
         self.counters.of(transport).pull_s += seconds
