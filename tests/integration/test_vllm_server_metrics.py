@@ -127,9 +127,7 @@ def test_connector_counters_in_vllm_metrics_and_log(daemon_factory, tmp_path) ->
 
         # vLLM's periodic log line carries them, and the connector's INFO lines reach
         # vLLM's log (through its handler and format).
-        _wait(
-            lambda: "worker_loaded_blocks=6" in log.read_text(), 30, "KV Transfer log line", log
-        )
+        _wait(lambda: "worker_loaded_blocks=6" in log.read_text(), 30, "KV Transfer log line", log)
         text = log.read_text()
         assert "KV Transfer metrics: " in text
         assert any(
