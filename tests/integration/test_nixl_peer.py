@@ -10,6 +10,8 @@ import importlib.util
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -610,4 +612,14 @@ def test_pull_counters_on_both_daemons_metrics_and_stats(peer_daemon) -> None:  
         assert mb[(metric, "nixl")] == 0, metric
     assert mb[("kvstore_peer_pull_duration_seconds_count", "nixl")] == 3
     assert ma[("kvstore_peer_serve_pin_duration_seconds_count", "nixl")] == 2
-    assert ("kvstore_peer_serve_pin_duration_seconds_count", "nixl") not in mb
+    assert mb[("kvstore_peer_serve_pin_duration_seconds_count", "nixl")] == 0
+    # `kvstore status` shows them too.
+    status = subprocess.run(
+        [sys.executable, "-m", "kvstore", "status", "--address", b.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert "peer transfer over nixl:" in status, status
+    assert "pulled 87 blocks (5.4 MiB) in 3 pulls, 1 failed, 1 bad checksums" in status, status
