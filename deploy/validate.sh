@@ -143,6 +143,7 @@ check_metrics() {
     --set metrics.address=127.0.0.1:0 \
     --set "dram.path=$WORK/daemon/kvstore.dram" \
     --set dram.capacity_bytes=64MiB \
+    --set peer.enabled=true --set peer.secret=validate-only --set peer.transport=grpc_stream \
     >"$ready" 2>"$WORK/daemon.err" &
   DAEMON_PID=$!
   for _ in $(seq 1 300); do

@@ -64,12 +64,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
     with Client(args.address, timeout_s=args.timeout_s, map_region=False) as client:
         stats = client.stats()
         info = client.info
+    addresses = {name: getattr(info, name) or None for name in _ADDRESS_FIELDS}
     if args.json:
-        print(json.dumps({"hello": MessageToDict(info), "stats": MessageToDict(stats)}, indent=2))
+        doc = {"hello": MessageToDict(info), "stats": MessageToDict(stats), "addresses": addresses}
+        print(json.dumps(doc, indent=2))
         return 0
     print(
         f"kvstore {info.version} node={stats.node_id} up {stats.uptime_s:.0f}s at {client.address}"
     )
+    print("  " + " ".join(f"{k.removesuffix('_address')}={v}" for k, v in addresses.items() if v))
     print(f"  region {info.region_path} ({info.region_bytes / 2**30:.2f} GiB)")
     for t in stats.tiers:
         from kvstore.v1 import store_pb2
@@ -87,7 +90,26 @@ def _cmd_status(args: argparse.Namespace) -> int:
         f"loaded={stats.loaded_blocks} evicted={stats.evicted_blocks} expired_leases={stats.expired_leases}"
     )
     print(f"  lookup hit rate {hit:.1f}% ({stats.lookup_hit_blocks}/{looked} blocks)")
+    if info.peer_transport:
+        print(f"  peer transfer over {info.peer_transport}:")
+    for p in stats.peer:
+        print(
+            f"    {p.transport:<11} pulled {p.fetched_blocks} blocks ({p.fetched_bytes / 2**20:.1f} MiB)"
+            f" in {p.pulls} pulls, {p.pull_failures} failed, {p.checksum_failed_blocks} bad checksums;"
+            f" served {p.served_blocks} blocks ({p.served_bytes / 2**20:.1f} MiB)"
+            f" in {p.serve_pins} pins, {p.serve_failures} refused"
+        )
     return 0
+
+
+# HelloResponse fields naming what the daemon bound.
+_ADDRESS_FIELDS = (
+    "socket_path",
+    "tcp_address",
+    "metrics_address",
+    "events_publish_address",
+    "events_replay_address",
+)
 
 
 def _add_indexer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

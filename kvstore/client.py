@@ -18,6 +18,7 @@ Errors come back as kvstore.errors classes, mapped from gRPC status codes.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import queue
@@ -32,9 +33,11 @@ import numpy as np
 
 from kvstore import errors
 from kvstore.auth import SECRET_METADATA_KEY
-from kvstore.namespace import NamespaceSpec
+from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +102,8 @@ class Namespace:
     namespace_id: str
     block_bytes: int
     spec: NamespaceSpec
+    sibling_layouts: tuple[str, ...] = ()
+    """Layouts of namespaces on the daemon equal to this one but for the layout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +309,22 @@ class Client:
             self._stub.DeclareNamespace,
             pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**msgspec.structs.asdict(spec))),
         )
-        return Namespace(reply.namespace_id, reply.block_bytes, spec)
+        ns = Namespace(reply.namespace_id, reply.block_bytes, spec, tuple(reply.sibling_layouts))
+        mine = layout_hash_seed(spec.layout)
+        others = sorted({layout_hash_seed(x) or "none" for x in ns.sibling_layouts} - {mine})
+        if mine is not None and others:
+            log.warning(
+                "kvstore: HASH SEED MISMATCH on daemon %s: namespace %s (model %s) hashes "
+                "blocks with seed %s, other clients of the same model use %s; they never "
+                "share a block (vLLM: set one PYTHONHASHSEED and prefix_caching_hash_algo "
+                "for every engine)",
+                self.address,
+                ns.namespace_id,
+                spec.model,
+                mine,
+                ", ".join(others),
+            )
+        return ns
 
     def lookup(
         self,

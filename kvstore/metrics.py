@@ -1,23 +1,31 @@
 """Prometheus metrics, applied by wrapping: tiers and policies never touch them.
 
-Two sources: a server interceptor times every RPC (one observation per call,
-never per block), and a collector reads the manager's counters at scrape time,
-so the data path pays nothing for metrics. Names follow
-``kvstore_<subsystem>_<name>_<unit>``.
+Three sources: a server interceptor times every RPC (one observation per call,
+never per block); a collector reads the manager's counters at scrape time, so
+the data path pays nothing for metrics; and peer transfer is counted by
+wrapping the puller and the owner's ``PeerService`` (one update per pull or
+pin, never per block), into plain ``PeerCounters`` that both ``/metrics`` and
+the Stats RPC read. Names follow ``kvstore_<subsystem>_<name>_<unit>``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.errors import InvalidRequest, KVStoreError, NotFound
 from kvstore.manager import BlockManager
+from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL
+
+if TYPE_CHECKING:
+    from kvstore.transfer.puller import PullResult
 
 RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -126,6 +134,194 @@ class ManagerCollector(Collector):
             ("kvstore_tier_promoted_blocks", "Blocks moved to a higher tier.", c.promoted_blocks),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+
+# A pull is one pin round trip plus one batched read: milliseconds to seconds.
+PULL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Transport labels: the two kinds, and "unknown" for a peer naming neither
+# (a peer's request is not trusted to pick label values: the set stays bounded).
+PEER_TRANSPORTS = (KIND_NIXL, KIND_GRPC_STREAM, "unknown")
+
+
+@dataclass(slots=True)
+class PeerTransportCounters:
+    """Peer-transfer counters of one transport, since the daemon started."""
+
+    # This node as the puller.
+    pulls: int = 0
+    pull_failures: int = 0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    checksum_failed_blocks: int = 0
+    pull_s: float = 0.0
+    # This node as the owner (labelled by the transport the puller reads with).
+    serve_pins: int = 0
+    serve_failures: int = 0
+    served_blocks: int = 0
+    served_bytes: int = 0
+
+
+class PeerCounters:
+    """The daemon's peer-transfer counters, by transport; read by /metrics and Stats."""
+
+    def __init__(self) -> None:
+        self.by_transport = {t: PeerTransportCounters() for t in PEER_TRANSPORTS}
+
+    def of(self, transport: str) -> PeerTransportCounters:
+        return self.by_transport.get(transport) or self.by_transport["unknown"]
+
+
+# (field, metric name, help) of the counters, in exposition order.
+_PEER_COUNTERS = (
+    ("pulls", "kvstore_peer_pulls", "Pulls from a peer this node ran (FetchFromPeer, hints)."),
+    ("pull_failures", "kvstore_peer_pull_failures", "Pulls that failed (peer down, timeout)."),
+    ("fetched_blocks", "kvstore_peer_fetched_blocks", "Blocks pulled from peers and verified."),
+    ("fetched_bytes", "kvstore_peer_fetched_bytes", "Bytes of the blocks pulled from peers."),
+    (
+        "checksum_failed_blocks",
+        "kvstore_peer_checksum_failed_blocks",
+        "Pulled blocks whose xxh3 did not match the owner's: dropped.",
+    ),
+    ("serve_pins", "kvstore_peer_serve_pins", "Pins peers asked this node for (PinForPull)."),
+    ("serve_failures", "kvstore_peer_serve_failures", "Pin requests from peers refused."),
+    ("served_blocks", "kvstore_peer_served_blocks", "Blocks pinned here for peers to read."),
+    ("served_bytes", "kvstore_peer_served_bytes", "Bytes of the blocks pinned for peers."),
+)
+assert {f for f, _, _ in _PEER_COUNTERS} | {"pull_s"} == {
+    f.name for f in fields(PeerTransportCounters)
+}
+
+
+class PeerCollector(Collector):
+    """Exposes ``PeerCounters`` at scrape time."""
+
+    def __init__(self, counters: PeerCounters) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Any]:
+        for field_name, name, doc in _PEER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["transport"])
+            for transport, c in self.counters.by_transport.items():
+                family.add_metric([transport], getattr(c, field_name))
+            yield family
+
+
+class _Pulls(Protocol):
+    async def pull(
+        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+    ) -> PullResult: ...
+
+    def transport_to(self, address: str) -> str: ...
+
+    async def aclose(self) -> None: ...
+
+
+class InstrumentedPuller:
+    """A puller that counts each pull (once, from its result) in ``PeerCounters``."""
+
+    def __init__(self, inner: _Pulls, metrics: PeerMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    async def pull(
+        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+    ) -> PullResult:
+        started = time.perf_counter()
+        try:
+            result = await self.inner.pull(ns_id, hashes, address, timeout_s)
+        except KVStoreError as exc:
+            if not isinstance(exc, InvalidRequest | NotFound):  # the caller's mistake, not a pull
+                transport = self.inner.transport_to(address)
+                c = self.metrics.counters.of(transport)
+                c.pulls += 1
+                c.pull_failures += 1
+                self.metrics.observe_pull(transport, time.perf_counter() - started)
+            raise
+        c = self.metrics.counters.of(result.transport)
+        c.pulls += 1
+        c.fetched_blocks += result.fetched_blocks
+        c.fetched_bytes += result.fetched_bytes
+        c.checksum_failed_blocks += result.corrupt_blocks
+        self.metrics.observe_pull(result.transport, time.perf_counter() - started)
+        return result
+
+    def transport_to(self, address: str) -> str:
+        return self.inner.transport_to(address)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class InstrumentedPeerService:
+    """The owner's PeerService with its pins counted; the other calls pass through."""
+
+    def __init__(self, inner: Any, metrics: PeerMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    async def GetAgentMetadata(self, request: Any, context: Any) -> Any:
+        return await self.inner.GetAgentMetadata(request, context)
+
+    async def PinForPull(self, request: Any, context: Any) -> Any:
+        started = time.perf_counter()
+        c = self.metrics.counters.of(request.transport)
+        try:
+            reply = await self.inner.PinForPull(request, context)
+        except BaseException:  # aborts (refusals) raise out of the handler
+            c.serve_failures += 1
+            raise
+        c.serve_pins += 1
+        c.served_blocks += reply.found_blocks
+        c.served_bytes += reply.found_blocks * reply.block_bytes
+        transport = request.transport if request.transport in PEER_TRANSPORTS else "unknown"
+        self.metrics.pin_duration.labels(transport).observe(time.perf_counter() - started)
+        return reply
+
+    async def ReleasePull(self, request: Any, context: Any) -> Any:
+        return await self.inner.ReleasePull(request, context)
+
+    async def StreamBlocks(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        # An async generator itself: gRPC serves a plain function returning one as unary.
+        async for chunk in self.inner.StreamBlocks(request, context):
+            yield chunk
+
+
+class PeerMetrics:
+    """Peer-transfer metrics of one daemon: counters (also read by Stats) and
+    latency histograms; ``wrap_*`` apply them to the puller and the PeerService."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.counters = PeerCounters()
+        registry.register(PeerCollector(self.counters))
+        self.pull_duration = Histogram(
+            "kvstore_peer_pull_duration_seconds",
+            "Duration of one pull from a peer (metadata, pin, read, verify, commit).",
+            ["transport"],
+            buckets=PULL_BUCKETS_S,
+            registry=registry,
+        )
+        self.pin_duration = Histogram(
+            "kvstore_peer_serve_pin_duration_seconds",
+            "Duration of a peer's PinForPull here (pin, promotion, checksums).",
+            ["transport"],
+            buckets=PULL_BUCKETS_S,
+            registry=registry,
+        )
+        # Zero series from the start: a dashboard shows "no pulls", not "no data".
+        for transport in (KIND_NIXL, KIND_GRPC_STREAM):
+            self.pull_duration.labels(transport)
+            self.pin_duration.labels(transport)
+
+    def observe_pull(self, transport: str, seconds: float) -> None:
+        self.counters.of(transport).pull_s += seconds
+        label = transport if transport in PEER_TRANSPORTS else "unknown"
+        self.pull_duration.labels(label).observe(seconds)
+
+    def wrap_puller(self, puller: _Pulls) -> InstrumentedPuller:
+        return InstrumentedPuller(puller, self)
+
+    def wrap_service(self, service: Any) -> InstrumentedPeerService:
+        return InstrumentedPeerService(service, self)
 
 
 def serve_metrics(address: str, registry: CollectorRegistry) -> tuple[Any, int]:

@@ -21,6 +21,21 @@ if TYPE_CHECKING:
     from kvstore.manager import Block
 
 MAX_NAME_CHARS = 256
+# A layout may end in ";hash=<fingerprint>": what the client's block hashes are
+# seeded with (for vLLM, the hash algorithm and a one-way digest of the seed of
+# NONE_HASH, connectors.vllm.hashes). Engines whose fingerprints differ never
+# compute one hash alike; the daemon reports such siblings at declare time.
+HASH_SEED_MARK = ";hash="
+
+
+def layout_with_hash_seed(layout: str, fingerprint: str) -> str:
+    return f"{layout}{HASH_SEED_MARK}{fingerprint}" if fingerprint else layout
+
+
+def layout_hash_seed(layout: str) -> str | None:
+    """The hash-seed fingerprint a layout carries, or None."""
+    _, mark, fingerprint = layout.rpartition(HASH_SEED_MARK)
+    return fingerprint if mark else None
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -22,7 +22,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -40,6 +40,9 @@ from kvstore.transfer.grpc_stream import (
 )
 from kvstore.transfer.puller import MAX_PIN_TTL_S, PIN_TTL_MARGIN_S, Puller, checksums_async
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
+
+if TYPE_CHECKING:
+    from kvstore.metrics import PeerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +202,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
     """FetchFromPeer: a local client asks this daemon to pull blocks from a peer now."""
 
-    def __init__(self, puller: Puller, peers: dict[str, str]) -> None:
+    def __init__(self, puller: Any, peers: dict[str, str]) -> None:  # Puller, maybe wrapped
         self.puller = puller
         self.peers = peers  # node id -> gRPC address
 
@@ -275,6 +278,7 @@ class PeerNode:
         transfer_timeout_s: float = 5.0,
         peers: dict[str, str] | None = None,
         max_message_bytes: int = 64 << 20,
+        metrics: PeerMetrics | None = None,
     ) -> None:
         if transport not in ("auto", KIND_NIXL, KIND_GRPC_STREAM):
             raise errors.ConfigError(
@@ -293,7 +297,7 @@ class PeerNode:
         )
         self.stream = GrpcStreamTransport(region.array, secret, max_message_bytes)
         pump = getattr(self.nixl, "pump", None)
-        self.service = PeerService(
+        service = PeerService(
             manager,
             secret=secret,
             incarnation=self.incarnation,
@@ -302,7 +306,8 @@ class PeerNode:
             on_pin=pump.hold if pump is not None else None,
             on_unpin=pump.release if pump is not None else None,
         )
-        self.puller = Puller(
+        self.service: Any = service
+        self.puller: Any = Puller(
             manager,
             region.array,
             node_id=manager.node_id,
@@ -312,6 +317,9 @@ class PeerNode:
             transfer_timeout_s=transfer_timeout_s,
             max_message_bytes=max_message_bytes,
         )
+        if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
+            self.puller = metrics.wrap_puller(self.puller)
+            self.service = metrics.wrap_service(self.service)
         self.fetch_service = PeerFetchService(self.puller, dict(peers or {}))
 
     async def fill(self, ns_id: str, hashes: list[int], hint: str, timeout_s: float) -> None:

@@ -29,7 +29,13 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.manager import BlockManager
-from kvstore.metrics import ManagerCollector, MetricsInterceptor, RpcMetrics, serve_metrics
+from kvstore.metrics import (
+    ManagerCollector,
+    MetricsInterceptor,
+    PeerMetrics,
+    RpcMetrics,
+    serve_metrics,
+)
 from kvstore.sdnotify import SdNotifier
 from kvstore.service import StoreService
 from kvstore.tiers.dram import Region
@@ -97,9 +103,11 @@ class Daemon:
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
+        peer_metrics: PeerMetrics | None = None
         if cfg.peer.enabled:
             from kvstore.peer_service import PeerNode  # imports NIXL only when enabled
 
+            peer_metrics = PeerMetrics(self.registry)
             self.peer = PeerNode(
                 self.manager,
                 secret=cfg.peer.secret,
@@ -107,6 +115,7 @@ class Daemon:
                 transfer_timeout_s=cfg.peer.transfer_timeout_s,
                 peers=cfg.peer.peers,
                 max_message_bytes=cfg.server.max_message_bytes,
+                metrics=peer_metrics,
             )
 
         options = [
@@ -126,7 +135,13 @@ class Daemon:
         )
         peer_fill = self.peer.fill if self.peer is not None else None
         store_pb2_grpc.add_StoreServiceServicer_to_server(
-            StoreService(self.manager, peer_fill), self.server
+            StoreService(
+                self.manager,
+                peer_fill,
+                peer_counters=peer_metrics.counters if peer_metrics is not None else None,
+                addresses=self.endpoints,
+            ),
+            self.server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_services = self.peer.add_to_server(self.server) if self.peer is not None else []
@@ -175,16 +190,27 @@ class Daemon:
         host = self.config.server.tcp_address.rpartition(":")[0] or "127.0.0.1"
         return f"{host}:{self.tcp_port}"
 
+    def endpoints(self) -> dict[str, str | None]:
+        """Every address this daemon bound, port 0 resolved (None = not bound), and its
+        peer transport: what the ready line, Hello and ``kvstore status`` report."""
+        host = self.config.metrics.address.rpartition(":")[0] or "127.0.0.1"
+        sink = self._sink
+        return {
+            "socket_path": self.config.server.socket_path or None,
+            "tcp_address": self.tcp_address,
+            "metrics_address": f"{host}:{self.metrics_port}" if self.metrics_port else None,
+            "events_publish_address": getattr(sink, "endpoint", None),
+            "events_replay_address": getattr(sink, "replay_endpoint", None),
+            "peer_transport": self.peer.transport_kind if self.peer is not None else None,
+        }
+
     def ready_info(self) -> dict[str, Any]:
         assert self.region is not None
-        host = self.config.metrics.address.rpartition(":")[0] or "127.0.0.1"
         return {
             "event": "ready",
             "node_id": self.config.node_id,
             "pid": os.getpid(),
-            "socket_path": self.config.server.socket_path or None,
-            "tcp_address": self.tcp_address,
-            "metrics_address": f"{host}:{self.metrics_port}" if self.metrics_port else None,
+            **self.endpoints(),
             "region_path": self.region.path,
             "region_bytes": self.region.capacity_bytes,
         }

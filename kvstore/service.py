@@ -7,6 +7,7 @@ element by element.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -113,15 +114,52 @@ def spec_from_pb(spec: Any) -> NamespaceSpec:
     )
 
 
+def sibling_layouts(manager: BlockManager, spec: NamespaceSpec) -> list[str]:
+    """Layouts of the other namespaces declared on ``manager`` whose spec equals
+    ``spec`` but for the layout: engines that should share blocks and cannot (a
+    different hash seed or page format). One walk of the namespaces, at declare time."""
+    same = msgspec.structs.replace(spec, layout="")
+    return sorted(
+        {
+            ns.spec.layout
+            for ns in manager.namespaces.values()
+            if ns.spec.layout != spec.layout and msgspec.structs.replace(ns.spec, layout="") == same
+        }
+    )
+
+
+# Bound-address keys of the daemon that HelloResponse carries.
+_HELLO_ADDRESSES = frozenset(
+    (
+        "socket_path",
+        "tcp_address",
+        "metrics_address",
+        "events_publish_address",
+        "events_replay_address",
+        "peer_transport",
+    )
+)
+
 # fill(namespace_id, hashes, peer_hint, timeout_s): pull what the local prefix lacks
 PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
 
 
 class StoreService(pb_grpc.StoreServiceServicer):
-    def __init__(self, manager: BlockManager, peer_fill: PeerFill | None = None) -> None:
+    def __init__(
+        self,
+        manager: BlockManager,
+        peer_fill: PeerFill | None = None,
+        *,
+        peer_counters: Any = None,
+        addresses: Callable[[], dict[str, str | None]] | None = None,
+    ) -> None:
         self.manager = manager
         self.config = manager.config
         self.peer_fill = peer_fill
+        # kvstore.metrics.PeerCounters (None: peer transfer off); read by Stats
+        self.peer_counters = peer_counters
+        # the daemon's bound addresses (and peer transport), for Hello
+        self.addresses = addresses or dict
 
     async def _fill_from_hint(self, request: Any, hashes: list[int]) -> None:
         if not request.peer_hint:
@@ -146,8 +184,12 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 "gpu_ipc_handle": msgspec.msgpack.encode(handle) if handle is not None else b"",
                 "gpu_region_path": gpu.host_region.path if gpu.host_region is not None else "",
             }
+        bound: dict[str, Any] = {
+            k: v or "" for k, v in self.addresses().items() if k in _HELLO_ADDRESSES
+        }
         return pb.HelloResponse(
             **gpu_fields,
+            **bound,
             node_id=self.manager.node_id,
             version=__version__,
             region_path=region.path,
@@ -161,8 +203,22 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.HasField("spec"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+        known = len(self.manager.namespaces)
         ns = await call(context, lambda: self.manager.declare_namespace(spec_from_pb(request.spec)))
-        return pb.DeclareNamespaceResponse(namespace_id=ns.namespace_id, block_bytes=ns.block_bytes)
+        siblings = sibling_layouts(self.manager, ns.spec)
+        if siblings and len(self.manager.namespaces) > known:
+            log.warning(
+                "namespace %s of model %r differs from %d other namespace(s) only in its "
+                "layout (%r vs %s): their clients never share a block (hash seed or page format)",
+                ns.namespace_id,
+                ns.spec.model,
+                len(siblings),
+                ns.spec.layout,
+                ", ".join(repr(x) for x in siblings),
+            )
+        return pb.DeclareNamespaceResponse(
+            namespace_id=ns.namespace_id, block_bytes=ns.block_bytes, sibling_layouts=siblings
+        )
 
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def run() -> Any:
@@ -271,6 +327,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
             loaded_blocks=c.loaded_blocks,
             demoted_blocks=c.demoted_blocks,
             promoted_blocks=c.promoted_blocks,
+            peer=[
+                pb.PeerTransportStats(transport=t, **dataclasses.asdict(p))
+                for t, p in (self.peer_counters.by_transport.items() if self.peer_counters else ())
+                if t != "unknown" or dataclasses.astuple(p) != dataclasses.astuple(type(p)())
+            ],
         )
 
     async def PutInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -30,16 +30,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.hashes import block_hash_stride
+from connectors.vllm.hashes import block_hash_stride, hash_seed_fingerprint
 from connectors.vllm.metadata import StepPlan
 from connectors.vllm.namespace import EngineLayout, dtype_name
 from connectors.vllm.scheduler import NewRequest, RunningRequest, SchedulerSide
 from connectors.vllm.session import DaemonSession
+from connectors.vllm.stats import Deltas, KVStoreConnectorStats, KVStorePromMetrics
 from connectors.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -92,6 +97,46 @@ def _check_version() -> None:
     )
 
 
+def _log_through_vllm() -> None:
+    """Send the connector's and kvstore's log records to vLLM's handler, at vLLM's level.
+
+    vLLM configures only its own "vllm" logger (propagation off); records of other
+    loggers reach Python's last-resort handler, which prints WARNING and above, so
+    the connector's INFO lines were lost. A logger someone configured is left alone,
+    and so is everything when vLLM's logging is off (VLLM_CONFIGURE_LOGGING=0).
+    """
+    source = logging.getLogger("vllm")
+    if not source.handlers:
+        return
+    for name in ("connectors.vllm", "kvstore"):
+        target = logging.getLogger(name)
+        if target.handlers:
+            continue
+        for handler in source.handlers:
+            target.addHandler(handler)
+        target.setLevel(source.level)
+        target.propagate = False
+
+
+def _hash_seed(vllm_config: VllmConfig) -> str:
+    """This engine's hash-seed fingerprint (connectors.vllm.hashes), warned about when
+    it cannot match any other engine's."""
+    from vllm.v1.core.kv_cache_utils import DEFAULT_NONE_HASH_SEED
+
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    fingerprint = hash_seed_fingerprint(
+        algo, os.environ.get("PYTHONHASHSEED"), DEFAULT_NONE_HASH_SEED
+    )
+    if fingerprint.endswith(":random"):
+        logger.warning(
+            "KVStoreConnector: prefix_caching_hash_algo=%s without PYTHONHASHSEED seeds block "
+            "hashes randomly per process: blocks this engine stores are NEVER reused by another "
+            "engine or after a restart; set PYTHONHASHSEED to one value on every engine",
+            algo,
+        )
+    return fingerprint
+
+
 def engine_layout(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: ConnectorConfig
 ) -> EngineLayout:
@@ -125,6 +170,7 @@ def engine_layout(
         page_layout=page_layout,
         tp_world_size=parallel.tensor_parallel_size,
         pp_world_size=parallel.pipeline_parallel_size,
+        hash_seed=_hash_seed(vllm_config),
     )
 
 
@@ -137,6 +183,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _log_through_vllm()
         _check_version()
         extra = self._kv_transfer_config.kv_connector_extra_config
         config = ConnectorConfig.from_extra(extra)
@@ -160,6 +207,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         self._time_ns = 0  # wall time spent inside the connector's hooks
         self._steps = 0
+        self._deltas = Deltas()  # what get_kv_connector_stats reported so far
         if role == KVConnectorRole.SCHEDULER:
             hash_block_size = kv_cache_config.hash_block_size or layout.block_size_tokens
             self._scheduler = SchedulerSide(
@@ -287,6 +335,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         return False, None
 
     # ------------------------------------------------------------ observability
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this side's counters gained since vLLM last asked (once per step)."""
+        return self._deltas.take(self.counters())
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters of this side (and of its daemon link)."""

@@ -13,11 +13,34 @@ each digest is converted once however often the scheduler asks.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvstore.hashing import to_int_hashes
+
+# vLLM's non-cryptographic prefix hashes: without PYTHONHASHSEED each process
+# draws a random seed for them (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed).
+RANDOM_SEED_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def hash_seed_fingerprint(algo: str, pythonhashseed: str | None, default_seed: str) -> str:
+    """``<algo>:<12 hex>`` naming what vLLM seeds NONE_HASH (the first block's parent)
+    with, or ``<algo>:random`` when each process draws its own seed.
+
+    A one-way digest, never the seed or NONE_HASH: with xxhash a known seed
+    lets anyone precompute colliding blocks. Engines agree on every block hash
+    only if their fingerprints are equal. Every process of an engine computes
+    the same value (from the inherited environment and the engine config).
+    """
+    seed = pythonhashseed
+    if seed is None:
+        if algo in RANDOM_SEED_ALGOS:
+            return f"{algo}:random"
+        seed = default_seed
+    digest = hashlib.sha256(b"kvstore-vllm-none-hash-seed\0" + seed.encode()).hexdigest()
+    return f"{algo}:{digest[:12]}"
 
 
 def block_hash_stride(block_size: int, hash_block_size: int) -> int:

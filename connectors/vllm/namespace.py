@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvstore.namespace import NamespaceSpec
+from kvstore.namespace import NamespaceSpec, layout_with_hash_seed
 
 # The bytes of one stored block are every layer's pages of that block, layer
 # by layer in the model's order; within a layer, the engine's own page bytes
@@ -38,6 +38,7 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
     tp_world_size: int = 1
     pp_rank: int = 0
     pp_world_size: int = 1
+    hash_seed: str = ""  # connectors.vllm.hashes.hash_seed_fingerprint; "" = not told
 
     def for_rank(self, *, tp_rank: int, pp_rank: int) -> EngineLayout:
         return msgspec.structs.replace(self, tp_rank=tp_rank, pp_rank=pp_rank)
@@ -56,7 +57,9 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
             pp_rank=self.pp_rank,
             pp_world_size=self.pp_world_size,
             tenant=tenant or "",
-            layout=f"{BLOCK_FORMAT}/{self.page_layout}",
+            # Engines seeded differently get different namespaces (they could never
+            # share a block anyway), so the daemon sees and reports the mismatch.
+            layout=layout_with_hash_seed(f"{BLOCK_FORMAT}/{self.page_layout}", self.hash_seed),
         )
 
 

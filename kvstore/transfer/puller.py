@@ -88,6 +88,8 @@ class PullResult:
     verify_s: float = 0.0
     """Seconds of checksum work after the last byte landed (the rest overlaps the read)."""
     commit_s: float = 0.0
+    fetched_bytes: int = 0
+    """Bytes of the fetched blocks."""
 
 
 def checksums_of(region: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
@@ -143,6 +145,13 @@ class Puller:
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
         return peer_pb2_grpc.PeerServiceStub(self._channels.get(address))
+
+    def transport_to(self, address: str) -> str:
+        """The transport a pull from ``address`` uses (or would: the peer's is not known yet)."""
+        info = self._peers.get(address)
+        if info is not None:
+            return self._transport_for(info).kind
+        return self.nixl.kind if self.nixl is not None else self.stream.kind
 
     def _transport_for(self, info: PeerInfo) -> Transport:
         if info.transport == KIND_NIXL and self.nixl is not None:
@@ -265,6 +274,7 @@ class Puller:
             block_hashes=np.asarray(wanted, dtype="<u8").tobytes(),
             lease_ttl_s=min(timeout_s + PIN_TTL_MARGIN_S, MAX_PIN_TTL_S),
             requester_node_id=self.node_id,
+            transport=self._transport_for(info).kind,
         )
         try:
             return await self._stub(info.address).PinForPull(
@@ -394,6 +404,7 @@ class Puller:
             transfer_s=transfer_s,
             verify_s=verify_s,
             commit_s=time.monotonic() - started,
+            fetched_bytes=len(verified) * block_bytes,
         )
 
     def _schedule_release(self, info: PeerInfo, lease_id: int) -> None:

@@ -32,16 +32,18 @@ class GetAgentMetadataResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region_base: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
 
 class PinForPullRequest(_message.Message):
-    __slots__ = ("spec", "block_hashes", "lease_ttl_s", "requester_node_id")
+    __slots__ = ("spec", "block_hashes", "lease_ttl_s", "requester_node_id", "transport")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     spec: _store_pb2.NamespaceSpec
     block_hashes: bytes
     lease_ttl_s: float
     requester_node_id: str
-    def __init__(self, spec: _Optional[_Union[_store_pb2.NamespaceSpec, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., requester_node_id: _Optional[str] = ...) -> None: ...
+    transport: str
+    def __init__(self, spec: _Optional[_Union[_store_pb2.NamespaceSpec, _Mapping]] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., requester_node_id: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class PinForPullResponse(_message.Message):
     __slots__ = ("lease_id", "found_blocks", "offsets", "block_bytes", "checksums", "incarnation", "lease_ttl_s")

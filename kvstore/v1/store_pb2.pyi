@@ -64,7 +64,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path")
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "socket_path", "tcp_address", "metrics_address", "events_publish_address", "events_replay_address", "peer_transport")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,12 @@ class HelloResponse(_message.Message):
     GPU_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GPU_REGION_PATH_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    TCP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_PUBLISH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_REPLAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     region_path: str
@@ -89,7 +95,13 @@ class HelloResponse(_message.Message):
     gpu_pool_bytes: int
     gpu_ipc_handle: bytes
     gpu_region_path: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ...) -> None: ...
+    socket_path: str
+    tcp_address: str
+    metrics_address: str
+    events_publish_address: str
+    events_replay_address: str
+    peer_transport: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., socket_path: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., events_publish_address: _Optional[str] = ..., events_replay_address: _Optional[str] = ..., peer_transport: _Optional[str] = ...) -> None: ...
 
 class DeclareNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -98,12 +110,14 @@ class DeclareNamespaceRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class DeclareNamespaceResponse(_message.Message):
-    __slots__ = ("namespace_id", "block_bytes")
+    __slots__ = ("namespace_id", "block_bytes", "sibling_layouts")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SIBLING_LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_bytes: int
-    def __init__(self, namespace_id: _Optional[str] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    sibling_layouts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, namespace_id: _Optional[str] = ..., block_bytes: _Optional[int] = ..., sibling_layouts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrepareStoreRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "lease_ttl_s", "tier")
@@ -266,7 +280,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks")
+    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks", "peer")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +294,7 @@ class StatsResponse(_message.Message):
     LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -293,7 +308,34 @@ class StatsResponse(_message.Message):
     loaded_blocks: int
     demoted_blocks: int
     promoted_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ...) -> None: ...
+    peer: _containers.RepeatedCompositeFieldContainer[PeerTransportStats]
+    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., peer: _Optional[_Iterable[_Union[PeerTransportStats, _Mapping]]] = ...) -> None: ...
+
+class PeerTransportStats(_message.Message):
+    __slots__ = ("transport", "pulls", "pull_failures", "fetched_blocks", "fetched_bytes", "checksum_failed_blocks", "pull_s", "serve_pins", "serve_failures", "served_blocks", "served_bytes")
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PULL_S_FIELD_NUMBER: _ClassVar[int]
+    SERVE_PINS_FIELD_NUMBER: _ClassVar[int]
+    SERVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    transport: str
+    pulls: int
+    pull_failures: int
+    fetched_blocks: int
+    fetched_bytes: int
+    checksum_failed_blocks: int
+    pull_s: float
+    serve_pins: int
+    serve_failures: int
+    served_blocks: int
+    served_bytes: int
+    def __init__(self, transport: _Optional[str] = ..., pulls: _Optional[int] = ..., pull_failures: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., checksum_failed_blocks: _Optional[int] = ..., pull_s: _Optional[float] = ..., serve_pins: _Optional[int] = ..., serve_failures: _Optional[int] = ..., served_blocks: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
 
 class PutInlineRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "data")

@@ -312,7 +312,9 @@ def test_daemon_refuses_a_malformed_notify_socket(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (apt: prometheus)")
 def test_live_metrics_pass_promtool_and_cover_the_dashboard(tmp_path: Path) -> None:
-    with DaemonProcess(tmp_path / "d", metrics=True) as daemon:
+    # Peers on (no NIXL needed): the dashboard's peer-transfer row queries them.
+    peers = {"peer.enabled": True, "peer.secret": "test-only", "peer.transport": "grpc_stream"}
+    with DaemonProcess(tmp_path / "d", metrics=True, settings=peers) as daemon:
         block_bytes = 4096
         spec = NamespaceSpec(
             model="tiny",

@@ -10,8 +10,11 @@ import importlib.util
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -337,6 +340,10 @@ def test_grpc_stream_fallback_moves_exact_bytes(peer_daemon, side: str) -> None:
     assert (r.fetched_blocks, r.transport) == (40, "grpc_stream")
     assert_holds(b, hashes, block)
     assert no_leases_soon(a)
+    # Counted under the transport the bytes took, on both sides.
+    assert peer_stats(b)["grpc_stream"]["fetched_blocks"] == 40
+    assert peer_stats(a)["grpc_stream"]["served_blocks"] == 40
+    assert "fetched_blocks" not in peer_stats(b)["nixl"]
     fallback_log = (b if side == "puller" else a).log_path.read_text()
     assert "grpc_stream" in fallback_log
 
@@ -525,3 +532,94 @@ def test_pull_of_blocks_the_owner_holds_in_its_gpu_tier(peer_daemon) -> None:  #
     with Client(a.address) as c:
         assert c.lookup(ns, hashes).by_tier == {"dram": 16}
     assert no_leases_soon(a)
+
+
+def scrape(d: DaemonProcess) -> dict[tuple[str, str], float]:
+    """(sample name, transport label) -> value of d's kvstore_peer_* samples on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, s.labels.get("transport", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("kvstore_peer_")
+    }
+
+
+def peer_stats(d: DaemonProcess) -> dict[str, dict[str, float]]:
+    with Client(d.address, map_region=False) as c:
+        return {
+            p.transport: {f.name: v for f, v in p.ListFields() if f.name != "transport"}
+            for p in c.stats().peer
+        }
+
+
+def test_pull_counters_on_both_daemons_metrics_and_stats(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    metrics = {"metrics.address": "127.0.0.1:0"}
+    a, b = peer_daemon("node-a", extra=metrics), peer_daemon("node-b", extra=metrics)
+    block = 64 << 10
+    hashes = list(range(100, 164))
+    ns_a = put(a, hashes, block)
+    ns_b = put(b, [], block)
+    assert fetch(b, ns_b.namespace_id, hashes, a).fetched_blocks == 64  # pull 1: 64 blocks
+    # Pull 2 re-fetches the last 24 blocks after A's copy of block 140 went bad
+    # (A hashed it at the first pin and serves that checksum): 23 land, 1 is dropped.
+    with Client(b.address) as cb:
+        assert cb.delete(ns_b, hashes[40:]) == (24, 0)
+    with Client(a.address) as ca:
+        h = ca.prepare_load(ns_a, hashes[:41])
+        off = int(h.offsets[40])
+        ca.region[off : off + block] ^= 0xFF
+        ca.release(h)
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.corrupt_blocks, r.prefix_blocks) == (23, 1, 40)
+    # Pull 3 fails: nobody listens there.
+    with pytest.raises(grpc.RpcError) as err, grpc.insecure_channel(b.address) as channel:
+        peer_pb2_grpc.PeerFetchServiceStub(channel).FetchFromPeer(
+            peer_pb2.FetchFromPeerRequest(
+                namespace_id=ns_b.namespace_id,
+                block_hashes=np.asarray(hashes, dtype="<u8").tobytes(),
+                peer_address=f"127.0.0.1:{free_port()}",
+            ),
+            timeout=30,
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    pulled = {
+        "pulls": 3,
+        "pull_failures": 1,
+        "fetched_blocks": 64 + 23,
+        "fetched_bytes": (64 + 23) * block,
+        "checksum_failed_blocks": 1,
+    }
+    served = {"serve_pins": 2, "served_blocks": 64 + 24, "served_bytes": (64 + 24) * block}
+    sb, sa = peer_stats(b), peer_stats(a)
+    assert sb["nixl"].pop("pull_s") > 0
+    assert sb == {"nixl": pulled, "grpc_stream": {}}
+    assert sa == {"nixl": served, "grpc_stream": {}}
+
+    mb, ma = scrape(b), scrape(a)
+    for name, value in pulled.items():
+        metric = f"kvstore_peer_{name}_total"
+        assert mb[(metric, "nixl")] == value, metric
+        assert ma[(metric, "nixl")] == 0, metric
+        assert mb[(metric, "grpc_stream")] == 0, metric
+    for name, value in served.items():
+        metric = f"kvstore_peer_{name}_total"
+        assert ma[(metric, "nixl")] == value, metric
+        assert mb[(metric, "nixl")] == 0, metric
+    assert mb[("kvstore_peer_pull_duration_seconds_count", "nixl")] == 3
+    assert ma[("kvstore_peer_serve_pin_duration_seconds_count", "nixl")] == 2
+    assert mb[("kvstore_peer_serve_pin_duration_seconds_count", "nixl")] == 0
+    # `kvstore status` shows them too.
+    status = subprocess.run(
+        [sys.executable, "-m", "kvstore", "status", "--address", b.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert "peer transfer over nixl:" in status, status
+    assert "pulled 87 blocks (5.4 MiB) in 3 pulls, 1 failed, 1 bad checksums" in status, status
