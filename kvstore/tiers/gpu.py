@@ -24,6 +24,7 @@ Primitives:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -34,6 +35,8 @@ from kvstore.tiers.dram import SlabAllocator, slot_bytes_for
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class GpuPoolHandle(msgspec.Struct, frozen=True, kw_only=True):
@@ -102,6 +105,7 @@ class GpuTier:
             raise ConfigError("gpu tier: capacity_bytes must be at least chunk_bytes")
         self.allocator = SlabAllocator(capacity_bytes, chunk_bytes)
         self.capacity_bytes = self.allocator.capacity_bytes
+        self._handle: GpuPoolHandle | None = None  # exported once, on first ask
         if pool is not None:
             if pool.dtype != torch.uint8 or pool.numel() < self.capacity_bytes:
                 raise ConfigError(f"gpu tier: the pool must be >= {self.capacity_bytes} uint8")
@@ -157,9 +161,28 @@ class GpuTier:
             torch.cuda.synchronize(self.device)
 
     def export_handle(self) -> GpuPoolHandle:
-        """A CUDA IPC handle for the whole pool, for an engine process on this node."""
+        """A CUDA IPC handle for the whole pool, for an engine process on this node.
+
+        Exported once and cached: every ``_share_cuda_`` call wraps the storage in
+        one more reference-counted layer with a new counter slot, and Hello (which
+        hands this out) runs once per client connection.
+        """
         if self.device.type != "cuda":
             raise BackendError(f"gpu tier on {self.device}: IPC export needs a CUDA pool")
+        if self._handle is None:
+            try:
+                self._handle = self._export()
+            except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+                raise BackendError(
+                    f"gpu tier on {self.device}: CUDA IPC export of the pool failed "
+                    f"(torch {torch_version()}): {exc}"
+                ) from exc
+        return self._handle
+
+    def _export(self) -> GpuPoolHandle:
+        # torch.multiprocessing's own path for every CUDA tensor it sends (private but
+        # stable): it adds the producer-side reference count that keeps the pool's
+        # memory alive while an engine maps it, and the event a consumer waits on.
         storage = self.pool.untyped_storage()
         (
             device_index,
@@ -185,11 +208,39 @@ class GpuTier:
         )
 
 
-def open_handle(handle: GpuPoolHandle) -> torch.Tensor:
-    """Map a daemon's GPU pool in this (engine) process: a uint8 tensor on its device."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+def torch_version() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "absent"
+    return f"{torch.__version__}, CUDA {torch.version.cuda}"
 
+
+def open_handle(handle: GpuPoolHandle) -> torch.Tensor:
+    """Map a daemon's GPU pool in this (engine) process: a uint8 tensor on its device.
+
+    Must run in another process than the daemon's (CUDA refuses to open an IPC
+    handle in the process that exported it)."""
+    try:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    except ImportError as exc:
+        raise BackendError(f"mapping the daemon's GPU pool needs torch with CUDA: {exc}") from None
+    if not torch.cuda.is_available():
+        raise BackendError(
+            f"the daemon's GPU pool is on cuda:{handle.device_index}, "
+            f"but this process sees no CUDA device (torch {torch_version()})"
+        )
+    try:
+        return _rebuild(handle, torch, rebuild_cuda_tensor)
+    except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        raise BackendError(
+            f"cannot map the daemon's GPU pool on cuda:{handle.device_index} through CUDA IPC "
+            f"(torch {torch_version()}): {exc}"
+        ) from exc
+
+
+def _rebuild(handle: GpuPoolHandle, torch: Any, rebuild_cuda_tensor: Any) -> torch.Tensor:
     return rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([handle.nbytes]),
@@ -213,14 +264,63 @@ def pin_host_memory(array: np.ndarray) -> bool:
     """Page-lock a host buffer (the DRAM region) so copies to and from HBM are DMA.
 
     Best effort: False when CUDA is absent or registration fails; copies then
-    stage through pageable memory, slower but correct.
+    stage through pageable memory, slower but correct. torch's binding of
+    cudaHostRegister first, cupy's where torch lacks it.
     """
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-    except (ImportError, RuntimeError, AttributeError):
+    except ImportError:
         return False
-    return int(rc) == 0
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0))
+    except (AttributeError, TypeError, RuntimeError):
+        return _cupy_host_register(array)
+    if rc != 0:
+        log.warning(
+            "cudaHostRegister of %d bytes failed (error %d): copies stage through pageable memory",
+            array.nbytes,
+            rc,
+        )
+        _clear_cuda_error(torch)
+    return rc == 0
+
+
+def unpin_host_memory(array: np.ndarray) -> None:
+    """Undo ``pin_host_memory`` (before the buffer is unmapped)."""
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        try:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(array.ctypes.data)
+        except Exception:  # best effort, like the registration
+            pass
+
+
+def _cupy_host_register(array: np.ndarray) -> bool:
+    try:
+        import cupy
+
+        cupy.cuda.runtime.hostRegister(array.ctypes.data, array.nbytes, 0)
+    except Exception as exc:  # ImportError, or cupy's CUDARuntimeError
+        log.warning("page-locking the region failed (torch has no cudaHostRegister): %s", exc)
+        return False
+    return True
+
+
+def _clear_cuda_error(torch: Any) -> None:
+    """Consume the error a failed cudaHostRegister leaves in cudaGetLastError.
+
+    Otherwise the next kernel launch of any torch op in this process reports it
+    as its own failure. A tiny kernel launch reads (and so clears) it here."""
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        log.debug("cleared a pending CUDA error: %s", exc)
