@@ -218,8 +218,10 @@ def _ipc_put_get(device: str, nbytes: int, block: int, repeats: int) -> list[Fig
                     found = c.get(ns, hashes, out, tier="gpu").found
                     gets.append(time.perf_counter() - t0)
                     assert found == n, f"{found} of {n} blocks came back"
+                    # The get's lease is released in the background: a delete before
+                    # it lands would leave the blocks present (doomed) for the next put.
+                    c.flush_releases()
                     c.delete(ns, hashes)
-                c.flush_releases()
                 if not torch.equal(out, src):
                     raise AssertionError("the blocks read back differ from those written")
                 pool_kind = type(pool).__module__.split(".")[0]

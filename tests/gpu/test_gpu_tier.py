@@ -22,21 +22,26 @@ pytestmark = [
 CHUNK = 64 * 1024 * 1024
 
 
-def _engine(handle_bytes: bytes, offset: int, nbytes: int, queue) -> None:  # runs in a child
+def _engine(handle_bytes: bytes, offset: int, nbytes: int, queue, via) -> None:  # in a child
     import msgspec
     import torch
 
     from kvstore.tiers.gpu import GpuPoolHandle, open_handle
 
-    pool = open_handle(msgspec.msgpack.decode(handle_bytes, type=GpuPoolHandle))
+    pool = open_handle(msgspec.msgpack.decode(handle_bytes, type=GpuPoolHandle), via=via)
     seen = int(pool[offset : offset + nbytes].to(torch.int64).sum().item())
     pool[offset : offset + nbytes] = 7  # the engine writes a block device to device
     torch.cuda.synchronize()
     queue.put(seen)
 
 
-def test_engine_maps_the_pool_through_ipc():
+@pytest.mark.parametrize("via", [("torch",), ("cupy",)])
+def test_engine_maps_the_pool_through_ipc(via):
+    """Either export of the pool maps it in another process, bytes both ways."""
     import msgspec
+
+    if via == ("cupy",):
+        pytest.importorskip("cupy")
 
     from kvstore.tiers.gpu import GpuTier
 
@@ -46,10 +51,13 @@ def test_engine_maps_the_pool_through_ipc():
     block = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
     tier.copy_in(offset, block)
     tier.synchronize()
-    handle = msgspec.msgpack.encode(tier.export_handle())
+    exported = tier.export_handle()
+    assert exported.storage_handle and exported.cuda_ipc_handle  # both exports made
+    assert tier.export_handle() is exported  # once: Hello hands out the same handle
+    handle = msgspec.msgpack.encode(exported)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_engine, args=(handle, offset, 1 << 20, queue))
+    proc = ctx.Process(target=_engine, args=(handle, offset, 1 << 20, queue, via))
     proc.start()
     seen = queue.get(timeout=120)
     proc.join(timeout=60)
