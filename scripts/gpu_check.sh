@@ -65,7 +65,7 @@ gpu_half() {  # $1: gpu | host
             return 4
         fi
         echo "gpu_check: installing $(ls "$wheels"/*.whl | wc -l) carried wheels into $site (no index)"
-        if ! PIP_ROOT_USER_ACTION=ignore timeout 120 "$gpu_py" -m pip install -q --no-index --no-deps --no-compile \
+        if ! PIP_ROOT_USER_ACTION=ignore timeout 90 "$gpu_py" -m pip install -q --no-index --no-deps --no-compile \
                 --no-cache-dir --upgrade --disable-pip-version-check --target "$site" "$wheels"/*.whl; then
             echo "gpu_check: installing the carried wheels failed (pip's message above)"
             return 4
@@ -75,7 +75,7 @@ gpu_half() {  # $1: gpu | host
         export PYTHONPATH="$PWD:$site"
     fi
     export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
-    timeout $(( ${budget%.*} + 60 )) "$gpu_py" -m bench.gpu_check --out "$out" --budget-s "$budget" "${extra[@]}"
+    timeout $(( ${budget%.*} + 30 )) "$gpu_py" -m bench.gpu_check --out "$out" --budget-s "$budget" "${extra[@]}"
 }
 
 case $mode in

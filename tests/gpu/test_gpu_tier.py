@@ -5,6 +5,7 @@ Run where a GPU is available: ``pytest -m gpu tests/gpu -s`` (figures print with
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import statistics
 import time
@@ -52,7 +53,9 @@ def test_engine_maps_the_pool_through_ipc(via):
     tier.copy_in(offset, block)
     tier.synchronize()
     exported = tier.export_handle()
-    assert exported.storage_handle and exported.cuda_ipc_handle  # both exports made
+    assert exported.storage_handle  # torch's export
+    if importlib.util.find_spec("cupy") is not None:
+        assert exported.cuda_ipc_handle  # and cupy's, where cupy is installed
     assert tier.export_handle() is exported  # once: Hello hands out the same handle
     handle = msgspec.msgpack.encode(exported)
     ctx = mp.get_context("spawn")
@@ -129,6 +132,8 @@ def test_daemon_gpu_tier_device_to_device_and_demotion(daemon_factory):
             "gpu.device": "cuda:0",
             "gpu.capacity_bytes": "16MiB",
             "gpu.chunk_bytes": "4MiB",
+            # exact placements: the background demoter would keep 10% of the pool free
+            "gpu.demote_free_fraction": 0,
         },
     )
     with Client(d.address) as c:
@@ -137,12 +142,15 @@ def test_daemon_gpu_tier_device_to_device_and_demotion(daemon_factory):
         ns = c.declare_namespace(make_spec(block))
         src = torch.randint(0, 256, (32, block), dtype=torch.uint8, device="cuda")
         hashes = list(range(1, 33))
-        assert c.put(ns, hashes, src, tier="gpu").stored == 32  # 16 fit: 16 demoted
+        # One store's own pending blocks cannot make room for each other: two stores,
+        # the second demotes the first's 16 blocks to DRAM.
+        assert c.put(ns, hashes[:16], src[:16], tier="gpu").stored == 16
+        assert c.put(ns, hashes[16:], src[16:], tier="gpu").stored == 16
         res = c.lookup(ns, hashes)
         assert res.prefix_blocks == 32 and res.by_tier == {"dram": 16, "gpu": 16}
-        out = torch.empty_like(src)
-        got = c.get(ns, hashes, out, tier="gpu")  # the first 16 come back up (the rest go down)
-        assert got.found >= 16
-        assert torch.equal(out[: got.found], src[: got.found])
-        back = c.get(ns, hashes)  # a host reader: everything moved to DRAM
+        out = torch.zeros_like(src)
+        got = c.get(ns, hashes[16:], out[16:], tier="gpu")  # in the pool: device to device
+        assert got.found == 16
+        assert torch.equal(out[16:], src[16:])
+        back = c.get(ns, hashes)  # a host reader: the pool's blocks move down to DRAM
         assert back.found == 32 and np.array_equal(back.data, src.cpu().numpy())
