@@ -27,9 +27,6 @@ def _env(**extra: str) -> dict[str, str]:
     env["PYTHON"] = sys.executable
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CI machine with a GPU still runs the dry run
     env.pop("OUT", None)
-    # Not daemon config: the bench's daemon would refuse to start on a tree whose
-    # kvstore/config.py predates the fix that lists it (5c31ea8 on main).
-    env.pop("KVSTORE_TEST_RUN", None)
     env.update(extra)
     return env
 
