@@ -75,7 +75,7 @@ gpu_half() {  # $1: gpu | host
         export PYTHONPATH="$PWD:$site"
     fi
     export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
-    timeout $(( ${budget%.*} + 30 )) "$gpu_py" -m bench.gpu_check --out "$out" --budget-s "$budget" "${extra[@]}"
+    timeout $(( ${budget%.*} + 30 )) "$gpu_py" -m bench.gpu_check --out "$out" --budget-s "$budget" ${extra[@]+"${extra[@]}"}
 }
 
 case $mode in
