@@ -5,6 +5,7 @@ a wheel folder, against the 64 MiB that travels to the GPU machine."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -14,8 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import gpu_wheels  # noqa: E402
+# scripts/ is no package: load the module by path rather than put scripts/ on sys.path.
+_spec = importlib.util.spec_from_file_location("gpu_wheels", ROOT / "scripts" / "gpu_wheels.py")
+assert _spec is not None and _spec.loader is not None
+gpu_wheels = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_wheels"] = gpu_wheels  # its dataclasses look their module up there
+_spec.loader.exec_module(gpu_wheels)
 
 MiB = 1 << 20
 
