@@ -138,3 +138,26 @@ def env_python(venv: str) -> str | None:
         return override
     path = repo_root() / f".venv-{venv}" / "bin" / "python"
     return str(path) if path.exists() else None
+
+
+class Figure(msgspec.Struct, kw_only=True):
+    """One row of a summary table: a measured value, its reference from the same run,
+    and the goal on their ratio (value / reference, or reference / time for times)."""
+
+    figure: str
+    value: float | None  # None: not measured (``note`` says why)
+    unit: str
+    reference: float | None = None
+    reference_what: str = ""
+    ratio: float | None = None
+    goal: float | None = None  # the ratio is good at or above this
+    note: str = ""
+
+
+def write_figures(path: str | os.PathLike[str] | None, figures: Sequence[Figure]) -> None:
+    """Append figures as JSON lines (the form scripts/gpu_check.sh collects)."""
+    if not path:
+        return
+    with open(path, "ab") as f:
+        for fig in figures:
+            f.write(msgspec.json.encode(fig) + b"\n")

@@ -697,6 +697,9 @@ class Client:
         import torch
 
         space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
+        if _is_cuda(out) and not out.is_contiguous():
+            # reshape would copy it, and the blocks would land in the copy, not in `out`
+            raise errors.InvalidRequest("a CUDA `out` tensor must be contiguous")
         handle = self.prepare_load(ns, hashes, tier=tier)
         result: Any = None
         try:

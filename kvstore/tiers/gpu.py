@@ -24,6 +24,7 @@ Primitives:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -35,24 +36,34 @@ from kvstore.tiers.dram import SlabAllocator, slot_bytes_for
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger(__name__)
+
 
 class GpuPoolHandle(msgspec.Struct, frozen=True, kw_only=True):
     """What an engine on this node needs to map the pool (CUDA IPC), wire-safe.
 
-    The fields are those of ``torch.UntypedStorage._share_cuda_()``; the
-    producer's reference counter keeps the pool alive while any consumer maps it.
+    Two exports of the same memory, so an engine maps it with whichever works
+    there (``open_handle`` tries them in order):
+
+    - torch's (``torch.UntypedStorage._share_cuda_()``'s fields): the producer's
+      reference counter keeps the pool alive while any consumer maps it;
+    - cupy's public ``cudaIpcGetMemHandle`` of the allocation holding the pool,
+      and the pool's offset in it: for an engine where torch's private API changed.
+    An empty handle means that export was not possible in the daemon.
     """
 
     device_index: int
     nbytes: int
-    storage_handle: bytes
-    storage_size_bytes: int
-    storage_offset_bytes: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-    tensor_offset: int
+    storage_handle: bytes = b""
+    storage_size_bytes: int = 0
+    storage_offset_bytes: int = 0
+    ref_counter_handle: bytes = b""
+    ref_counter_offset: int = 0
+    event_handle: bytes = b""
+    event_sync_required: bool = False
+    tensor_offset: int = 0
+    cuda_ipc_handle: bytes = b""
+    cuda_ipc_offset_bytes: int = 0
 
 
 def _as_tensor(data: Any) -> torch.Tensor:
@@ -102,6 +113,7 @@ class GpuTier:
             raise ConfigError("gpu tier: capacity_bytes must be at least chunk_bytes")
         self.allocator = SlabAllocator(capacity_bytes, chunk_bytes)
         self.capacity_bytes = self.allocator.capacity_bytes
+        self._handle: GpuPoolHandle | None = None  # exported once, on first ask
         if pool is not None:
             if pool.dtype != torch.uint8 or pool.numel() < self.capacity_bytes:
                 raise ConfigError(f"gpu tier: the pool must be >= {self.capacity_bytes} uint8")
@@ -157,12 +169,50 @@ class GpuTier:
             torch.cuda.synchronize(self.device)
 
     def export_handle(self) -> GpuPoolHandle:
-        """A CUDA IPC handle for the whole pool, for an engine process on this node."""
+        """A CUDA IPC handle for the whole pool, for an engine process on this node.
+
+        Exported once and cached: every ``_share_cuda_`` call wraps the storage in
+        one more reference-counted layer with a new counter slot, and Hello (which
+        hands this out) runs once per client connection.
+        """
         if self.device.type != "cuda":
             raise BackendError(f"gpu tier on {self.device}: IPC export needs a CUDA pool")
+        if self._handle is None:
+            try:
+                self._handle = self._export()
+            except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+                raise BackendError(
+                    f"gpu tier on {self.device}: CUDA IPC export of the pool failed "
+                    f"(torch {torch_version()}): {exc}"
+                ) from exc
+        return self._handle
+
+    def _export(self) -> GpuPoolHandle:
+        fields: dict[str, Any] = {}
+        reasons = []
+        try:
+            fields.update(self._torch_export())
+        except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
+            reasons.append(f"torch: {exc}")
+        try:
+            fields.update(self._cupy_export())
+        except Exception as exc:  # ImportError, cupy's CUDARuntimeError, no segment found
+            reasons.append(f"cupy: {exc}")
+        if not fields:
+            raise RuntimeError("; ".join(reasons))
+        for reason in reasons:
+            log.info("gpu tier: one IPC export of the pool is not available (%s)", reason)
+        return GpuPoolHandle(
+            device_index=self.device.index or 0, nbytes=self.capacity_bytes, **fields
+        )
+
+    def _torch_export(self) -> dict[str, Any]:
+        # torch.multiprocessing's own path for every CUDA tensor it sends (private but
+        # stable): it adds the producer-side reference count that keeps the pool's
+        # memory alive while an engine maps it, and the event a consumer waits on.
         storage = self.pool.untyped_storage()
         (
-            device_index,
+            _device_index,
             handle,
             size_bytes,
             offset_bytes,
@@ -171,25 +221,94 @@ class GpuTier:
             event_handle,
             event_sync,
         ) = storage._share_cuda_()
-        return GpuPoolHandle(
-            device_index=int(device_index),
-            nbytes=self.capacity_bytes,
-            storage_handle=bytes(handle),
-            storage_size_bytes=int(size_bytes),
-            storage_offset_bytes=int(offset_bytes),
-            ref_counter_handle=bytes(ref_handle),
-            ref_counter_offset=int(ref_offset),
-            event_handle=bytes(event_handle) if event_handle else b"",
-            event_sync_required=bool(event_sync),
-            tensor_offset=int(self.pool.storage_offset()),
+        return {
+            "storage_handle": bytes(handle),
+            "storage_size_bytes": int(size_bytes),
+            "storage_offset_bytes": int(offset_bytes),
+            "ref_counter_handle": bytes(ref_handle),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": bytes(event_handle) if event_handle else b"",
+            "event_sync_required": bool(event_sync),
+            "tensor_offset": int(self.pool.storage_offset()),
+        }
+
+    def _cupy_export(self) -> dict[str, Any]:
+        # cudaIpcGetMemHandle names the whole cudaMalloc allocation holding the
+        # pointer and the importer gets that allocation's base: the pool's offset
+        # in it (from torch's allocator, a public API) travels with the handle.
+        import cupy
+        import torch
+
+        ptr = self.pool.data_ptr()
+        base = next(
+            (
+                int(seg["address"])
+                for seg in torch.cuda.memory_snapshot()
+                if seg["address"] <= ptr < seg["address"] + seg["total_size"]
+            ),
+            None,
         )
+        if base is None:
+            raise LookupError("the pool is in no segment of torch's allocator")
+        with cupy.cuda.Device(self.device.index or 0):
+            handle = cupy.cuda.runtime.ipcGetMemHandle(base)
+        return {"cuda_ipc_handle": bytes(handle), "cuda_ipc_offset_bytes": ptr - base}
 
 
-def open_handle(handle: GpuPoolHandle) -> torch.Tensor:
-    """Map a daemon's GPU pool in this (engine) process: a uint8 tensor on its device."""
-    import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+def torch_version() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "absent"
+    return f"{torch.__version__}, CUDA {torch.version.cuda}"
 
+
+def open_handle(handle: GpuPoolHandle, *, via: tuple[str, ...] = ("torch", "cupy")) -> torch.Tensor:
+    """Map a daemon's GPU pool in this (engine) process: a uint8 tensor on its device.
+
+    Tries the handle's exports in the order of ``via`` ("torch", "cupy"); a
+    ``BackendError`` names why each failed. Must run in another process than the
+    daemon's (CUDA refuses to open an IPC handle in the process that exported it)."""
+    try:
+        import torch
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    except ImportError as exc:
+        raise BackendError(f"mapping the daemon's GPU pool needs torch with CUDA: {exc}") from None
+    if not torch.cuda.is_available():
+        raise BackendError(
+            f"the daemon's GPU pool is on cuda:{handle.device_index}, "
+            f"but this process sees no CUDA device (torch {torch_version()})"
+        )
+    reasons = []
+    for api in via:
+        try:
+            if api == "torch" and handle.storage_handle:
+                return _rebuild(handle, torch, rebuild_cuda_tensor)
+            if api == "cupy" and handle.cuda_ipc_handle:
+                return _open_with_cupy(handle, torch)
+            reasons.append(f"{api}: the daemon sent no such export")
+        except Exception as exc:  # torch's RuntimeError, cupy's CUDARuntimeError, ImportError
+            reasons.append(f"{api}: {type(exc).__name__}: {exc}")
+    raise BackendError(
+        f"cannot map the daemon's GPU pool on cuda:{handle.device_index} through CUDA IPC "
+        f"(torch {torch_version()}): {'; '.join(reasons)}"
+    )
+
+
+def _open_with_cupy(handle: GpuPoolHandle, torch: Any) -> torch.Tensor:
+    import cupy
+
+    with cupy.cuda.Device(handle.device_index):
+        # Mapped until this process exits: one mapping per client, like torch's.
+        base = cupy.cuda.runtime.ipcOpenMemHandle(handle.cuda_ipc_handle)
+    mem = cupy.cuda.UnownedMemory(
+        base + handle.cuda_ipc_offset_bytes, handle.nbytes, None, handle.device_index
+    )
+    array = cupy.ndarray((handle.nbytes,), cupy.uint8, cupy.cuda.MemoryPointer(mem, 0))
+    return torch.from_dlpack(array)
+
+
+def _rebuild(handle: GpuPoolHandle, torch: Any, rebuild_cuda_tensor: Any) -> torch.Tensor:
     return rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size([handle.nbytes]),
@@ -213,14 +332,68 @@ def pin_host_memory(array: np.ndarray) -> bool:
     """Page-lock a host buffer (the DRAM region) so copies to and from HBM are DMA.
 
     Best effort: False when CUDA is absent or registration fails; copies then
-    stage through pageable memory, slower but correct.
+    stage through pageable memory, slower but correct. torch's binding of
+    cudaHostRegister first, cupy's where torch lacks it.
     """
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0)
-    except (ImportError, RuntimeError, AttributeError):
+    except ImportError:
         return False
-    return int(rc) == 0
+    try:
+        rc = int(torch.cuda.cudart().cudaHostRegister(array.ctypes.data, array.nbytes, 0))
+    except (AttributeError, AssertionError, TypeError, RuntimeError):
+        return _cupy_host_register(array)
+    if rc != 0:
+        log.warning(
+            "cudaHostRegister of %d bytes failed (error %d): copies stage through pageable memory",
+            array.nbytes,
+            rc,
+        )
+        _clear_cuda_error(torch)
+    return rc == 0
+
+
+def unpin_host_memory(array: np.ndarray) -> None:
+    """Undo ``pin_host_memory`` (before the buffer is unmapped)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+    except ImportError:
+        return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(array.ctypes.data)
+    except (AttributeError, AssertionError, TypeError, RuntimeError):
+        try:
+            import cupy
+
+            cupy.cuda.runtime.hostUnregister(array.ctypes.data)
+        except Exception:  # best effort, like the registration
+            pass
+
+
+def _cupy_host_register(array: np.ndarray) -> bool:
+    try:
+        import cupy
+
+        cupy.cuda.runtime.hostRegister(array.ctypes.data, array.nbytes, 0)
+    except Exception as exc:  # ImportError, or cupy's CUDARuntimeError
+        log.warning("page-locking the region failed (torch has no cudaHostRegister): %s", exc)
+        return False
+    return True
+
+
+def _clear_cuda_error(torch: Any) -> None:
+    """Consume the error a failed cudaHostRegister leaves in cudaGetLastError.
+
+    Otherwise the next kernel launch of any torch op in this process reports it
+    as its own failure. A tiny kernel launch reads (and so clears) it here."""
+    try:
+        torch.ones(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        log.debug("cleared a pending CUDA error: %s", exc)

@@ -1,6 +1,7 @@
 """The NIXL edge: one agent per daemon, one registered region, batched READs.
 
-The only module that imports NIXL (1.5.1, wheel ``nixl-cu12``). Facts it is
+The only module that imports NIXL (1.5.1, wheel ``nixl-cu12``, or ``nixl-cu13``
+on CUDA 13 machines: same API, module ``nixl_cu13``). Facts it is
 built on, measured on the project's machines (docs: environment.md):
 
 - UCX backend, progress thread off: the thread burns ~0.45 core per idle
@@ -48,10 +49,14 @@ _POLL_SLICE_S = 0.002
 _PUMP_IDLE_S = 0.02
 
 
+# The import names of NIXL's wheels: the meta-package, the CUDA 12 and CUDA 13 builds.
+NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
 def load_nixl() -> tuple[Any, Any]:
     """Import NIXL's Python API; ``BackendError`` with the reason when it cannot load."""
     errors = []
-    for module in ("nixl._api", "nixl_cu12._api"):
+    for module in NIXL_MODULES:
         try:
             mod = __import__(module, fromlist=["nixl_agent", "nixl_agent_config"])
             return mod.nixl_agent, mod.nixl_agent_config
@@ -81,6 +86,8 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._reg: Any = None
         self._region = (0, 0)
+        self._mem_type = "DRAM"
+        self._device_id = 0
         self._metadata: bytes | None = None
         self._peers: dict[str, bytes] = {}  # agent name -> digest of its metadata
         self._closed = False
@@ -92,18 +99,27 @@ class NixlAgent:
         """(base address, nbytes) of the registered region; (0, 0) if none."""
         return self._region
 
-    def register_region(self, addr: int, nbytes: int) -> None:
-        """Register the DRAM region peers read from and we read into. Once."""
+    def register_region(
+        self, addr: int, nbytes: int, *, mem_type: str = "DRAM", device_id: int = 0
+    ) -> None:
+        """Register the region peers read from and we read into. Once.
+
+        mem_type "DRAM" (host memory; device_id 0) or "VRAM" (CUDA memory of
+        device ``device_id``, e.g. a GPU pool)."""
         if self._reg is not None:
             raise StateConflict("a region is already registered with this NIXL agent")
         if addr <= 0 or nbytes <= 0:
             raise InvalidRequest(f"bad region ({addr:#x}, {nbytes})")
+        if mem_type not in ("DRAM", "VRAM") or device_id < 0:
+            raise InvalidRequest(f"mem_type must be DRAM or VRAM, device_id >= 0: {mem_type!r}")
         with self._lock:
             try:
-                self._reg = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+                self._reg = self._agent.register_memory([(addr, nbytes, device_id, "")], mem_type)
             except Exception as exc:
-                raise BackendError(f"NIXL register_memory: {exc}") from exc
+                raise BackendError(f"NIXL register_memory ({mem_type}): {exc}") from exc
             self._region = (addr, nbytes)
+            self._mem_type = mem_type
+            self._device_id = device_id
             self._metadata = None
 
     def deregister_region(self) -> None:
@@ -159,8 +175,18 @@ class NixlAgent:
                 log.debug("NIXL remove_remote_agent(%s): %s", name, exc)
 
     # transfers ---------------------------------------------------------------
-    def start_read(self, peer: str, remote_base: int, batch: ReadBatch) -> Any:
-        """Post one READ for the whole batch; return its handle."""
+    def start_read(
+        self,
+        peer: str,
+        remote_base: int,
+        batch: ReadBatch,
+        *,
+        remote_mem_type: str = "DRAM",
+        remote_device_id: int = 0,
+    ) -> Any:
+        """Post one READ for the whole batch; return its handle.
+
+        remote_mem_type / remote_device_id: how the peer registered its region."""
         if self._reg is None:
             raise StateConflict("no region registered")
         if peer not in self._peers:
@@ -170,12 +196,14 @@ class NixlAgent:
         remote = np.zeros((n, 3), dtype=np.uint64)
         local[:, 0] = batch.local_offsets + np.uint64(self._region[0])
         local[:, 1] = batch.sizes
+        local[:, 2] = self._device_id
         remote[:, 0] = batch.remote_offsets + np.uint64(remote_base)
         remote[:, 1] = batch.sizes
+        remote[:, 2] = remote_device_id
         with self._lock:
             try:
-                ldescs = self._agent.get_xfer_descs(local, "DRAM")
-                rdescs = self._agent.get_xfer_descs(remote, "DRAM")
+                ldescs = self._agent.get_xfer_descs(local, self._mem_type)
+                rdescs = self._agent.get_xfer_descs(remote, remote_mem_type)
                 handle = self._agent.initialize_xfer("READ", ldescs, rdescs, peer)
                 state = self._agent.transfer(handle)
             except Exception as exc:
@@ -219,8 +247,24 @@ class NixlAgent:
             raise
         self.release(handle)
 
-    def read(self, peer: str, remote_base: int, batch: ReadBatch, timeout_s: float) -> None:
-        self.wait(self.start_read(peer, remote_base, batch), timeout_s, peer)
+    def read(
+        self,
+        peer: str,
+        remote_base: int,
+        batch: ReadBatch,
+        timeout_s: float,
+        *,
+        remote_mem_type: str = "DRAM",
+        remote_device_id: int = 0,
+    ) -> None:
+        handle = self.start_read(
+            peer,
+            remote_base,
+            batch,
+            remote_mem_type=remote_mem_type,
+            remote_device_id=remote_device_id,
+        )
+        self.wait(handle, timeout_s, peer)
 
     def release(self, handle: Any) -> bool:
         """Free a transfer handle, cancelling it if still running. False if NIXL could not:

@@ -5,6 +5,7 @@ Run where a GPU is available: ``pytest -m gpu tests/gpu -s`` (figures print with
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import statistics
 import time
@@ -22,21 +23,26 @@ pytestmark = [
 CHUNK = 64 * 1024 * 1024
 
 
-def _engine(handle_bytes: bytes, offset: int, nbytes: int, queue) -> None:  # runs in a child
+def _engine(handle_bytes: bytes, offset: int, nbytes: int, queue, via) -> None:  # in a child
     import msgspec
     import torch
 
     from kvstore.tiers.gpu import GpuPoolHandle, open_handle
 
-    pool = open_handle(msgspec.msgpack.decode(handle_bytes, type=GpuPoolHandle))
+    pool = open_handle(msgspec.msgpack.decode(handle_bytes, type=GpuPoolHandle), via=via)
     seen = int(pool[offset : offset + nbytes].to(torch.int64).sum().item())
     pool[offset : offset + nbytes] = 7  # the engine writes a block device to device
     torch.cuda.synchronize()
     queue.put(seen)
 
 
-def test_engine_maps_the_pool_through_ipc():
+@pytest.mark.parametrize("via", [("torch",), ("cupy",)])
+def test_engine_maps_the_pool_through_ipc(via):
+    """Either export of the pool maps it in another process, bytes both ways."""
     import msgspec
+
+    if via == ("cupy",):
+        pytest.importorskip("cupy")
 
     from kvstore.tiers.gpu import GpuTier
 
@@ -46,10 +52,15 @@ def test_engine_maps_the_pool_through_ipc():
     block = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
     tier.copy_in(offset, block)
     tier.synchronize()
-    handle = msgspec.msgpack.encode(tier.export_handle())
+    exported = tier.export_handle()
+    assert exported.storage_handle  # torch's export
+    if importlib.util.find_spec("cupy") is not None:
+        assert exported.cuda_ipc_handle  # and cupy's, where cupy is installed
+    assert tier.export_handle() is exported  # once: Hello hands out the same handle
+    handle = msgspec.msgpack.encode(exported)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_engine, args=(handle, offset, 1 << 20, queue))
+    proc = ctx.Process(target=_engine, args=(handle, offset, 1 << 20, queue, via))
     proc.start()
     seen = queue.get(timeout=120)
     proc.join(timeout=60)
@@ -121,6 +132,8 @@ def test_daemon_gpu_tier_device_to_device_and_demotion(daemon_factory):
             "gpu.device": "cuda:0",
             "gpu.capacity_bytes": "16MiB",
             "gpu.chunk_bytes": "4MiB",
+            # exact placements: the background demoter would keep 10% of the pool free
+            "gpu.demote_free_fraction": 0,
         },
     )
     with Client(d.address) as c:
@@ -129,12 +142,15 @@ def test_daemon_gpu_tier_device_to_device_and_demotion(daemon_factory):
         ns = c.declare_namespace(make_spec(block))
         src = torch.randint(0, 256, (32, block), dtype=torch.uint8, device="cuda")
         hashes = list(range(1, 33))
-        assert c.put(ns, hashes, src, tier="gpu").stored == 32  # 16 fit: 16 demoted
+        # One store's own pending blocks cannot make room for each other: two stores,
+        # the second demotes the first's 16 blocks to DRAM.
+        assert c.put(ns, hashes[:16], src[:16], tier="gpu").stored == 16
+        assert c.put(ns, hashes[16:], src[16:], tier="gpu").stored == 16
         res = c.lookup(ns, hashes)
         assert res.prefix_blocks == 32 and res.by_tier == {"dram": 16, "gpu": 16}
-        out = torch.empty_like(src)
-        got = c.get(ns, hashes, out, tier="gpu")  # the first 16 come back up (the rest go down)
-        assert got.found >= 16
-        assert torch.equal(out[: got.found], src[: got.found])
-        back = c.get(ns, hashes)  # a host reader: everything moved to DRAM
+        out = torch.zeros_like(src)
+        got = c.get(ns, hashes[16:], out[16:], tier="gpu")  # in the pool: device to device
+        assert got.found == 16
+        assert torch.equal(out[16:], src[16:])
+        back = c.get(ns, hashes)  # a host reader: the pool's blocks move down to DRAM
         assert back.found == 32 and np.array_equal(back.data, src.cpu().numpy())

@@ -76,3 +76,36 @@ def test_ipc_export_needs_cuda():
 def test_cuda_device_without_cuda_is_a_config_error():
     with pytest.raises(ConfigError, match="cuda"):
         GpuTier(CHUNK, CHUNK, "cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_mapping_a_cuda_pool_without_cuda_is_one_clear_error():
+    """A client without CUDA that meets a daemon's IPC handle gets a BackendError
+    naming the device, not a traceback from inside torch."""
+    from kvstore.tiers.gpu import GpuPoolHandle, open_handle
+
+    handle = GpuPoolHandle(
+        device_index=0,
+        nbytes=CHUNK,
+        storage_handle=b"\0" * 64,
+        storage_size_bytes=CHUNK,
+        storage_offset_bytes=0,
+        ref_counter_handle=b"/torch_0_0",
+        ref_counter_offset=0,
+        event_handle=b"",
+        event_sync_required=False,
+        tensor_offset=0,
+    )
+    with pytest.raises(BackendError, match=r"pool is on cuda:0, but this process sees no CUDA"):
+        open_handle(handle)
+
+
+def test_page_locking_without_cuda_declines():
+    from kvstore.tiers.gpu import pin_host_memory, unpin_host_memory
+
+    buf = np.zeros(1 << 20, dtype=np.uint8)
+    if torch.cuda.is_available():
+        assert pin_host_memory(buf)
+    else:
+        assert pin_host_memory(buf) is False
+    unpin_host_memory(buf)  # best effort either way: never raises
