@@ -14,15 +14,25 @@ commit_store, prepare_load / release) let connectors copy straight between the
 region and their own buffers.
 
 Errors come back as kvstore.errors classes, mapped from gRPC status codes.
+
+Leases are fenced by the client's own clock: a handle's ``deadline_s`` is the
+lease's granted lifetime counted from before the request was sent, less a
+margin, so it is never later than the daemon's expiry. put/get copy in bounded
+chunks and never start one past the deadline: a get whose copy overran reports
+those blocks as not found (their slots may have been reused), a put whose copy
+overran raises LeaseExpired and stores nothing. Two-phase callers do the same
+with ``handle.deadline_s`` (or ``Client.expired(handle)``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -47,6 +57,16 @@ DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
 # chunk while the client copies this one (see Client._get_pipelined).
 PIPELINE_CHUNK_BYTES = 64 * 1024 * 1024
 STORE_ALLOCATED = pb.STORE_ALLOCATED
+# A lease's deadline on this side is its lifetime less this (or a quarter of a
+# short lifetime): the commit still reaches the daemon in time, and a copy chunk
+# started just before the deadline ends well inside the daemon's quarantine.
+LEASE_MARGIN_S = 0.25
+# Copies run in pieces of at most this, the deadline checked between pieces: a
+# copy runs at most one piece past its deadline (<= 0.25 s even at 1 GB/s, well
+# inside the margin plus the daemon's quarantine). Not smaller: on these
+# machines glibc copies only big pieces with non-temporal stores, and 8-64 MiB
+# pieces of a long run copied ~40% slower than one memcpy (load ~7, 2 cores).
+COPY_CHUNK_BYTES = 256 * 1024 * 1024
 
 ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
@@ -63,6 +83,7 @@ ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
 # Finer classes recognised from the daemon's message, so callers can catch them.
 _NOT_FOUND_BY_PREFIX = (
     ("unknown namespace", errors.NamespaceNotFound),
+    ("lease expired", errors.LeaseExpired),
     ("lease", errors.LeaseNotFound),
 )
 
@@ -75,6 +96,7 @@ def error_from_rpc(exc: grpc.RpcError) -> errors.KVStoreError:
         for prefix, sub in _NOT_FOUND_BY_PREFIX:
             if (details or "").startswith(prefix):
                 cls = sub
+                break
     if cls is errors.InvalidRequest and "bytes of" in (details or "") and "need" in (details or ""):
         cls = errors.BlockSizeMismatch
     err = cls(f"{code.name}: {details}")
@@ -133,6 +155,8 @@ class StoreHandle:
     statuses: np.ndarray  # uint8, StoreStatus per requested block
     offsets: np.ndarray  # uint64 offsets into the tier's space (valid where ALLOCATED)
     tier: str = "dram"  # "dram": the region; "gpu": the GPU pool
+    # By the client's clock: writes into the slots must be done before this.
+    deadline_s: float = math.inf
 
     @property
     def allocated(self) -> np.ndarray:
@@ -148,6 +172,8 @@ class LoadHandle:
     offsets: np.ndarray  # uint64 offsets of the found prefix into the tier's space
     checksums: np.ndarray
     tier: str = "dram"
+    # By the client's clock: bytes read from the slots after this are not valid.
+    deadline_s: float = math.inf
 
 
 def _tier_name(tier: int) -> str:
@@ -186,11 +212,13 @@ class Client:
         map_region: bool = True,
         max_message_bytes: int = 64 * 1024 * 1024,
         secret: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
         )
         self.timeout_s = timeout_s
+        self._clock = clock  # monotonic, the daemon's rate: lease deadlines
         # Needed over TCP when the daemon has a cluster secret (see kvstore.auth).
         secret = secret if secret is not None else os.environ.get("KVSTORE_SECRET", "")
         self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else None
@@ -219,6 +247,17 @@ class Client:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
+
+    def _deadline(self, sent_s: float, granted_ttl_s: float, asked_ttl_s: float) -> float:
+        """This side's deadline of a lease asked for at ``sent_s`` (before the request)."""
+        ttl_s = granted_ttl_s or asked_ttl_s or self.info.default_lease_ttl_s
+        if not ttl_s:  # an old daemon with no default given: nothing to fence by
+            return math.inf
+        return sent_s + ttl_s - min(LEASE_MARGIN_S, ttl_s / 4)
+
+    def expired(self, handle: LoadHandle | StoreHandle) -> bool:
+        """Whether the lease's time is up by this client's clock (stop copying)."""
+        return self._clock() > handle.deadline_s
 
     @property
     def has_gpu_tier(self) -> bool:
@@ -360,6 +399,7 @@ class Client:
     ) -> StoreHandle:
         """Reserve slots in `tier` ("dram", or "gpu": offsets into gpu_pool())."""
         packed = pack_hashes(hashes)
+        sent_s = self._clock()
         reply = self._call(
             self._stub.PrepareStore,
             pb.PrepareStoreRequest(
@@ -376,6 +416,7 @@ class Client:
             np.frombuffer(reply.statuses, dtype=np.uint8),
             _u64(reply.offsets),
             _tier_name(reply.tier),
+            self._deadline(sent_s, reply.lease_ttl_s, lease_ttl_s),
         )
 
     def commit_store(
@@ -396,7 +437,14 @@ class Client:
             request.parent_block_hash = parent_block_hash
         if token_ids is not None:
             request.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
-        return int(self._call(self._stub.CommitStore, request).committed)
+        try:
+            return int(self._call(self._stub.CommitStore, request).committed)
+        except errors.LeaseExpired:
+            raise
+        except errors.LeaseNotFound as exc:
+            if self.expired(handle):  # ours ran out (and its quarantine too, or an old daemon)
+                raise errors.LeaseExpired(f"lease expired before the commit: {exc}") from None
+            raise
 
     def prepare_load(
         self,
@@ -410,6 +458,7 @@ class Client:
     ) -> LoadHandle:
         """Pin the longest present prefix (after pulling it from peer_hint, if given),
         moved into `tier` first ("gpu": offsets into gpu_pool())."""
+        sent_s = self._clock()
         reply = self._call(
             self._stub.PrepareLoad,
             pb.PrepareLoadRequest(
@@ -429,6 +478,7 @@ class Client:
             _u64(reply.offsets),
             _u64(reply.checksums),
             _tier_name(reply.tier) if reply.tier else "dram",
+            self._deadline(sent_s, reply.lease_ttl_s, lease_ttl_s),
         )
 
     def release(self, handle: LoadHandle | StoreHandle | int, *, wait: bool = True) -> None:
@@ -533,10 +583,21 @@ class Client:
         idx = handle.allocated
         if len(idx):
             try:
-                scatter(space, handle.offsets[idx], data, idx, ns.block_bytes)
+                written = scatter(
+                    space,
+                    handle.offsets[idx],
+                    data,
+                    idx,
+                    ns.block_bytes,
+                    deadline_s=handle.deadline_s,
+                    clock=self._clock,
+                )
             except BaseException:
                 self.release(handle, wait=False)  # abort: the slots go back
                 raise
+            if written < len(idx):
+                self.release(handle, wait=False)
+                raise _store_too_slow(handle, written, len(idx))
             self.commit_store(handle)
         return _put_result(handle, len(idx))
 
@@ -581,11 +642,20 @@ class Client:
         try:
             if out is None:
                 out = np.empty((handle.found, ns.block_bytes), dtype=np.uint8)
-            gather(space, handle.offsets, out, ns.block_bytes)
+            # Rows copied after the lease ran out may hold another block's bytes:
+            # only those copied in time count as found.
+            found = gather(
+                space,
+                handle.offsets,
+                out,
+                ns.block_bytes,
+                deadline_s=handle.deadline_s,
+                clock=self._clock,
+            )
         finally:
             # The pin only has to outlive the copy; don't wait for the answer.
             self.release(handle, wait=False)
-        return GetResult(handle.found, out[: handle.found])
+        return GetResult(found, out[:found])
 
     def _get_pipelined(
         self,
@@ -609,22 +679,25 @@ class Client:
         if out is None:
             out = np.empty((n, block_bytes), dtype=np.uint8)
 
-        def send(i: int) -> Any:
+        def send(i: int) -> tuple[Any, float]:
             s, e = chunks[i]
             request = pb.PrepareLoadRequest(
                 namespace_id=ns.namespace_id,
                 block_hashes=packed[s:e].tobytes(),
                 tier=_tier_value(tier),
             )
-            return self._stub.PrepareLoad.future(
+            sent_s = self._clock()
+            future = self._stub.PrepareLoad.future(
                 request, timeout=self.timeout_s, metadata=self._metadata
             )
+            return future, sent_s
 
         found = 0
-        pending = send(0)
+        pending: tuple[Any, float] | None = send(0)
         try:
             for i, (s, e) in enumerate(chunks):
-                future, pending = pending, None
+                assert pending is not None
+                (future, sent_s), pending = pending, None
                 try:
                     reply = future.result()
                 except grpc.RpcError as exc:
@@ -633,16 +706,23 @@ class Client:
                 if complete and i + 1 < len(chunks):
                     pending = send(i + 1)  # in flight while this chunk is copied
                 try:
-                    gather(space, _u64(reply.offsets), out[s:e], block_bytes)
+                    copied = gather(
+                        space,
+                        _u64(reply.offsets),
+                        out[s:e],
+                        block_bytes,
+                        deadline_s=self._deadline(sent_s, reply.lease_ttl_s, 0.0),
+                        clock=self._clock,
+                    )
                 finally:
                     self.release(reply.lease_id, wait=False)
-                found += reply.found_blocks
-                if not complete:
+                found += copied
+                if not complete or copied < reply.found_blocks:
                     break
         finally:
             if pending is not None:  # an error cut the pipeline: free what it pinned
                 try:
-                    self.release(pending.result().lease_id, wait=False)
+                    self.release(pending[0].result().lease_id, wait=False)
                 except grpc.RpcError:
                     pass
         return GetResult(found, out[:found])
@@ -672,8 +752,12 @@ class Client:
         handle = self.prepare_store(ns, hashes, tier=tier)
         idx = handle.allocated
         offs = handle.offsets[idx]
+        late = False
         try:
             for s, e in _runs(offs, idx, ns.block_bytes):
+                if self.expired(handle):
+                    late = True
+                    break
                 o, r = int(offs[s]), int(idx[s])
                 space_t[o : o + (e - s) * ns.block_bytes].view(e - s, ns.block_bytes).copy_(
                     src[r : r + e - s]
@@ -682,6 +766,9 @@ class Client:
         except BaseException:
             self.release(handle, wait=False)
             raise
+        if late or self.expired(handle):
+            self.release(handle, wait=False)
+            raise _store_too_slow(handle, 0, len(idx))
         self.commit_store(handle)
         return _put_result(handle, len(idx))
 
@@ -725,7 +812,10 @@ class Client:
                 result = dst
         finally:
             self.release(handle, wait=False)
-        return GetResult(handle.found, result[: handle.found])
+        # Copies are queued on a device: only their end is known. One that ended
+        # after the lease ran out may have read reused slots: none of it counts.
+        found = 0 if self.expired(handle) else handle.found
+        return GetResult(found, result[:found])
 
 
 def _synchronize(*tensors: Any) -> None:
@@ -802,6 +892,13 @@ class _Releaser:
                     pass  # expired or daemon gone: nothing is held either way
 
 
+def _store_too_slow(handle: StoreHandle, written: int, total: int) -> errors.LeaseExpired:
+    return errors.LeaseExpired(
+        f"lease expired while writing: {written} of {total} blocks were copied before the "
+        f"lease's deadline; nothing was stored (the slots were given back)"
+    )
+
+
 def _put_result(handle: StoreHandle, stored: int) -> PutResult:
     no_room = int(np.count_nonzero(handle.statuses == pb.STORE_NO_ROOM))
     return PutResult(stored, len(handle.statuses) - stored - no_room, no_room)
@@ -852,20 +949,59 @@ def _runs(offsets: np.ndarray, rows: np.ndarray | None, block_bytes: int) -> lis
     return list(zip(starts, ends, strict=True))
 
 
-def gather(region: np.ndarray, offsets: np.ndarray, out: np.ndarray, block_bytes: int) -> None:
-    """out[i] = region[offsets[i] : offsets[i] + block_bytes] for every i."""
+def _chunked(runs: list[tuple[int, int]], block_bytes: int) -> list[tuple[int, int]]:
+    """The runs cut into pieces of at most COPY_CHUNK_BYTES (at least one block)."""
+    per = max(1, COPY_CHUNK_BYTES // block_bytes)
+    return [(a, min(e, a + per)) for s, e in runs for a in range(s, e, per)]
+
+
+def gather(
+    region: np.ndarray,
+    offsets: np.ndarray,
+    out: np.ndarray,
+    block_bytes: int,
+    *,
+    deadline_s: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """out[i] = region[offsets[i] : offsets[i] + block_bytes], in order, until the deadline.
+
+    Returns how many leading rows were copied entirely before ``deadline_s`` (by
+    ``clock``): all of them, or fewer when the copy ran late (those rows are not
+    valid: the lease may have lapsed and the slots been reused meanwhile).
+    """
     offs = offsets.tolist()
-    for s, e in _runs(offsets, None, block_bytes):
+    for s, e in _chunked(_runs(offsets, None, block_bytes), block_bytes):
+        if clock() > deadline_s:
+            return s
         o = offs[s]
         out[s:e] = region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)
+        if clock() > deadline_s:
+            return s  # this piece may have been read after the lease ran out
+    return len(offs)
 
 
 def scatter(
-    region: np.ndarray, offsets: np.ndarray, data: np.ndarray, rows: np.ndarray, block_bytes: int
-) -> None:
-    """region[offsets[j] : +block_bytes] = data[rows[j]] for every j."""
+    region: np.ndarray,
+    offsets: np.ndarray,
+    data: np.ndarray,
+    rows: np.ndarray,
+    block_bytes: int,
+    *,
+    deadline_s: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
+    """region[offsets[j] : +block_bytes] = data[rows[j]], in order, until the deadline.
+
+    No piece is started after ``deadline_s`` (by ``clock``): a late writer stops
+    instead of writing into slots that may be another block's by now. Returns
+    how many were written (len(offsets) unless the deadline passed).
+    """
     offs = offsets.tolist()
     rws = rows.tolist()
-    for s, e in _runs(offsets, rows, block_bytes):
+    for s, e in _chunked(_runs(offsets, rows, block_bytes), block_bytes):
+        if clock() > deadline_s:
+            return s
         o, r = offs[s], rws[s]
         region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)[:] = data[r : r + (e - s)]
+    return len(offs)

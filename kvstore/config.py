@@ -75,6 +75,10 @@ class LeaseConfig(_Section):
     """Longest lease a client may ask for."""
     reap_interval_s: float = 0.25
     """How often expired leases are reclaimed."""
+    quarantine_s: float = 2.0
+    """An expired lease's slots stay reserved (and its blocks pinned) this much longer
+    before reuse: a client that stalled mid-copy past its lease is done by then (clients
+    stop copying at their own deadline, with a margin, in bounded chunks)."""
 
 
 class LimitsConfig(_Section):
@@ -312,6 +316,8 @@ def validate(config: Config) -> None:
         problems.append("server.socket_path and server.tcp_address are both off")
     if config.leases.default_ttl_s <= 0 or config.leases.max_ttl_s < config.leases.default_ttl_s:
         problems.append("leases: need 0 < default_ttl_s <= max_ttl_s")
+    if not config.leases.quarantine_s >= 0:
+        problems.append("leases.quarantine_s must be >= 0")
     if config.limits.max_blocks_per_request <= 0:
         problems.append("limits.max_blocks_per_request must be > 0")
     if config.gpu.device and (

@@ -13,6 +13,7 @@ socket.
     ├── NotFound                                                    (NOT_FOUND)
     │   ├── NamespaceNotFound     namespace never declared here
     │   ├── LeaseNotFound         lease expired, released or never issued
+    │   │   └── LeaseExpired      it ran out: copies made under it are not valid
     │   └── BlockNotFound         block not (or no longer) held
     ├── StateConflict             e.g. commit without prepare       (FAILED_PRECONDITION)
     ├── CapacityExhausted         tier full and nothing evictable   (RESOURCE_EXHAUSTED)
@@ -55,6 +56,11 @@ class NamespaceNotFound(NotFound):
 
 class LeaseNotFound(NotFound):
     """The lease expired, was released, or was never issued."""
+
+
+class LeaseExpired(LeaseNotFound):
+    """The lease ran out before this call: its slots or pins were not the caller's
+    for the whole copy, so nothing copied under it may be used (or committed)."""
 
 
 class BlockNotFound(NotFound):

@@ -54,6 +54,7 @@ from kvstore.errors import (
     CapacityExhausted,
     ConfigError,
     InvalidRequest,
+    LeaseExpired,
     LeaseNotFound,
     NamespaceNotFound,
     StateConflict,
@@ -122,6 +123,7 @@ class StorePlan:
     lease_id: int
     statuses: bytearray
     offsets: list[int]
+    ttl_s: float = 0.0  # the lease's lifetime as granted (0: no lease)
 
 
 @dataclass(slots=True)
@@ -129,6 +131,7 @@ class LoadPlan:
     lease_id: int
     blocks: list[Block]
     tier: Tier = Tier.DRAM
+    ttl_s: float = 0.0  # the lease's lifetime as granted (0: no lease)
 
     @property
     def offsets(self) -> list[int]:
@@ -263,13 +266,23 @@ class BlockManager:
         return None
 
     def prepare_store(
-        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        ttl_s: float = 0.0,
+        tier: Tier = Tier.DRAM,
+        owner: str = "",
     ) -> StorePlan:
-        """Reserve slots in `tier` (DRAM, or GPU when this node has a GPU tier)."""
+        """Reserve slots in `tier` (DRAM, or GPU when this node has a GPU tier).
+
+        ``owner``: who may commit or release the lease (the caller's identity, see
+        kvstore.leases); "" for in-process callers.
+        """
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
         gpu = self._gpu_for(tier)
-        expires_at_s = time.monotonic() + self._ttl(ttl_s)
+        ttl_s = self._ttl(ttl_s)
+        expires_at_s = time.monotonic() + ttl_s
         n = len(hashes)
         statuses = bytearray(n)
         offsets = [0] * n
@@ -326,8 +339,8 @@ class BlockManager:
                     )
                 )
             return StorePlan(0, statuses, offsets)
-        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s)
-        return StorePlan(lease.lease_id, statuses, offsets)
+        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s, owner)
+        return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
 
     def commit_store(
         self,
@@ -336,8 +349,9 @@ class BlockManager:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | None = None,
+        owner: str = "",
     ) -> int:
-        lease = self._lease(lease_id, LeaseKind.STORE)
+        lease = self._lease(lease_id, LeaseKind.STORE, owner)
         ns = lease.namespace
         if hashes:
             missing = [h for h in hashes if h not in lease.by_hash]
@@ -358,7 +372,7 @@ class BlockManager:
                 f"token_ids has {len(token_ids)} ids; expected {len(to_commit)} blocks x "
                 f"{ns.block_size_tokens} tokens"
             )
-        self.leases.pop(lease_id)
+        self.leases.pop(lease_id, owner)
         committed_set = set(map(id, to_commit))
         # A lease's blocks are all in one tier: the one prepare_store was asked for.
         tier = lease.blocks[0].tier if lease.blocks else Tier.DRAM
@@ -408,13 +422,19 @@ class BlockManager:
         return LookupResult(n, by_tier)
 
     def prepare_load(
-        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        ttl_s: float = 0.0,
+        tier: Tier = Tier.DRAM,
+        owner: str = "",
     ) -> LoadPlan:
         """Pin the longest prefix present in `tier` (see prepare_load_async for moves)."""
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
         self._gpu_for(tier)
-        expires_at_s = time.monotonic() + self._ttl(ttl_s)
+        ttl_s = self._ttl(ttl_s)
+        expires_at_s = time.monotonic() + ttl_s
         found: list[Block] = []
         blocks = ns.blocks
         for h in hashes:
@@ -430,11 +450,16 @@ class BlockManager:
             self._pin(block)
             self._touch(block)
         self.counters.loaded_blocks += len(found)
-        lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s)
-        return LoadPlan(lease.lease_id, found, tier)
+        lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner)
+        return LoadPlan(lease.lease_id, found, tier, ttl_s)
 
     async def prepare_load_async(
-        self, ns_id: str, hashes: Sequence[int], ttl_s: float = 0.0, tier: Tier = Tier.DRAM
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        ttl_s: float = 0.0,
+        tier: Tier = Tier.DRAM,
+        owner: str = "",
     ) -> LoadPlan:
         """prepare_load after moving the prefix into `tier`: disk blocks are promoted
         into DRAM, then DRAM blocks up into the GPU pool (or GPU blocks down to DRAM)."""
@@ -446,29 +471,44 @@ class BlockManager:
                 await self.disk.promote(ns, list(hashes))
             if self.gpu is not None:
                 await self.gpu.move(ns, list(hashes), tier)
-        return self.prepare_load(ns_id, hashes, ttl_s, tier)
+        return self.prepare_load(ns_id, hashes, ttl_s, tier, owner)
 
-    def release(self, lease_ids: Sequence[int]) -> int:
+    def release(self, lease_ids: Sequence[int], owner: str = "") -> int:
         """End leases: unpin loads, abort stores. Unknown ids raise after the rest are released."""
         released = 0
         unknown = []
         for lease_id in lease_ids:
-            lease = self.leases.pop(lease_id)
+            lease = self.leases.pop(lease_id, owner)
             if lease is None:
                 unknown.append(lease_id)
                 continue
             self._end_lease(lease)
             released += 1
         if unknown:
+            if any(self.leases.expired(lease_id, owner) for lease_id in unknown):
+                raise LeaseExpired(
+                    "lease expired before its release: its copies may not have been valid"
+                )
             raise LeaseNotFound(
                 f"lease(s) {', '.join(map(str, unknown[:8]))} expired, were released, or were never issued"
             )
         return released
 
     def expire_leases(self, now_s: float | None = None) -> int:
+        """Quarantine leases past their time; end the quarantines that are over."""
         now_s = time.monotonic() if now_s is None else now_s
         expired = self.leases.pop_expired(now_s, MAX_EXPIRED_PER_PASS)
+        until_s = now_s + self.config.leases.quarantine_s
         for lease in expired:
+            if lease.kind is LeaseKind.STORE:
+                # The hashes may be stored again by anyone at once; the slots stay
+                # reserved: the late writer may still be copying into them.
+                ns = lease.namespace
+                for block in lease.blocks:
+                    if ns.pending.get(block.block_hash) is block:
+                        del ns.pending[block.block_hash]
+            self.leases.quarantine(lease, until_s)
+        for lease in self.leases.pop_released(now_s, MAX_EXPIRED_PER_PASS):
             self._end_lease(lease)
         self.counters.expired_leases += len(expired)
         return len(expired)
@@ -480,12 +520,18 @@ class BlockManager:
         else:
             ns = lease.namespace
             for block in lease.blocks:
-                del ns.pending[block.block_hash]
+                if ns.pending.get(block.block_hash) is block:
+                    del ns.pending[block.block_hash]
                 self._free_pending(block)
 
-    def _lease(self, lease_id: int, kind: LeaseKind) -> Lease:
-        lease = self.leases.get(lease_id)
+    def _lease(self, lease_id: int, kind: LeaseKind, owner: str = "") -> Lease:
+        lease = self.leases.get(lease_id, owner)
         if lease is None:
+            if self.leases.expired(lease_id, owner):
+                raise LeaseExpired(
+                    f"lease expired: {lease_id} ran out before this call; nothing it "
+                    "reserved is valid (store again / load again)"
+                )
             raise LeaseNotFound(f"lease {lease_id} expired, was released, or was never issued")
         if lease.kind is not kind:
             raise StateConflict(
@@ -806,7 +852,8 @@ class BlockManager:
             uptime_s=time.monotonic() - self._started_s,
             tiers=tiers,
             namespaces=len(self.namespaces),
-            active_leases=len(self.leases),
+            # Quarantined leases still hold their slots and pins.
+            active_leases=len(self.leases) + self.leases.quarantined,
             counters=dataclasses.replace(self.counters),
         )
 

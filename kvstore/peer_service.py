@@ -31,7 +31,7 @@ from kvstore import errors
 from kvstore.auth import secret_matches
 from kvstore.manager import BlockManager
 from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
-from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL, Transport
+from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL, Transport, check_address
 from kvstore.transfer.grpc_stream import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -208,7 +208,9 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
 
     def resolve(self, node_id: str = "", address: str = "") -> str:
         """A peer's gRPC address: given, or looked up by node id in [peer] peers."""
-        address = address or self.peers.get(node_id, "")
+        if address:
+            return check_address(address)
+        address = self.peers.get(node_id, "")
         if not address:
             raise errors.InvalidRequest(
                 f"unknown peer {node_id!r}: give its host:port or list it in [peer] peers"
@@ -295,7 +297,8 @@ class PeerNode:
         self.nixl = load_nixl_transport(
             transport, self.agent_name, int(region.array.ctypes.data), region.capacity_bytes
         )
-        self.stream = GrpcStreamTransport(region.array, secret, max_message_bytes)
+        known_peers = list((peers or {}).values())
+        self.stream = GrpcStreamTransport(region.array, secret, max_message_bytes, known_peers)
         pump = getattr(self.nixl, "pump", None)
         service = PeerService(
             manager,
@@ -316,6 +319,7 @@ class PeerNode:
             stream=self.stream,
             transfer_timeout_s=transfer_timeout_s,
             max_message_bytes=max_message_bytes,
+            known_peers=known_peers,
         )
         if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
             self.puller = metrics.wrap_puller(self.puller)
@@ -329,7 +333,7 @@ class PeerNode:
         slow or lacks the blocks leaves the local answer as it is (logged): a
         hint may be stale, and a lookup must still answer.
         """
-        address = hint if ":" in hint else self.fetch_service.resolve(node_id=hint)
+        address = check_address(hint) if ":" in hint else self.fetch_service.resolve(node_id=hint)
         try:
             await self.puller.pull(ns_id, hashes, address, timeout_s)
         except (errors.Unavailable, errors.BackendError, errors.DataCorruption) as exc:

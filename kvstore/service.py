@@ -86,6 +86,21 @@ def unpack_i32(data: bytes, what: str) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
+def caller_of(context: grpc.aio.ServicerContext) -> str:
+    """Who owns the leases a call takes: the peer's host over TCP ("ipv4:10.0.0.5",
+    any port: a client's reconnect keeps its leases), "unix" on the local socket.
+
+    Only that caller may commit or release them; others are answered as for an id
+    never issued. Local clients share one identity (gRPC does not expose the
+    socket's peer credentials), so among them the unguessable lease id is the secret.
+    """
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return kind + ":" + rest.rsplit(":", 1)[0]
+    return kind
+
+
 def tier_from_pb(value: int) -> Tier:
     """The tier a store or load asks for: UNSPECIFIED means DRAM."""
     if value == pb.TIER_UNSPECIFIED:
@@ -225,13 +240,14 @@ class StoreService(pb_grpc.StoreServiceServicer):
             hashes = unpack_u64(request.block_hashes)
             tier = tier_from_pb(request.tier)
             plan = self.manager.prepare_store(
-                request.namespace_id, hashes, request.lease_ttl_s, tier
+                request.namespace_id, hashes, request.lease_ttl_s, tier, caller_of(context)
             )
             return pb.PrepareStoreResponse(
                 lease_id=plan.lease_id,
                 statuses=bytes(plan.statuses),
                 offsets=pack_u64(plan.offsets),
                 tier=int(tier),  # type: ignore[arg-type]
+                lease_ttl_s=plan.ttl_s,
             )
 
         return await call(context, run)
@@ -242,7 +258,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
             tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
             parent = request.parent_block_hash if request.has_parent_block_hash else None
             n = self.manager.commit_store(
-                request.lease_id, hashes, parent_block_hash=parent, token_ids=tokens
+                request.lease_id,
+                hashes,
+                parent_block_hash=parent,
+                token_ids=tokens,
+                owner=caller_of(context),
             )
             return pb.CommitStoreResponse(committed=n)
 
@@ -274,7 +294,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
             hashes = unpack_u64(request.block_hashes)
             await self._fill_from_hint(request, hashes)
             plan = await self.manager.prepare_load_async(
-                request.namespace_id, hashes, request.lease_ttl_s, tier_from_pb(request.tier)
+                request.namespace_id,
+                hashes,
+                request.lease_ttl_s,
+                tier_from_pb(request.tier),
+                caller_of(context),
             )
             return pb.PrepareLoadResponse(
                 lease_id=plan.lease_id,
@@ -282,12 +306,14 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 offsets=pack_u64(plan.offsets),
                 checksums=pack_u64([b.checksum for b in plan.blocks]),
                 tier=int(plan.tier),  # type: ignore[arg-type]
+                lease_ttl_s=plan.ttl_s,
             )
 
         return await call_async(context, run)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = await call(context, lambda: self.manager.release(list(request.lease_ids)))
+        owner = caller_of(context)
+        n = await call(context, lambda: self.manager.release(list(request.lease_ids), owner))
         return pb.ReleaseResponse(released=n)
 
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -21,6 +21,7 @@ Primitives:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -178,7 +179,15 @@ class Copier(Protocol):
         self, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray
     ) -> None: ...
     def save_layer(self, name: str) -> None: ...
-    def finish_save(self) -> None: ...
+    def finish_save(self, deadline_s: float = math.inf) -> bool:
+        """Write the planned save into the region, layer by layer, starting no layer
+        after ``deadline_s`` (time.monotonic): False when it stopped (the slots may be
+        another block's by now; the save must be abandoned)."""
+        ...
+
+    def cancel_save(self) -> None:
+        """Drop the planned save: nothing more is written to the region."""
+        ...
 
 
 class BlockCopier:
@@ -209,10 +218,14 @@ class BlockCopier:
     def save_layer(self, name: str) -> None:
         return  # the whole step is saved in one batch by finish_save
 
-    def finish_save(self) -> None:
+    def finish_save(self, deadline_s: float = math.inf) -> bool:
         pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            self.save(*pending)
+        if pending is None:
+            return True
+        return self._copy(*pending, to_kv=False, deadline_s=deadline_s)
+
+    def cancel_save(self) -> None:
+        self._pending_save = None
 
     def load(self, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray) -> None:
         """vLLM block ``block_ids[i]`` <- the stored block at ``region[offsets[i]:]``."""
@@ -223,13 +236,19 @@ class BlockCopier:
         self._copy(region, offsets, block_ids, to_kv=False)
 
     def _copy(
-        self, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray, *, to_kv: bool
-    ) -> None:
+        self,
+        region: torch.Tensor,
+        offsets: np.ndarray,
+        block_ids: np.ndarray,
+        *,
+        to_kv: bool,
+        deadline_s: float = math.inf,
+    ) -> bool:
         import torch
 
         batch = plan_batch(self.kv, region, offsets, block_ids)
         if batch is None:
-            return
+            return True
         device = self.kv.device or torch.device("cpu")
         if region.device != device:
             raise InvalidRequest(
@@ -239,6 +258,8 @@ class BlockCopier:
         unit, offsets, block_ids = batch
         region_rows = _rows(region, unit)
         for layer in self.kv.layers:
+            if time.monotonic() > deadline_s:
+                return False  # a lease ran out: write no more into its slots
             kv_idx, reg_idx = row_indices(layer, self.kv.num_blocks, unit, offsets, block_ids)
             kv_rows = _rows(layer.pages.reshape(-1), unit)
             kv_index = torch.from_numpy(kv_idx).to(device)
@@ -252,6 +273,7 @@ class BlockCopier:
                 region_rows.index_copy_(0, reg_index, staging)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # leases end / commits follow right after
+        return True
 
     def _staging_for(self, nrows: int, like: torch.Tensor) -> torch.Tensor:
         import torch

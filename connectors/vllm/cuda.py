@@ -17,6 +17,8 @@ except the final scatter into the region. Tests: tests/gpu (marked ``gpu``).
 
 from __future__ import annotations
 
+import math
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -167,16 +169,28 @@ class CudaBlockCopier:
         self._save_events.append(event)
         self._saved.add(name)
 
-    def finish_save(self) -> None:
-        """Wait for the queued D2H copies, then scatter the pinned rows into the region."""
+    def finish_save(self, deadline_s: float = math.inf) -> bool:
+        """Wait for the queued D2H copies, then scatter the pinned rows into the region
+        (starting no layer past ``deadline_s``: False when it stopped)."""
         if self._save is None:
-            return
+            return True
         region_rows, layers = self._save
         for name in layers:  # layers whose save_layer never ran are copied now
             self.save_layer(name)
         for event in self._save_events:
             event.synchronize()
+        done = True
         for _, reg_index, host in layers.values():
+            if time.monotonic() > deadline_s:
+                done = False  # a lease ran out: write no more into its slots
+                break
             region_rows.index_copy_(0, reg_index, host)
+        self._save = None
+        self._save_events = []
+        return done
+
+    def cancel_save(self) -> None:
+        for event in self._save_events:
+            event.synchronize()  # the pinned rows are reused by the next save
         self._save = None
         self._save_events = []

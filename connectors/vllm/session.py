@@ -38,8 +38,13 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Errors that mean the link (or the daemon's state) is gone: reconnect.
+# Errors that mean the link (or the daemon's state) is gone: reconnect. A lease
+# that expired is not one of them: the daemon is fine and said so (LeaseExpired).
 _LINK_ERRORS = (errors.Unavailable, errors.NamespaceNotFound, errors.LeaseNotFound)
+
+
+def _breaks_link(exc: errors.KVStoreError) -> bool:
+    return isinstance(exc, _LINK_ERRORS) and not isinstance(exc, errors.LeaseExpired)
 
 
 class DaemonSession:
@@ -170,7 +175,7 @@ class DaemonSession:
             try:
                 return fn(client)
             except errors.KVStoreError as exc:
-                if not isinstance(exc, _LINK_ERRORS):
+                if not _breaks_link(exc):
                     # The daemon is up but refused this request (full, bad
                     # size...): go on without the cache; keep the link.
                     self.failures += 1

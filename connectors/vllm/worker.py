@@ -8,6 +8,12 @@
     finish_step()                     after the forward: copy saves out, commit
     take_load_errors()                vLLM block ids that must be recomputed
 
+Leases are fenced by this process's clock (``handle.deadline_s``, see
+kvstore.client): a load copied out after its lease ran out is reported as
+failed (its slots may hold another block by then), and a step whose forward
+outlived its store leases writes nothing into their slots and commits nothing;
+the daemon is fine, so the link and the cache stay up.
+
 Every block of a step moves in one batched copy per layer (``copier``). The
 daemon's failures never reach vLLM: a request whose blocks could not be loaded
 (daemon gone, evicted since the lookup, checksum mismatch, a restarted daemon
@@ -18,6 +24,7 @@ vLLM recomputes exactly them; saves that cannot be made are dropped.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -151,15 +158,27 @@ class WorkerSide:
             self.copier.wait_loads()
         if not step.saves:
             return
+        # The forward may have outlived the store leases: then their slots may
+        # belong to other blocks already, and not one byte may go there.
+        deadline_s = min(b.handle.deadline_s for b in step.saves if b.handle is not None)
+        in_time = True
         try:
             assert self.copier is not None
-            self.copier.finish_save()
+            in_time = self.copier.finish_save(deadline_s)
             current = self.session.region_is_current() and all(
                 b.generation == self.session.generation for b in step.saves
             )
         except Exception as exc:  # a failed copy must not fail the step: drop the saves
             logger.warning("kvstore: copying blocks out failed (%s); not stored", exc)
             current = False
+        if current and not (in_time and time.monotonic() <= deadline_s):
+            self._warn_once(
+                "store-lease-expired",
+                "kvstore: a step outlived its store leases (raise lease_ttl_s); "
+                "its blocks are not stored",
+            )
+            self._abort(step.saves)
+            return
         if not current:
             # The daemon restarted onto another region file mid-step: the bytes
             # went to the old one, so committing would publish garbage.
@@ -214,6 +233,14 @@ class WorkerSide:
                 except Exception as exc:  # never fail the step: recompute instead
                     logger.warning("kvstore: loading blocks failed (%s); vLLM recomputes them", exc)
                     ok = False
+            if ok and _any_expired(self._step.leases):
+                # Read (some of) it after a lease ran out: those slots may have
+                # held another block by then. Recompute rather than trust it.
+                self._warn_once(
+                    "load-lease-expired",
+                    "kvstore: a load outlived its lease (lease_ttl_s); vLLM recomputes it",
+                )
+                ok = False
             if self._step.leases:
                 # Copied out of the region (to the cache, or to pinned staging on
                 # a GPU): the pins are no longer needed; don't wait for the answers.
@@ -388,6 +415,12 @@ class WorkerSide:
     def close(self) -> None:
         self._region_t = None
         self.session.close()
+
+
+def _any_expired(handles: Sequence[LoadHandle | StoreHandle]) -> bool:
+    """By the client's clock (time.monotonic, kvstore.client's default)."""
+    now = time.monotonic()
+    return any(now > h.deadline_s for h in handles)
 
 
 def _release_all(client: Client, handles: Sequence[LoadHandle | StoreHandle]) -> int:

@@ -165,6 +165,10 @@ class DiskTier:
         self._alloc = SlabAllocator(self.capacity_bytes, slab_bytes)
         self._entries: dict[int, DiskEntry] = {}  # committed, by slot
         self._writing: set[int] = set()  # allocated slots whose write has not returned
+        # Writes whose COMMIT record is queued or durable but whose writer has not
+        # resumed yet: a compaction must keep their records (they are acknowledged
+        # the moment the writer resumes, with no further journal append).
+        self._committing: dict[int, tuple[DiskEntry, asyncio.Future[None]]] = {}
         self._journal_compact_bytes = journal_compact_bytes
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="kvstore-disk-io")
         # fsyncs get their own thread so they never queue behind block reads.
@@ -414,8 +418,10 @@ class DiskTier:
                 digest = await self._run(self._io, self._pwrite_block, slot, buf, checksum)
             entry = DiskEntry(key[0], key[1], slot, len(buf), digest)
             commit = self._queue(_record(_COMMIT, slot, len(buf), digest, key), -1)
+            self._committing[slot] = (entry, commit)
             await asyncio.shield(commit)
         except BaseException:
+            self._committing.pop(slot, None)
             self._release_unwritten(slot)
             if commit is not None and not (commit.done() and commit.exception() is not None):
                 # Cancelled while the COMMIT may still become durable: revoke it
@@ -424,6 +430,7 @@ class DiskTier:
             raise
         self._writing.discard(slot)
         self._entries[slot] = entry
+        del self._committing[slot]
         return digest
 
     async def read(self, slot: int, into: Buffer) -> None:
@@ -655,11 +662,21 @@ class DiskTier:
                     if slot >= 0 and self._unsynced_free.get(slot) is fut:
                         del self._unsynced_free[slot]
                 if not self._pending and self._journal_bytes > self._compact_threshold():
-                    live = list(self._entries.values())
+                    live = self._live_entries()
                     with contextlib.suppress(Exception):
                         await self._run(self._sync, self._rewrite_journal, live)
             if self._closed:
                 return
+
+    def _live_entries(self) -> list[DiskEntry]:
+        """What a compacted journal must hold: every committed block, including the
+        writes whose COMMIT is durable but whose writer has not resumed (with nothing
+        pending, every queued COMMIT has been appended; a failed one is dropped)."""
+        live = dict(self._entries)
+        for slot, (entry, commit) in self._committing.items():
+            if commit.done() and not commit.cancelled() and commit.exception() is None:
+                live[slot] = entry
+        return list(live.values())
 
     def _append(self, records: list[bytes], sync_data: bool) -> None:
         blob = b"".join(records)

@@ -19,6 +19,10 @@ Primitives:
 
 from __future__ import annotations
 
+import asyncio
+import re
+from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +33,27 @@ from kvstore.errors import InvalidRequest
 
 KIND_NIXL = "nixl"
 KIND_GRPC_STREAM = "grpc_stream"
+# Channels kept open to peers that are not configured (addresses named only by
+# hints); each costs ~20 KB of daemon memory and a socket, so they are bounded.
+MAX_HINT_CHANNELS = 64
+
+
+# A hostname or IPv4 address, or an IPv6 address in brackets: what a hint may name.
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")
+
+
+def check_address(address: str) -> str:
+    """``address`` if it is a plain host:port (a peer hint's form), else InvalidRequest.
+
+    Checked before a channel is opened, so a hint cannot make the daemon dial a
+    unix socket, a name with a scheme or options, or port 0.
+    """
+    host, sep, port = address.rpartition(":")
+    if not (sep and _HOST.fullmatch(host) and port.isdigit() and 0 < int(port) < 65536):
+        raise InvalidRequest(
+            f"peer address {address[:80]!r} is not host:port (a name or IP, and a port 1-65535)"
+        )
+    return address
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +134,22 @@ class PeerChannels:
     default grows to 120 s), and each channel has its own subchannels, because
     gRPC otherwise shares them (and their backoff) across channels to one
     address, so a fresh channel after ``drop`` would not start afresh.
+
+    Bounded: any client may name a host:port as a peer hint, so channels to
+    addresses that are not configured peers (``known``) live in an LRU of
+    ``max_channels``; the least recently used one is closed when a new one is
+    needed. Configured peers are never evicted (a flood of hints cannot cut an
+    in-flight pull from a real peer) and do not count against the bound.
     """
 
-    def __init__(self, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int,
+        *,
+        known: Iterable[str] = (),
+        max_channels: int = MAX_HINT_CHANNELS,
+    ) -> None:
+        assert max_channels >= 1, "max_channels must be >= 1"
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -120,26 +158,55 @@ class PeerChannels:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.use_local_subchannel_pool", 1),
         ]
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.known = frozenset(known)
+        self.max_channels = max_channels
+        self._known_channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()  # LRU, oldest first
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        """Open channels, configured peers included."""
+        return len(self._known_channels) + len(self._channels)
 
     def get(self, address: str) -> grpc.aio.Channel:
+        if address in self.known:
+            channel = self._known_channels.get(address)
+            if channel is None:
+                channel = self._known_channels[address] = self._open(address)
+            return channel
         channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=self._options
-            )
+        if channel is not None:
+            self._channels.move_to_end(address)
+            return channel
+        while len(self._channels) >= self.max_channels:
+            _, oldest = self._channels.popitem(last=False)
+            self._close_later(oldest)
+        channel = self._channels[address] = self._open(address)
         return channel
+
+    def _open(self, address: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(address, options=self._options)
+
+    def _close_later(self, channel: grpc.aio.Channel) -> None:
+        # get() is called on the event loop but is not a coroutine: close in a task
+        # (held until done, so it is not collected half-way).
+        task = asyncio.get_running_loop().create_task(channel.close(None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def drop(self, address: str) -> None:
         """Close the channel to address; the next get() opens a fresh one."""
-        channel = self._channels.pop(address, None)
+        channel = self._known_channels.pop(address, None) or self._channels.pop(address, None)
         if channel is not None:
             await channel.close(None)
 
     async def aclose(self) -> None:
-        for address in list(self._channels):
+        for address in [*self._known_channels, *self._channels]:
             await self.drop(address)
+        if self._closing:
+            await asyncio.wait(list(self._closing))
 
     def forget_all(self) -> None:
         """Drop references without closing (no event loop left to close them on)."""
+        self._known_channels.clear()
         self._channels.clear()

@@ -11,7 +11,7 @@ the owner streams with (``iter_chunks``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -75,11 +75,17 @@ class GrpcStreamTransport:
 
     kind = KIND_GRPC_STREAM
 
-    def __init__(self, region: np.ndarray, secret: str, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        region: np.ndarray,
+        secret: str,
+        max_message_bytes: int = 64 << 20,
+        known_peers: Sequence[str] = (),
+    ) -> None:
         assert region.dtype == np.uint8 and region.ndim == 1
         self._region = region
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channels = PeerChannels(max_message_bytes)
+        self._channels = PeerChannels(max_message_bytes, known=known_peers)
         self.chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     def local_info(self) -> bytes:

@@ -36,7 +36,14 @@ import xxhash
 from kvstore.errors import DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.manager import STORE_ALLOCATED, BlockManager
 from kvstore.namespace import NamespaceSpec
-from kvstore.transfer.base import KIND_NIXL, PeerChannels, PeerLink, ReadBatch, Transport
+from kvstore.transfer.base import (
+    KIND_NIXL,
+    MAX_HINT_CHANNELS,
+    PeerChannels,
+    PeerLink,
+    ReadBatch,
+    Transport,
+)
 from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 
@@ -129,6 +136,7 @@ class Puller:
         stream: Transport,
         transfer_timeout_s: float,
         max_message_bytes: int = 64 << 20,
+        known_peers: Sequence[str] = (),
     ) -> None:
         self.manager = manager
         self.region = region
@@ -137,8 +145,10 @@ class Puller:
         self.stream = stream
         self.transfer_timeout_s = transfer_timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channels = PeerChannels(max_message_bytes)
-        self._peers: dict[str, PeerInfo] = {}  # by address
+        self._channels = PeerChannels(max_message_bytes, known=known_peers)
+        # By address, oldest first; peers that are not configured are bounded like
+        # their channels (MAX_HINT_CHANNELS), configured ones are always kept.
+        self._peers: dict[str, PeerInfo] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- peers
@@ -181,6 +191,9 @@ class Puller:
                     timeout=CONTROL_TIMEOUT_S,
                 )
             except grpc.RpcError as exc2:
+                # Nothing answers there (or not a peer): keep no channel for it, so
+                # hints naming dead addresses leave nothing behind.
+                await self._channels.drop(address)
                 raise error_from_rpc(exc2, f"peer {address} metadata") from exc2
         if info is not None:
             self._forget(info)
@@ -205,7 +218,15 @@ class Puller:
             region_bytes=reply.region_bytes,
         )
         self._peers[address] = info
+        hinted = [a for a in self._peers if a not in self._channels.known]
+        for stale in hinted[: max(0, len(hinted) - MAX_HINT_CHANNELS)]:
+            self._forget(self._peers[stale])
         return info
+
+    @property
+    def open_channels(self) -> int:
+        """gRPC channels this puller keeps to peers (bounded; for tests and status)."""
+        return len(self._channels)
 
     def _forget(self, info: PeerInfo) -> None:
         self._peers.pop(info.address, None)

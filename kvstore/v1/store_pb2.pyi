@@ -132,16 +132,18 @@ class PrepareStoreRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareStoreResponse(_message.Message):
-    __slots__ = ("lease_id", "statuses", "offsets", "tier")
+    __slots__ = ("lease_id", "statuses", "offsets", "tier", "lease_ttl_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     statuses: bytes
     offsets: bytes
     tier: Tier
-    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
     __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids")
@@ -208,18 +210,20 @@ class PrepareLoadRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
-    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier")
+    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier", "lease_ttl_s")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     found_blocks: int
     offsets: bytes
     checksums: bytes
     tier: Tier
-    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

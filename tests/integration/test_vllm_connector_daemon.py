@@ -12,6 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -312,3 +313,55 @@ def test_one_step_saves_many_requests_once_each(daemon):
     assert eng.worker.counters.save_skipped_blocks == 0
     assert _stored(daemon.address, eng, r1) == [eng.block_bytes(i) for i in (0, 1, 2)]
     assert _stored(daemon.address, eng, r2) == [eng.block_bytes(i) for i in (0, 1, 6, 7)]
+
+
+def _wait_until(cond, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_forward_that_outlives_its_store_leases_changes_no_other_block(daemon_factory):
+    """Issue 19 bug 4 (connector): the worker copied into its store slots after their
+    lease expired, over another client's committed block (all 0x07); its commit then
+    failed with NOT_FOUND and the session took that for a broken link (cache off)."""
+    slots = 4
+    daemon = daemon_factory(
+        dram_bytes=slots * BLOCK_BYTES,
+        chunk_bytes=slots * BLOCK_BYTES,
+        settings={"leases.reap_interval_s": 0.02},
+    )
+    engine = Engine(daemon.address, seed=21, lease_ttl_s=0.2)
+    req = Req("r", _tokens(21, 2 * BS + 1))
+    ext = engine.scheduler.hit_tokens(req, 0)
+    engine.scheduler.after_alloc(req, [3, 4, 5], ext)
+    plan = engine.scheduler.build_plan(
+        [NewRequest("r", [3, 4, 5], ext)], [], {"r": req.num_tokens - ext}
+    )
+    engine.worker.start_step(plan)  # 2 store slots reserved for the forward
+    sevens = np.full((slots, BLOCK_BYTES), 0x07, np.uint8)
+    with Client(daemon.address) as other:
+        spec = engine.layout.spec(None)
+        ns = other.declare_namespace(msgspec.structs.replace(spec, model="x"))
+        # The "forward" stalls past the leases; another client fills the tier meanwhile.
+        _wait_until(lambda: other.stats().expired_leases >= 1)
+        stored = other.put(ns, list(range(1000, 1000 + slots)), sevens).stored
+        engine.worker.finish_step()
+        got = other.get(ns, list(range(1000, 1000 + slots)))
+        assert got.found == stored > 0
+        np.testing.assert_array_equal(got.data, sevens[:stored])  # not one byte changed
+    assert engine.worker.counters.saved_blocks == 0
+    assert engine.worker.counters.save_dropped_blocks == 2
+    # The daemon was fine: the link and the cache stay up.
+    assert engine.worker.session.connected and engine.worker.session.failures == 0
+    late = engine.worker.session.call_in(
+        "prepare store", spec, lambda c, n: c.prepare_store(n, [77], lease_ttl_s=0.2)
+    )
+    assert late is not None and late.lease_id
+    _wait_until(lambda: engine.worker.session.client().stats().expired_leases >= 2)
+    committed = engine.worker.session.call(
+        "commit store", lambda c: c.commit_store(late), retry=False
+    )
+    assert committed is None  # refused: the lease expired...
+    assert engine.worker.session.connected  # ...which is not a broken link

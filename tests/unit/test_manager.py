@@ -10,6 +10,7 @@ from kvstore.config import load_config
 from kvstore.errors import (
     CapacityExhausted,
     InvalidRequest,
+    LeaseExpired,
     LeaseNotFound,
     NamespaceNotFound,
     StateConflict,
@@ -236,6 +237,11 @@ def test_expired_leases_strand_nothing(make_manager):
     now = time.monotonic()
     assert m.expire_leases(now) == 0
     assert m.expire_leases(now + 2.0) == 2
+    # Quarantined first: unusable at once, their slots and pins held a while longer.
+    with pytest.raises(LeaseExpired):
+        m.commit_store(store_plan.lease_id)
+    assert m.stats().tiers[0].pinned_blocks == 1 and m.allocator.used_bytes == 3 * 4096
+    assert m.expire_leases(now + 2.0 + m.config.leases.quarantine_s) == 0
     assert m.stats().tiers[0].pinned_blocks == 0
     assert m.allocator.used_bytes == 4096  # the aborted store's slots came back
     with pytest.raises(LeaseNotFound):
@@ -281,3 +287,80 @@ def test_release_reports_unknown_after_releasing_the_rest(make_manager):
     with pytest.raises(LeaseNotFound):
         m.release([load.lease_id, 424242])
     assert m.stats().active_leases == 0
+
+
+def test_expired_store_slots_are_not_reused_until_the_quarantine_ends(make_manager):
+    """Issue 19, bug 4b: the reaper freed an expired store lease's slots at once, so a
+    writer still copying (stalled past its TTL) wrote into another client's blocks."""
+    m = make_manager(leases__quarantine_s=3.0)
+    ns = m.declare_namespace(make_spec(4096))
+    late = m.prepare_store(ns.namespace_id, [1, 2], ttl_s=1.0)
+    now = time.monotonic()
+    assert m.expire_leases(now + 1.5) == 1
+    # The late writer's hashes can be stored again at once, into other slots.
+    other = m.prepare_store(ns.namespace_id, [1, 2, 3])
+    assert list(other.statuses) == [STORE_ALLOCATED] * 3
+    assert not set(other.offsets) & set(late.offsets)
+    m.commit_store(other.lease_id)
+    with pytest.raises(LeaseExpired, match="lease expired"):
+        m.commit_store(late.lease_id)  # the owner is told why
+    assert m.lookup(ns.namespace_id, [1, 2, 3]).prefix_blocks == 3
+    assert m.stats().active_leases == 1  # the quarantined one still holds its slots
+    m.expire_leases(now + 1.5 + 3.0)
+    assert m.stats().active_leases == 0
+    assert m.allocator.used_bytes == 3 * 4096
+
+
+def test_expired_load_keeps_its_pins_through_the_quarantine(make_manager):
+    m = make_manager(leases__quarantine_s=3.0)
+    ns = m.declare_namespace(make_spec(4096))
+    store(m, ns, [1])
+    load = m.prepare_load(ns.namespace_id, [1], ttl_s=1.0)
+    now = time.monotonic()
+    m.expire_leases(now + 1.5)
+    assert m.delete(ns.namespace_id, [1]) == (0, 1)  # still pinned: a late reader may be copying
+    with pytest.raises(LeaseExpired):
+        m.release([load.lease_id])
+    m.expire_leases(now + 4.6)
+    assert m.lookup(ns.namespace_id, [1]).prefix_blocks == 0 and m.allocator.used_bytes == 0
+
+
+def test_lease_ids_are_not_guessable_and_answer_only_their_owner(make_manager):
+    """Issue 13, defect 5: ids were sequential, and anyone could commit or release them."""
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))
+    mine = m.prepare_store(ns.namespace_id, [1], owner="ipv4:10.0.0.1")
+    ids = [m.prepare_store(ns.namespace_id, [100 + i]).lease_id for i in range(200)]
+    assert len(set(ids)) == len(ids) and 0 not in ids
+    # Neighbours of one's own ids are nobody's.
+    live = set(ids) | {mine.lease_id}
+    assert not {i + d for i in ids for d in range(-64, 65) if d} & live
+    for caller in ("", "unix", "ipv4:10.0.0.2"):
+        with pytest.raises(LeaseNotFound) as err:
+            m.commit_store(mine.lease_id, owner=caller)
+        assert type(err.value) is LeaseNotFound and "never issued" in str(err.value)
+        with pytest.raises(LeaseNotFound):
+            m.release([mine.lease_id], owner=caller)
+    assert m.commit_store(mine.lease_id, owner="ipv4:10.0.0.1") == 1
+
+
+def test_released_leases_do_not_stay_in_the_expiry_heap(make_manager):
+    """Issue 19: released leases stayed in the expiry heap until their TTL (600 s at most)."""
+    import tracemalloc
+
+    from kvstore.leases import LeaseKind, LeaseTable
+
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))
+    table = LeaseTable()
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for _ in range(20_000):
+            lease = table.add(LeaseKind.LOAD, ns, [], time.monotonic() + 600.0)
+            assert table.pop(lease.lease_id) is lease
+        retained, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(table) == 0
+    assert retained - before < 256 * 1024  # 20,000 stale heap entries were ~2 MB

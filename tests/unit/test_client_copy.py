@@ -1,0 +1,40 @@
+"""The client's copy loops stop at the lease deadline (issue 19 bug 4), on an injected clock."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+import kvstore.client as client_mod
+from kvstore.client import gather, scatter
+
+BLOCK = 4096
+
+
+def ticking(times: list[float]):
+    it = itertools.chain(times, itertools.repeat(times[-1]))
+    return lambda: next(it)
+
+
+def test_gather_counts_only_pieces_copied_before_the_deadline(monkeypatch):
+    monkeypatch.setattr(client_mod, "COPY_CHUNK_BYTES", 2 * BLOCK)  # pieces of 2 blocks
+    region = np.arange(8 * BLOCK, dtype=np.uint64).view(np.uint8)[: 8 * BLOCK].copy()
+    offsets = np.arange(6, dtype=np.uint64) * BLOCK
+    out = np.zeros((6, BLOCK), np.uint8)
+    # Checks before and after each piece: piece 1 in time, piece 2 ends past the deadline.
+    clock = ticking([0.0, 1.0, 2.0, 9.0])
+    assert gather(region, offsets, out, BLOCK, deadline_s=5.0, clock=clock) == 2
+    np.testing.assert_array_equal(out[:2], region[: 2 * BLOCK].reshape(2, BLOCK))
+    assert gather(region, offsets, out, BLOCK) == 6  # no deadline: everything
+
+
+def test_scatter_starts_no_piece_past_the_deadline(monkeypatch):
+    monkeypatch.setattr(client_mod, "COPY_CHUNK_BYTES", 2 * BLOCK)
+    region = np.zeros(8 * BLOCK, np.uint8)
+    data = np.full((6, BLOCK), 7, np.uint8)
+    offsets = np.arange(6, dtype=np.uint64) * BLOCK
+    rows = np.arange(6, dtype=np.int64)
+    clock = ticking([0.0, 1.0, 9.0])  # the third piece would start past the deadline
+    assert scatter(region, offsets, data, rows, BLOCK, deadline_s=5.0, clock=clock) == 4
+    assert (region[: 4 * BLOCK] == 7).all() and not region[4 * BLOCK :].any()
