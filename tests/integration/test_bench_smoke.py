@@ -65,7 +65,8 @@ def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> 
         "random",
         "round-robin",
         "approximate",
-        "precise",
+        "precise-only",
+        "cache+load",
         "approximate-gpu-only",
     }
     n_requests = data["trace"]["requests"]
@@ -102,10 +103,10 @@ def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> 
         assert s["peer"]["fetched_blocks"] > 0 and s["blocks_pulled"] > 0, name
         assert s["token_shares"]["peer"] > 0, name
     report = (out / "report.md").read_text()
-    assert "Measured" in report and "Modelled" in report and "| precise |" in report
+    assert "Measured" in report and "Modelled" in report and "| cache+load |" in report
     for png in ("hit_rate.png", "tier_shares.png", "ttft_cdf.png"):
         assert (out / png).stat().st_size > 1000
-    assert "precise" in proc.stderr  # per-strategy progress lines
+    assert "cache+load" in proc.stderr  # per-strategy progress lines
     assert set(Path("/dev/shm").glob("kvsbench-*")) <= before, "daemon regions left behind"
 
 

@@ -37,18 +37,21 @@ def test_policy_weighs_tiers_and_load():
     r = ScoreResult(
         request_blocks=100,
         hits=[
-            NodeHit("gpu-short", 50, 50, 0, 0),  # 0.50
-            NodeHit("dram-long", 90, 0, 90, 0),  # 0.72
-            NodeHit("disk-full", 100, 0, 0, 100),  # 0.50
+            NodeHit("gpu-short", 50, 50, 0, 0),  # 0.50 + 0.5 * 50 pullable = 0.75
+            NodeHit("dram-long", 90, 0, 90, 0),  # 0.81 + 0.5 * 10 pullable = 0.86
+            NodeHit("disk-full", 100, 0, 0, 100),  # 0.60
         ],
     )
     assert choose(r, ["gpu-short", "dram-long", "disk-full"], "d").node == "dram-long"
-    # a busy node loses its lead
+    # a busy node loses its lead (0.86 - 0.5 * 0.5 < 0.75)
     busy = choose(r, ["gpu-short", "dram-long", "disk-full"], "d", load={"dram-long": 0.5})
-    assert busy.node in ("gpu-short", "disk-full") and busy.reason == "prefix"
+    assert busy.node == "gpu-short" and busy.reason == "prefix"
+    # the pull hint names the node holding the longest prefix
+    assert (busy.peer, busy.peer_blocks) == ("disk-full", 50)
     # equal value: the less loaded wins
-    tie = choose(r, ["gpu-short", "disk-full"], "d", load={"gpu-short": 0.1})
-    assert tie.node == "disk-full"
+    no_peers = Policy(peer_weight=0.0, disk_weight=1.0)  # gpu-short 0.50, disk-full 1.00
+    tie = choose(r, ["gpu-short", "disk-full"], "d", load={"disk-full": 1.0}, policy=no_peers)
+    assert tie.node == "gpu-short" and tie.value == pytest.approx(0.5)
     # only candidates count; no hit -> the caller's default
     assert choose(r, ["elsewhere"], "d").node == "d"
     assert choose(r, ["elsewhere"], "d").reason == "no_hit"
