@@ -160,6 +160,48 @@ class LogConfig(_Section):
     format: Literal["text", "json"] = "text"
 
 
+class RouterConfig(_Section):
+    """`kvstore router`: the OpenAI-compatible proxy in front of the engines (docs/router.md)."""
+
+    listen: str = "127.0.0.1:8000"
+    """host:port the proxy serves HTTP on. Port 0 picks a free port (logged)."""
+    backends: dict[str, str] = msgspec.field(default_factory=dict)
+    """Engines: node id (the daemon's node_id, as the indexer knows it) -> the engine's
+    OpenAI server, "http://host:port" or "unix:/path/to.sock"."""
+    indexer: str = ""
+    """host:port of the indexer's gRPC Score. "" = no cache signal (load decides)."""
+    strategy: Literal["random", "round-robin", "approximate", "precise-only", "cache+load"] = (
+        "cache+load"
+    )
+    """Routing strategy (router_client.strategies)."""
+    decision_deadline_s: float = 0.05
+    """The indexer must answer within this; past it the choice falls back to load."""
+    block_size_tokens: int = 0
+    """The engines' KV block size. 0 = read it from the engines' /metrics."""
+    hash_algo: Literal["", "sha256", "sha256_cbor"] = ""
+    """The engines' prefix-caching hash. "" = read it from the engines' /metrics."""
+    hash_seed: str = ""
+    """The engines' NONE_HASH seed. "" = PYTHONHASHSEED or "vllm-none-hash", as vLLM."""
+    hash_cache_tokens: int = 8 * 1024 * 1024
+    """Tokens of recent prefix hash chains kept for incremental hashing (int64 each)."""
+    backend_capacity: float = 8.0
+    """Requests an engine runs at once (its --max-num-seqs): the policy's load scale."""
+    load_weight: float = 0.5
+    """Policy: cost of one backend_capacity of queued work, in units of a full prefill."""
+    peer_weight: float = 0.5
+    """Policy: share of a block's prefill saved by pulling it from a peer. 0 = no peers."""
+    scrape_interval_s: float = 1.0
+    """How often each engine's /metrics (load, KV usage) and /health are read."""
+    connect_timeout_s: float = 2.0
+    """Connecting to an engine; past it the engine counts as down and the next one is tried."""
+    upstream_timeout_s: float = 600.0
+    """Longest wait for an engine's next bytes (a silent engine fails the request)."""
+    max_body_bytes: int = 64 * MiB
+    """Largest request body accepted (413 beyond)."""
+    max_inflight: int = 1024
+    """Requests proxied at once; beyond, new ones get 429 with Retry-After."""
+
+
 class Config(_Section):
     node_id: str = ""
     """This node's id in events, peer transfer and the indexer. "" = the host name."""
@@ -173,6 +215,7 @@ class Config(_Section):
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
     def resolved(self) -> Config:
         """Fill the defaults that depend on other fields (node id, region path)."""
@@ -241,6 +284,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_SECRET",
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",
+        "KVSTORE_TEST_RUN",
     }
 )
 NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)
@@ -321,6 +365,16 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    r = config.router
+    if r.decision_deadline_s <= 0 or r.scrape_interval_s <= 0 or r.connect_timeout_s <= 0:
+        problems.append("router: decision_deadline_s, scrape_interval_s, connect_timeout_s > 0")
+    if r.block_size_tokens < 0 or r.backend_capacity <= 0 or r.max_inflight <= 0:
+        problems.append(
+            "router: need block_size_tokens >= 0, backend_capacity and max_inflight > 0"
+        )
+    for node, url in r.backends.items():
+        if not url.startswith(("http://", "https://", "unix:")):
+            problems.append(f"router.backends.{node}: {url!r} is not http(s)://... or unix:/...")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 

@@ -1,0 +1,525 @@
+"""`kvstore router` end to end: two real vLLM CPU OpenAI servers, each with its own
+daemon (KVStore connector), a real indexer following both daemons, the real
+router process, real HTTP clients.
+
+The servers are shared by every test of the module (starting one costs ~25 s of
+a 2-core machine); the test that kills one runs last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore.hashing import BlockHasher
+from kvstore.indexer.config import IndexerConfig
+from kvstore.indexer.service import Indexer, serve
+from kvstore.indexer.subscriber import SourceSpec
+from router_client.prefix_cache import PrefixHashCache
+from tests.integration import vllm_model as vm
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None, reason="aiohttp missing"),
+    pytest.mark.timeout(900),
+]
+
+BS = vm.BLOCK_SIZE
+START_TIMEOUT_S = 240.0
+# A chat template the word-level tokenizer turns into exactly the words written.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+# (Role names are not words of the tiny vocabulary: each becomes its unknown token.)
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i - 2}" for i in ids)
+
+
+# -------------------------------------------------------------------- plumbing
+
+
+class Http:
+    """A blocking HTTP/1.1 client over TCP or a Unix socket (no connection reuse)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address  # "unix:/path" or "host:port"
+
+    def connect(self, timeout_s: float = 60.0) -> socket.socket:
+        if self.address.startswith("unix:"):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(timeout_s)
+            s.connect(self.address[5:])
+        else:
+            host, port = self.address.rsplit(":", 1)
+            s = socket.create_connection((host, int(port)), timeout=timeout_s)
+        return s
+
+    def send(self, s: socket.socket, method: str, path: str, body: bytes | None) -> None:
+        head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        s.sendall(head.encode() + b"\r\n" + (body or b""))
+
+    def request(
+        self, method: str, path: str, body: Any = None, raw: bytes | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        with contextlib.closing(self.connect()) as s:
+            self.send(s, method, path, data)
+            buf = b""
+            while chunk := s.recv(65536):
+                buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+        if headers.get("transfer-encoding") == "chunked":
+            rest = _dechunk(rest)
+        return status, headers, rest
+
+    def post(self, path: str, body: Any) -> tuple[int, dict[str, str], Any]:
+        status, headers, data = self.request("POST", path, body)
+        return status, headers, json.loads(data) if data else None
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        status, _, data = self.request("GET", path)
+        return status, data
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size, _, data = data.partition(b"\r\n")
+        n = int(size.split(b";")[0], 16)
+        if n == 0:
+            break
+        out, data = out + data[:n], data[n + 2 :]
+    return out
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s")
+
+
+def metric(http: Http, name: str) -> float:
+    """Sum of one Prometheus metric's samples (all labels)."""
+    status, text = http.get("/metrics")
+    assert status == 200
+    total = 0.0
+    for line in text.decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@dataclass
+class Engine:
+    node: str
+    sock: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    daemon: Any
+
+    @property
+    def http(self) -> Http:
+        return Http(f"unix:{self.sock}")
+
+    def up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"vLLM {self.node} exited:\n{vm._tail(self.log)}")
+        try:
+            return self.http.get("/health")[0] == 200
+        except OSError:
+            return False
+
+
+def start_engine(tmp: Path, node: str, model_dir: Path, daemon: Any, template: Path) -> Engine:
+    sock = str(tmp / f"{node}.http.sock")
+    log = tmp / f"{node}.vllm.log"
+    kv = vm.kv_transfer_config(daemon.address)
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        "tiny",
+        "--uds",
+        sock,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(vm.MAX_MODEL_LEN),
+        "--block-size",
+        str(BS),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--max-num-seqs",
+        "4",
+        "--enable-prompt-tokens-details",
+        "--chat-template",
+        str(template),
+        "--kv-transfer-config",
+        json.dumps(kv),
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=out, stderr=subprocess.STDOUT
+        )
+    return Engine(node, sock, proc, log, daemon)
+
+
+def start_router(tmp: Path, name: str, settings: dict[str, str]) -> tuple[subprocess.Popen, Http]:
+    args = [sys.executable, "-m", "kvstore", "router", "--set", "router.listen=127.0.0.1:0"]
+    for k, v in settings.items():
+        args += ["--set", f"router.{k}={v}"]
+    log = tmp / f"{name}.log"
+    env = dict(os.environ, PYTHONPATH=str(vm.REPO_ROOT))
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(args, cwd=vm.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"router exited {proc.returncode}: {log.read_text()}")
+        m = re.search(r"listening on http://([\d.]+:\d+)", line)
+        if m:
+            return proc, Http(m.group(1))
+    raise AssertionError("router did not start")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+@dataclass
+class Cluster:
+    engines: dict[str, Engine]
+    router: Http
+    router_proc: subprocess.Popen
+    indexer: Indexer
+    indexer_address: str
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    from kvstore.process import DaemonProcess
+
+    tmp = tmp_path_factory.mktemp("router_vllm")
+    model_dir = vm.make_tiny_llama(tmp / "model")
+    template = tmp / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    daemons, engines, procs = [], {}, []
+    ix = None
+    server = None
+    try:
+        for node in ("node-a", "node-b"):
+            d = DaemonProcess(
+                tmp / node,
+                name=node,
+                tcp=False,
+                dram_bytes=128 << 20,
+                settings={
+                    "events.enabled": True,
+                    "events.publish_address": f"ipc://{tmp}/{node}.pub",
+                    "events.replay_address": f"ipc://{tmp}/{node}.replay",
+                },
+            )
+            d.start()
+            daemons.append(d)
+        ix = Indexer(
+            IndexerConfig(
+                sources=[
+                    SourceSpec(
+                        node=d.name,
+                        endpoint=f"ipc://{tmp}/{d.name}.pub",
+                        replay_endpoint=f"ipc://{tmp}/{d.name}.replay",
+                    )
+                    for d in daemons
+                ]
+            )
+        )
+        ix.start()
+        server, port = serve(ix, "127.0.0.1:0")
+        for d in daemons:
+            engines[d.name] = start_engine(tmp, d.name, model_dir, d, template)
+        for e in engines.values():
+            wait_for(e.up, START_TIMEOUT_S, f"vLLM {e.node} healthy")
+        rproc, router = start_router(
+            tmp,
+            "router",
+            {
+                **{f"backends.{n}": f"unix:{e.sock}" for n, e in engines.items()},
+                "indexer": f"127.0.0.1:{port}",
+                # generous on a loaded 2-core box; the fallback test has its own
+                "decision_deadline_s": "5",
+                "scrape_interval_s": "0.5",
+            },
+        )
+        procs.append(rproc)
+        yield Cluster(engines, router, rproc, ix, f"127.0.0.1:{port}", tmp)
+    finally:
+        for p in procs:
+            stop(p)
+        for e in engines.values():
+            stop(e.proc)
+        if server is not None:
+            server.stop(0)
+        if ix is not None:
+            ix.close()
+        for d in daemons:
+            d.stop()
+
+
+def completion(ids: list[int], max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, **extra}
+
+
+def index_prefix(c: Cluster, node: str, hashes: np.ndarray) -> int:
+    model = str(c.tmp / "model")  # the connector's namespace model: vLLM's model path
+    return next((s.prefix_blocks for s in c.indexer.score(model, hashes) if s.node == node), 0)
+
+
+def router_hashes(ids: list[int], salt: str | None = None) -> np.ndarray:
+    """What the router computes (its PrefixHashCache over vLLM's default sha256)."""
+    return PrefixHashCache(BlockHasher(BS, "sha256")).hash(ids, cache_salt=salt).hashes
+
+
+# ------------------------------------------------------------------------ tests
+
+
+def test_router_hashes_equal_the_engines_block_hashes_and_route_there(cluster):
+    """A prompt computed on node-b: the blocks its daemon published are exactly the
+    router's hashes (salted and not), and the router then sends it to node-b."""
+    b = cluster.engines["node-b"]
+    ids = vm.prompt_ids(11, 6 * BS + 5)
+    for salt in (None, "tenant-1"):
+        extra = {"cache_salt": salt} if salt else {}
+        status, _, direct = b.http.post("/v1/completions", completion(ids, **extra))
+        assert status == 200, direct
+        hashes = router_hashes(ids, salt)
+        assert hashes.size == 6
+        wait_for(lambda h=hashes: index_prefix(cluster, "node-b", h) == 6, 30, "index")
+        status, headers, routed = cluster.router.post("/v1/completions", completion(ids, **extra))
+        assert status == 200, routed
+        # Ties (no cache) would go to node-a: node-b is the cache's choice.
+        assert (headers["x-kvstore-backend"], headers["x-kvstore-route"]) == ("node-b", "prefix")
+        assert routed["usage"]["prompt_tokens_details"]["cached_tokens"] >= 6 * BS
+        assert routed["choices"][0]["text"] == direct["choices"][0]["text"]
+    # Another tenant's salt matches nothing: no cache signal, load decides.
+    status, headers, _ = cluster.router.post(
+        "/v1/completions", completion(ids, cache_salt="tenant-2")
+    )
+    assert status == 200 and headers["x-kvstore-route"] in ("load", "no_hit")
+    assert index_prefix(cluster, "node-b", router_hashes(ids, "tenant-2")) == 0
+
+
+def test_second_turn_goes_to_the_node_holding_its_prefix(cluster):
+    """A chat's first turn ran on node-b; its second turn (the whole conversation
+    re-sent) goes to node-b through the router, gets cached tokens, and answers
+    exactly what an engine without that cache answers."""
+    a, b = cluster.engines["node-a"], cluster.engines["node-b"]
+    first = [{"role": "user", "content": words(vm.prompt_ids(21, 7 * BS))}]
+    chat = {"model": "tiny", "max_tokens": 8, "temperature": 0}
+    status, _, t1 = b.http.post("/v1/chat/completions", {**chat, "messages": first})
+    assert status == 200, t1
+    answer = t1["choices"][0]["message"]["content"]
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": words(vm.prompt_ids(22, BS))},
+    ]
+    # The first turn's full blocks are in node-b's daemon, under the hashes the
+    # router computes from the engine's /tokenize of the conversation.
+    status, _, tok = b.http.post("/tokenize", {"model": "tiny", "messages": first})
+    prefix_blocks = len(tok["tokens"]) // BS
+    wait_for(
+        lambda: index_prefix(cluster, "node-b", router_hashes(tok["tokens"])) >= prefix_blocks,
+        30,
+        "first turn indexed",
+    )
+    status, headers, t2 = cluster.router.post("/v1/chat/completions", {**chat, "messages": second})
+    assert status == 200, t2
+    assert headers["x-kvstore-backend"] == "node-b", headers
+    assert headers["x-kvstore-route"] == "prefix"
+    assert t2["usage"]["prompt_tokens_details"]["cached_tokens"] >= prefix_blocks * BS
+    # The same second turn on node-a, which never saw this conversation.
+    status, _, ref = a.http.post("/v1/chat/completions", {**chat, "messages": second})
+    assert status == 200
+    assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert t2["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def _sse_events(data: bytes) -> list[Any]:
+    out = []
+    for block in data.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:].strip()
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def test_streaming_passes_through_and_a_disconnect_aborts_upstream(cluster):
+    ids = vm.prompt_ids(31, 3 * BS)
+    body = completion(ids, max_tokens=12, stream=True)
+    status, headers, data = cluster.router.request("POST", "/v1/completions", body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(data)
+    assert events[-1] == "[DONE]" and len(events) >= 13  # one event per token, then DONE
+    text = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    node = cluster.engines[headers["x-kvstore-backend"]]
+    status, _, plain = node.http.post("/v1/completions", completion(ids, max_tokens=12))
+    assert text == plain["choices"][0]["text"]
+
+    # A long generation, abandoned after its first event: the router closes the
+    # engine's connection, the engine aborts it (it never finishes, counted).
+    long_ids = vm.prompt_ids(32, 2 * BS)
+    long_body = json.dumps(
+        completion(long_ids, max_tokens=vm.MAX_MODEL_LEN - 2 * BS - 8, stream=True, ignore_eos=True)
+    ).encode()
+    finished = {n: metric(e.http, "vllm:request_success_total") for n, e in cluster.engines.items()}
+    s = cluster.router.connect()
+    cluster.router.send(s, "POST", "/v1/completions", long_body)
+    got = b""
+    while b"data: " not in got:
+        chunk = s.recv(4096)
+        assert chunk, "stream ended before its first event"
+        got += chunk
+    m = re.search(rb"x-kvstore-backend: ([\w-]+)", got)
+    assert m, got
+    target = cluster.engines[m.group(1).decode()]
+    s.close()
+    wait_for(lambda: metric(target.http, "vllm:num_requests_running") == 0, 60, "upstream stopped")
+    assert metric(target.http, "vllm:request_success_total") == finished[target.node], (
+        "the abandoned request ran to completion: the upstream was not cancelled"
+    )
+    wait_for(
+        lambda: metric(cluster.router, "kvstore_router_client_disconnects_total") >= 1,
+        10,
+        "disconnect counted",
+    )
+
+
+def test_bad_input_gets_openai_statuses(cluster):
+    r = cluster.router
+    status, _, data = r.request("POST", "/v1/completions", raw=b'{"model": "tiny", "prompt": ')
+    assert status == 400 and json.loads(data)["error"]["type"] == "BadRequestError"
+    status, _, err = r.post("/v1/completions", completion([5, 6, 7]) | {"model": "gpt-9"})
+    assert status == 404 and err["error"]["param"] == "model" and "tiny" in err["error"]["message"]
+    # Over the model's length: the engine's own 400, passed through.
+    status, _, err = r.post("/v1/completions", completion(vm.prompt_ids(41, vm.MAX_MODEL_LEN + 10)))
+    assert status == 400 and "maximum context length" in err["error"]["message"], err
+    status, _, err = r.post("/v1/chat/completions", {"model": "tiny", "messages": "hi"})
+    assert status == 400 and err["error"]["param"] == "messages"
+    status, _, err = r.post("/v1/completions", completion(["x", 1]))  # type: ignore[list-item]
+    assert status == 400
+    status, models = r.get("/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(models)["data"]] == ["tiny"]
+    status, health = r.get("/health")
+    assert status == 200 and set(json.loads(health)["healthy_backends"]) == {"node-a", "node-b"}
+    assert metric(r, "kvstore_router_requests_total") >= 5
+
+
+def test_an_indexer_that_does_not_answer_falls_back_within_its_deadline(cluster):
+    with socket.socket() as silent:  # accepts TCP, never speaks HTTP/2
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        proc, r = start_router(
+            cluster.tmp,
+            "router-silent-indexer",
+            {
+                **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+                "indexer": f"127.0.0.1:{silent.getsockname()[1]}",
+                "decision_deadline_s": "0.3",
+            },
+        )
+        try:
+            t0 = time.monotonic()
+            status, headers, out = r.post("/v1/completions", completion(vm.prompt_ids(51, 3 * BS)))
+            elapsed = time.monotonic() - t0
+            assert status == 200, out
+            assert headers["x-kvstore-route"] == "fallback"
+            assert metric(r, 'kvstore_router_decisions_total{reason="fallback"}') == 1
+            # the decision took its deadline, not more (plus one generation of 8 tokens)
+            assert metric(r, "kvstore_router_decision_seconds_sum") < 1.5
+            assert elapsed < 30
+        finally:
+            stop(proc)
+
+
+def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_then_others_serve(cluster):
+    """Runs last: it kills node-b's engine."""
+    b = cluster.engines["node-b"]
+    proc, only_b = start_router(cluster.tmp, "router-only-b", {"backends.node-b": f"unix:{b.sock}"})
+    try:
+        body = json.dumps(
+            completion(
+                vm.prompt_ids(61, 2 * BS),
+                max_tokens=vm.MAX_MODEL_LEN - 2 * BS - 8,
+                stream=True,
+                ignore_eos=True,
+            )
+        ).encode()
+        s = only_b.connect(timeout_s=60)
+        only_b.send(s, "POST", "/v1/completions", body)
+        got = b""
+        while b"data: " not in got:
+            chunk = s.recv(4096)
+            assert chunk
+            got += chunk
+        b.proc.kill()
+        b.proc.wait(30)
+        while chunk := s.recv(65536):  # must end (the socket timeout bounds a hang)
+            got += chunk
+        s.close()
+        head, _, chunked = got.partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower()
+        tail = _dechunk(chunked)[-2000:].decode(errors="replace")
+        assert '"error"' in tail and "node-b" in tail and tail.rstrip().endswith("[DONE]"), tail
+        assert metric(only_b, "kvstore_router_upstream_errors_total") >= 1
+        # With its only engine gone, the router answers 503, at once.
+        status, _, err = only_b.post("/v1/completions", completion([5, 6, 7]))
+        assert status == 503 and err["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        stop(proc)
+    # The main router: node-b is unreachable, every request is served by node-a,
+    # even one whose prefix only node-b held.
+    ids = vm.prompt_ids(11, 6 * BS + 5)  # the first test's prompt, cached on node-b
+    for _ in range(2):
+        status, headers, out = cluster.router.post("/v1/completions", completion(ids))
+        assert status == 200, out
+        assert headers["x-kvstore-backend"] == "node-a"
