@@ -65,7 +65,7 @@ import numpy as np
 from bench import _common
 from bench import trace as T
 from bench.costmodel import CostModel
-from router_client.policy import NodeHit, NodeLoad, ScoreResult
+from router_client.policy import NodeHit, NodeLoad, Policy, ScoreResult
 from router_client.strategies import DEFAULT_STRATEGY, Strategy, make_strategy
 from router_client.strategies import STRATEGIES as ROUTER_STRATEGIES
 
@@ -132,6 +132,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="service",
         help="service: the `kvstore.indexer` process over gRPC; in-process: its index "
         "fed in this process, drained before every decision (no ingest lag)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a router_client.Policy weight for cache+load (e.g. load_weight=0.3)",
     )
     p.add_argument("--max-requests", type=int, default=0, help="stop after this many (0 = all)")
     p.add_argument("--results", default="results")
@@ -288,6 +295,19 @@ class Scorer(Protocol):
     def catch_up(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+def policy_from_args(overrides: Sequence[str]) -> Policy:
+    """router_client's default Policy with ``field=value`` overrides (--policy)."""
+    import msgspec
+
+    fields: dict[str, Any] = msgspec.structs.asdict(Policy())
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--policy {item!r}: one of {', '.join(fields)} = a number")
+        fields[key] = type(fields[key])(value)
+    return Policy(**fields)
 
 
 def index_scores(index: Scorer, hashes: np.ndarray) -> ScoreResult:
@@ -793,6 +813,7 @@ class Replay:
         time.sleep(0.3)  # ZMQ slow joiner: let subscriptions reach the publishers
         router: Strategy = make_strategy(
             "approximate" if strategy == GPU_ONLY else strategy,
+            policy=policy_from_args(args.policy),
             seed=args.seed,
             approximate_capacity_blocks=self.gpu_blocks,
         )

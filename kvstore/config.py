@@ -200,6 +200,16 @@ class RouterConfig(_Section):
     """Largest request body accepted (413 beyond)."""
     max_inflight: int = 1024
     """Requests proxied at once; beyond, new ones get 429 with Retry-After."""
+    peer_hints: bool = True
+    """Send a chosen engine that lacks part of the prefix kv_transfer_params
+    {"kvstore_peer": <node holding it>}, so its daemon pulls the blocks (needs [peer])."""
+    prefill: list[str] = msgspec.field(default_factory=list)
+    """Prefill/decode split: node ids (of backends) that only prefill. [] = no split."""
+    decode: list[str] = msgspec.field(default_factory=list)
+    """Node ids that decode: they get the prompt with a kvstore_peer hint naming the
+    prefill node, whose daemon holds the KV. Required with prefill."""
+    prefill_deadline_s: float = 30.0
+    """A prefill that has not answered by then is abandoned: decode computes locally."""
 
 
 class Config(_Section):
@@ -372,6 +382,13 @@ def validate(config: Config) -> None:
         problems.append(
             "router: need block_size_tokens >= 0, backend_capacity and max_inflight > 0"
         )
+    if bool(r.prefill) != bool(r.decode):
+        problems.append("router: prefill and decode go together (both lists, or neither)")
+    for node in [*r.prefill, *r.decode]:
+        if node not in r.backends:
+            problems.append(f"router: prefill/decode node {node!r} is not in router.backends")
+    if set(r.prefill) & set(r.decode):
+        problems.append("router: a node cannot be both prefill and decode")
     for node, url in r.backends.items():
         if not url.startswith(("http://", "https://", "unix:")):
             problems.append(f"router.backends.{node}: {url!r} is not http(s)://... or unix:/...")

@@ -78,11 +78,21 @@ class PrefixHashCache:
     ) -> Hashed:
         """Block hashes of ``token_ids``; stores the chain (LRU) unless ``remember`` is off."""
         bs = self.hasher.block_size
-        tok = np.asarray(token_ids)
-        if tok.ndim != 1 or (tok.size and tok.dtype.kind not in "iu"):
-            # the hasher raises the precise error
-            self.hasher.hash_tokens(token_ids, cache_salt=cache_salt, lora=lora)
-        tok = tok.astype(np.int64, copy=False)
+        # A list (a parsed JSON prompt) becomes an array this cache owns: fromiter
+        # is the cheapest conversion (~2x asarray for 195k ints); an array the
+        # caller passed is copied when stored, since the caller may change it.
+        owned = isinstance(token_ids, list)
+        if owned:
+            try:
+                tok = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+            except (TypeError, ValueError, OverflowError) as e:
+                raise InvalidRequest(f"token ids must be integers: {e}") from None
+        else:
+            tok = np.asarray(token_ids)
+            if tok.ndim != 1 or (tok.size and tok.dtype.kind not in "iu"):
+                # the hasher raises the precise error
+                self.hasher.hash_tokens(token_ids, cache_salt=cache_salt, lora=lora)
+            tok = tok.astype(np.int64, copy=False)
         n_blocks = tok.size // bs
         if n_blocks == 0:
             return Hashed(np.zeros(0, dtype=np.uint64), 0, "")
@@ -107,7 +117,8 @@ class PrefixHashCache:
         self.hashed_blocks += n_blocks - best_blocks
         chain = None
         if remember:
-            chain = _Chain(tok[: n_blocks * bs].copy(), digests, ints)
+            kept = tok[: n_blocks * bs]
+            chain = _Chain(kept if owned else kept.copy(), digests, ints)
             self._store(key, chain, best, best_blocks)
         return Hashed(ints, best_blocks, previous, chain)
 

@@ -106,6 +106,17 @@ class RouterMetrics:
             "Requests refused with 429 because the router was at max_inflight.",
             registry=r,
         )
+        self.peer_hints = Counter(
+            "kvstore_router_peer_hints_total",
+            "Requests sent with a kvstore_peer hint (the engine's daemon pulls the prefix).",
+            registry=r,
+        )
+        self.pd_fallbacks = Counter(
+            "kvstore_router_pd_fallbacks_total",
+            "Prefill/decode requests whose prefill failed or was late (decode computed it).",
+            ["reason"],
+            registry=r,
+        )
         r.register(_FleetCollector(fleet))
 
     def render(self) -> bytes:

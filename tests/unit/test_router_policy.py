@@ -155,5 +155,12 @@ def test_prefix_cache_is_bounded_in_tokens_and_chains():
     assert many.stored_tokens == MAX_CHAINS_PER_KEY * 2 * bs
     with pytest.raises(InvalidRequest):
         cache.hash(np.zeros((2, 8), dtype=np.int64))
+    with pytest.raises(InvalidRequest, match="integers"):
+        cache.hash([1, 2, "x", 4])  # a JSON prompt with a string in it
+    # a list (a parsed JSON prompt) hashes exactly like the same array
+    ids = list(range(3 * bs + 1))
+    np.testing.assert_array_equal(
+        PrefixHashCache(BlockHasher(bs)).hash(ids).hashes, BlockHasher(bs).hash_tokens_int(ids)
+    )
     with pytest.raises(InvalidRequest):
         PrefixHashCache(BlockHasher(bs), max_tokens=0)
