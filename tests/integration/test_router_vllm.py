@@ -493,6 +493,55 @@ def test_an_indexer_that_does_not_answer_falls_back_within_its_deadline(cluster)
             stop(proc)
 
 
+def test_two_router_replicas_decide_alike_and_one_killed_the_other_serves(cluster):
+    """Replicas keep no state a decision needs that the other lacks: the index is
+    shared (the indexer), load comes from the engines. Same requests, same
+    choices; a client that retries on connection refused loses nothing."""
+    b = cluster.engines["node-b"]
+    settings = {
+        **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+        "indexer": cluster.indexer_address,
+        "decision_deadline_s": "5",
+    }
+    proc, replica = start_router(cluster.tmp, "router-replica", settings)
+    try:
+        held = vm.prompt_ids(81, 4 * BS + 1)
+        assert b.http.post("/v1/completions", completion(held))[0] == 200
+        hashes = router_hashes(held)
+        wait_for(lambda: index_prefix(cluster, "node-b", hashes) == 4, 30, "indexed")
+        for ids in (held, vm.prompt_ids(82, 3 * BS), held + vm.prompt_ids(83, BS)):
+            # A request changes the state (its node stores the prompt): first let
+            # one go and its blocks reach the index, then ask both replicas.
+            status, headers, _ = cluster.router.post("/v1/completions", completion(ids))
+            node, n = headers["x-kvstore-backend"], len(ids) // BS
+            wait_for(
+                lambda i=ids, nd=node, k=n: index_prefix(cluster, nd, router_hashes(i)) == k,
+                30,
+                "indexed",
+            )
+            choices = []
+            for r in (cluster.router, replica):
+                status, headers, out = r.post("/v1/completions", completion(ids))
+                assert status == 200, out
+                choices.append((headers["x-kvstore-backend"], headers["x-kvstore-route"]))
+            assert choices[0] == choices[1], choices
+        proc.kill()  # mid-traffic: no graceful stop
+        proc.wait(10)
+        served = 0
+        for ids in (held, vm.prompt_ids(84, 2 * BS)):
+            for r in (replica, cluster.router):  # the client's list of router addresses
+                try:
+                    status, _, out = r.post("/v1/completions", completion(ids))
+                except ConnectionRefusedError:
+                    continue
+                assert status == 200, out
+                served += 1
+                break
+        assert served == 2
+    finally:
+        stop(proc)
+
+
 @pytest.mark.nixl
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
 def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(cluster):
