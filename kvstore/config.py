@@ -210,6 +210,10 @@ class RouterConfig(_Section):
     prefill node, whose daemon holds the KV. Required with prefill."""
     prefill_deadline_s: float = 30.0
     """A prefill that has not answered by then is abandoned: decode computes locally."""
+    tenants: dict[str, str] = msgspec.field(default_factory=dict)
+    """API key (Authorization: Bearer <key>) -> tenant. Set: a request without a known
+    key gets 401, and the router sets its cache_salt from the tenant (a client's own
+    cache_salt is replaced, never trusted), so tenants never share KV."""
 
 
 class Config(_Section):

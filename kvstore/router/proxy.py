@@ -87,6 +87,11 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+def tenant_salt(tenant: str) -> str:
+    """The cache_salt of a tenant: the same on every router replica (stateless)."""
+    return f"kvstore-tenant:{tenant}"
+
+
 def sse_error(message: str, status: int = 502) -> bytes:
     body = {"error": {"message": message, "type": "BadGatewayError", "param": None, "code": status}}
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
@@ -225,6 +230,12 @@ class Router:
             raise RouteError(400, f"malformed JSON body: {e}", "BadRequestError") from None
         if not isinstance(body, dict):
             raise RouteError(400, "the body must be a JSON object", "BadRequestError")
+        if self.config.tenants:
+            tenant = self._tenant(request)
+            # The tenant's salt replaces whatever the client sent: KV is shared
+            # within a tenant only (the engines' prefix caches and the daemons).
+            body["cache_salt"] = tenant_salt(tenant)
+            raw = msgspec.json.encode(body)
         model = body.get("model")
         models = self.fleet.models()
         if not models:
@@ -257,6 +268,18 @@ class Router:
             raw = msgspec.json.encode({**body, "kv_transfer_params": {PEER_HINT: decision.peer}})
             self.metrics.peer_hints.inc()
         return await self._forward(request, raw, order, decision, headers, stream)
+
+    def _tenant(self, request: web.Request) -> str:
+        auth = request.headers.get("Authorization", "")
+        key = auth[len("Bearer ") :].strip() if auth.startswith("Bearer ") else ""
+        tenant = self.config.tenants.get(key) if key else None
+        if tenant is None:
+            raise RouteError(
+                401,
+                "missing or unknown API key (Authorization: Bearer <key>)",
+                "AuthenticationError",
+            )
+        return tenant
 
     async def _complete_split(
         self,

@@ -74,18 +74,31 @@ class Http:
             s = socket.create_connection((host, int(port)), timeout=timeout_s)
         return s
 
-    def send(self, s: socket.socket, method: str, path: str, body: bytes | None) -> None:
+    def send(
+        self,
+        s: socket.socket,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         if body is not None:
             head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
         s.sendall(head.encode() + b"\r\n" + (body or b""))
 
     def request(
-        self, method: str, path: str, body: Any = None, raw: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
         with contextlib.closing(self.connect()) as s:
-            self.send(s, method, path, data)
+            self.send(s, method, path, data, headers)
             buf = b""
             while chunk := s.recv(65536):
                 buf += chunk
@@ -97,8 +110,10 @@ class Http:
             rest = _dechunk(rest)
         return status, headers, rest
 
-    def post(self, path: str, body: Any) -> tuple[int, dict[str, str], Any]:
-        status, headers, data = self.request("POST", path, body)
+    def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], Any]:
+        status, headers, data = self.request("POST", path, body, headers=headers)
         return status, headers, json.loads(data) if data else None
 
     def get(self, path: str) -> tuple[int, bytes]:
@@ -491,6 +506,42 @@ def test_an_indexer_that_does_not_answer_falls_back_within_its_deadline(cluster)
             assert elapsed < 30
         finally:
             stop(proc)
+
+
+def test_tenants_get_their_own_cache_salt_never_the_clients(cluster):
+    settings = {
+        **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+        "indexer": cluster.indexer_address,
+        "decision_deadline_s": "5",
+        "tenants.key-a": "team-a",
+        "tenants.key-b": "team-b",
+    }
+    proc, r = start_router(cluster.tmp, "router-tenants", settings)
+    try:
+        ids = vm.prompt_ids(91, 5 * BS + 3)
+        as_a = {"Authorization": "Bearer key-a"}
+        as_b = {"Authorization": "Bearer key-b"}
+        status, headers, first = r.post("/v1/completions", completion(ids), as_a)
+        assert status == 200, first
+        node = headers["x-kvstore-backend"]
+        salt_a = "kvstore-tenant:team-a"
+        wait_for(
+            lambda: index_prefix(cluster, node, router_hashes(ids, salt_a)) == 5, 30, "indexed"
+        )
+        # team-a again: its own KV (the prefix, on the node that computed it)
+        status, headers, again = r.post("/v1/completions", completion(ids), as_a)
+        assert (headers["x-kvstore-backend"], headers["x-kvstore-route"]) == (node, "prefix")
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * BS
+        # team-b, even claiming team-a's salt, shares nothing: no prefix, nothing cached
+        status, headers, other = r.post("/v1/completions", completion(ids, cache_salt=salt_a), as_b)
+        assert status == 200 and headers["x-kvstore-route"] != "prefix"
+        assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert other["choices"][0]["text"] == first["choices"][0]["text"]
+        for bad in ({}, {"Authorization": "Bearer nope"}):
+            status, _, err = r.post("/v1/completions", completion(ids), bad)
+            assert status == 401 and err["error"]["type"] == "AuthenticationError"
+    finally:
+        stop(proc)
 
 
 def test_two_router_replicas_decide_alike_and_one_killed_the_other_serves(cluster):
