@@ -44,6 +44,7 @@ from kvstore.errors import KVStoreError
 from kvstore.hashing import BlockHasher
 from kvstore.router.backends import Backend, Fleet
 from kvstore.router.metrics import RouterMetrics
+from kvstore.sdnotify import SdNotifier
 from router_client.policy import Decision, Policy, ScoreResult
 from router_client.prefix_cache import Hashed, PrefixHashCache
 from router_client.scorer import RouterClient
@@ -586,7 +587,12 @@ async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> Non
         print(f"kvstore router listening on http://{h}:{p}", flush=True)
     if ready is not None:
         ready.set()
+    # systemd Type=notify (deploy/systemd/kvstore-router.service): ready once listening.
+    notifier = SdNotifier.from_env()
+    notifier.ready(f"routing to {len(config.backends)} backends")
     try:
         await asyncio.Event().wait()
     finally:
+        notifier.stopping()
+        notifier.close()
         await runner.cleanup()
