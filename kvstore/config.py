@@ -210,6 +210,23 @@ class RouterConfig(_Section):
     prefill node, whose daemon holds the KV. Required with prefill."""
     prefill_deadline_s: float = 30.0
     """A prefill that has not answered by then is abandoned: decode computes locally."""
+    flow_control: bool = True
+    """Hold requests at the router once every engine runs backend_capacity of them, in
+    per-class queues (priorities, fair share between tenants, 429 for the lowest)."""
+    priority_classes: list[str] = msgspec.field(default_factory=lambda: ["high", "normal", "low"])
+    """Priority classes, most important first. A request's class: its
+    x-kvstore-priority header, else its tenant's (tenant_priority), else the body's
+    vLLM "priority" (< 0: the first class, > 0: the last), else default_priority."""
+    default_priority: str = "normal"
+    """The class of a request that names none."""
+    queue_max: int = 1024
+    """Waiting requests per class; beyond, 429 (the first class: 503, never shed)."""
+    low_max_wait_s: float = 5.0
+    """The last class waits at most this for a slot, then gets 429 + Retry-After."""
+    tenant_weights: dict[str, float] = msgspec.field(default_factory=dict)
+    """Fair-share weight per tenant (default 1): slots given in proportion while waiting."""
+    tenant_priority: dict[str, str] = msgspec.field(default_factory=dict)
+    """Tenant -> priority class (overrides the request's own claim)."""
     tenants: dict[str, str] = msgspec.field(default_factory=dict)
     """API key (Authorization: Bearer <key>) -> tenant. Set: a request without a known
     key gets 401, and the router sets its cache_salt from the tenant (a client's own
@@ -386,6 +403,13 @@ def validate(config: Config) -> None:
         problems.append(
             "router: need block_size_tokens >= 0, backend_capacity and max_inflight > 0"
         )
+    if not r.priority_classes or r.default_priority not in r.priority_classes:
+        problems.append("router: default_priority must be one of router.priority_classes")
+    for tenant, klass in r.tenant_priority.items():
+        if klass not in r.priority_classes:
+            problems.append(f"router.tenant_priority.{tenant}: {klass!r} is not a class")
+    if r.queue_max <= 0 or r.low_max_wait_s <= 0:
+        problems.append("router: queue_max and low_max_wait_s must be > 0")
     if bool(r.prefill) != bool(r.decode):
         problems.append("router: prefill and decode go together (both lists, or neither)")
     for node in [*r.prefill, *r.decode]:

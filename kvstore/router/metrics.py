@@ -103,7 +103,14 @@ class RouterMetrics:
         )
         self.shed = Counter(
             "kvstore_router_shed_requests_total",
-            "Requests refused with 429 because the router was at max_inflight.",
+            "Requests refused with 429/503: the router at max_inflight, or shed by flow control.",
+            registry=r,
+        )
+        self.queue_s = Histogram(
+            "kvstore_router_queue_seconds",
+            "Time a request waited for a slot (every engine saturated), by priority class.",
+            ["priority"],
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.peer_hints = Counter(

@@ -43,6 +43,7 @@ from kvstore.config import RouterConfig
 from kvstore.errors import KVStoreError
 from kvstore.hashing import BlockHasher
 from kvstore.router.backends import Backend, Fleet
+from kvstore.router.flow import FlowControl, Shed
 from kvstore.router.metrics import RouterMetrics
 from kvstore.sdnotify import SdNotifier
 from router_client.policy import Decision, Policy, ScoreResult
@@ -115,6 +116,13 @@ class Router:
         # One thread for the blocking gRPC Score: its deadline bounds the wait.
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="router-score")
         self._inflight = 0
+        self.flow = FlowControl(
+            classes=config.priority_classes,
+            slots=max(1, int(len(config.backends) * config.backend_capacity)),
+            queue_max=config.queue_max,
+            low_max_wait_s=config.low_max_wait_s,
+            weights=config.tenant_weights,
+        )
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
@@ -210,6 +218,11 @@ class Router:
             resp, node = await self._complete(request)
         except RouteError as e:
             resp, node = e.response(), ""
+        except Shed as e:
+            self.metrics.shed.inc()
+            kind = "RateLimitError" if e.status == 429 else "ServiceUnavailableError"
+            retry = {"Retry-After": str(max(1, round(e.retry_after_s)))}
+            resp, node = error_response(e.status, e.message, kind, headers=retry), ""
         finally:
             self._inflight -= 1
         self.metrics.requests.labels(endpoint, node, str(resp.status)).inc()
@@ -249,6 +262,47 @@ class Router:
                 "model",
             )
         candidates = self.fleet.candidates(model)
+        if not self.config.flow_control:
+            return await self._route(request, raw, body, model, candidates)
+        tenant = self._tenant(request) if self.config.tenants else ""
+        klass = self._priority(request, body, tenant)
+        self.flow.set_slots(
+            int(sum(1 for b in self.fleet.backends.values() if b.healthy) * self.fleet.capacity)
+        )
+        t0 = time.perf_counter()
+        await self.flow.acquire(klass, tenant)
+        self.metrics.queue_s.labels(klass).observe(time.perf_counter() - t0)
+        try:
+            return await self._route(request, raw, body, model, candidates)
+        finally:
+            self.flow.release()
+
+    def _priority(self, request: web.Request, body: dict[str, Any], tenant: str) -> str:
+        classes = self.config.priority_classes
+        claimed = request.headers.get("x-kvstore-priority", "")
+        if tenant and tenant in self.config.tenant_priority:
+            return self.config.tenant_priority[tenant]
+        if claimed:
+            if claimed not in classes:
+                raise RouteError(
+                    400,
+                    f"x-kvstore-priority {claimed!r}: one of {', '.join(classes)}",
+                    "BadRequestError",
+                )
+            return claimed
+        prio = body.get("priority")
+        if isinstance(prio, int) and not isinstance(prio, bool) and prio:
+            return classes[0] if prio < 0 else classes[-1]  # vLLM: lower = sooner
+        return self.config.default_priority
+
+    async def _route(
+        self,
+        request: web.Request,
+        raw: bytes,
+        body: dict[str, Any],
+        model: str,
+        candidates: list[Backend],
+    ) -> tuple[web.StreamResponse, str]:
         chat = request.path == CHAT
         headers = {"content-type": "application/json"}
         if "Authorization" in request.headers:

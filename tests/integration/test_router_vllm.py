@@ -544,6 +544,76 @@ def test_tenants_get_their_own_cache_salt_never_the_clients(cluster):
         stop(proc)
 
 
+def test_priorities_when_every_engine_is_saturated(cluster):
+    """backend_capacity 1: two long generations fill both engines. A high request
+    waits for the first free slot and is served; low requests queue, then are
+    shed with 429 + Retry-After (one more than the queue holds at once)."""
+    import threading
+
+    settings = {
+        **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+        "indexer": cluster.indexer_address,
+        "decision_deadline_s": "5",
+        "backend_capacity": "1",
+        "queue_max": "2",
+        "low_max_wait_s": "0.3",
+    }
+    proc, r = start_router(cluster.tmp, "router-priorities", settings)
+    long_tokens = vm.MAX_MODEL_LEN - 2 * BS - 8
+    results: dict[str, Any] = {}
+
+    def send(name: str, ids: list[int], priority: str, max_tokens: int) -> None:
+        t0 = time.monotonic()
+        status, headers, out = r.post(
+            "/v1/completions",
+            completion(ids, max_tokens=max_tokens, ignore_eos=True),
+            {"x-kvstore-priority": priority},
+        )
+        results[name] = (status, headers, out, time.monotonic() - t0)
+
+    try:
+        longs = [
+            threading.Thread(
+                target=send,
+                args=(f"long{i}", vm.prompt_ids(100 + i, 2 * BS), "normal", long_tokens),
+            )
+            for i in range(2)
+        ]
+        for t in longs:
+            t.start()
+        wait_for(
+            lambda: metric(r, "kvstore_router_backend_inflight_requests") == 2, 60, "saturated"
+        )
+        lows = [
+            threading.Thread(target=send, args=(f"low{i}", vm.prompt_ids(110 + i, BS), "low", 4))
+            for i in range(3)
+        ]
+        high = threading.Thread(target=send, args=("high", vm.prompt_ids(120, BS), "high", 4))
+        for t in [*lows, high]:
+            t.start()
+        for t in [*longs, *lows, high]:
+            t.join(300)
+        statuses = {k: v[0] for k, v in results.items()}
+        assert statuses["long0"] == statuses["long1"] == 200, results
+        assert statuses["high"] == 200, results["high"]
+        low = [results[f"low{i}"] for i in range(3)]
+        assert [x[0] for x in low] == [429] * 3, low
+        assert all(x[1].get("retry-after") for x in low)
+        # the two the queue held waited their bound first; the third was refused at once
+        waited = sorted(x[3] for x in low)
+        assert waited[-2] >= 0.3 and waited[-1] >= 0.3
+        # the high request waited for one long generation at most, not for the lows
+        assert results["high"][3] <= max(results["long0"][3], results["long1"][3]) + 5
+        assert metric(r, 'kvstore_router_queue_seconds_count{priority="high"}') == 1
+        assert metric(r, "kvstore_router_shed_requests_total") == 3
+        status, _, err = r.post(
+            "/v1/completions", completion([5, 6, 7]), {"x-kvstore-priority": "urgent"}
+        )
+        assert status == 400 and "x-kvstore-priority" in err["error"]["message"]
+    finally:
+        stop(proc)
+
+
 def test_two_router_replicas_decide_alike_and_one_killed_the_other_serves(cluster):
     """Replicas keep no state a decision needs that the other lacks: the index is
     shared (the indexer), load comes from the engines. Same requests, same
