@@ -170,6 +170,10 @@ class RouterConfig(_Section):
     OpenAI server, "http://host:port" or "unix:/path/to.sock"."""
     indexer: str = ""
     """host:port of the indexer's gRPC Score. "" = no cache signal (load decides)."""
+    daemons: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node id -> that node's daemon gRPC address (host:port or unix:path). A node whose
+    daemon's health is not SERVING (draining for a restart, down) leaves the candidates
+    until it serves again, unless every node is in that state."""
     strategy: Literal["random", "round-robin", "approximate", "precise-only", "cache+load"] = (
         "cache+load"
     )

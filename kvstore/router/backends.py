@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router_client.policy import NodeLoad
 
@@ -59,6 +61,10 @@ class Backend:
     info: EngineInfo = field(default_factory=EngineInfo)
     last_error: str = ""
     scraped_at: float = 0.0
+    daemon: str = ""
+    """The node's daemon gRPC address ("" = not watched)."""
+    daemon_serving: bool = True
+    """The daemon's grpc.health.v1 status is SERVING (True when not watched)."""
 
     def load(self, capacity: float) -> NodeLoad:
         return NodeLoad(
@@ -126,8 +132,11 @@ class Fleet:
         connect_timeout_s: float,
         scrape_interval_s: float,
         capacity: float,
+        daemons: Mapping[str, str] | None = None,
     ) -> None:
         self._spec = dict(backends)
+        self._daemons = dict(daemons or {})
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self.connect_timeout_s = connect_timeout_s
         self.scrape_interval_s = scrape_interval_s
         self.capacity = capacity
@@ -139,7 +148,11 @@ class Fleet:
             url = self._spec[node]
             base, conn = _base_and_connector(url)
             self.backends[node] = Backend(
-                node=node, url=url, base=base, session=aiohttp.ClientSession(connector=conn)
+                node=node,
+                url=url,
+                base=base,
+                session=aiohttp.ClientSession(connector=conn),
+                daemon=self._daemons.get(node, ""),
             )
         await self.scrape_all()
         self._task = asyncio.create_task(self._loop())
@@ -151,6 +164,8 @@ class Fleet:
                 await self._task
         for b in self.backends.values():
             await b.session.close()
+        for ch in self._channels.values():
+            await ch.close()
 
     async def _loop(self) -> None:
         while True:
@@ -163,7 +178,30 @@ class Fleet:
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.backends.values()))
 
+    async def _daemon_health(self, b: Backend) -> None:
+        """A daemon draining for a restart says NOT_SERVING, then stops answering."""
+        ch = self._channels.get(b.node)
+        if ch is None:
+            ch = self._channels[b.node] = grpc.aio.insecure_channel(b.daemon)
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s
+            )
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            serving = False
+        if serving != b.daemon_serving:
+            log.warning(
+                "backend %s: its daemon (%s) %s",
+                b.node,
+                b.daemon,
+                "serves again" if serving else "is not serving: drained from the candidates",
+            )
+        b.daemon_serving = serving
+
     async def _scrape(self, b: Backend) -> None:
+        if b.daemon:
+            await self._daemon_health(b)
         timeout = aiohttp.ClientTimeout(
             total=max(self.scrape_interval_s, self.connect_timeout_s),
             connect=self.connect_timeout_s,
@@ -197,7 +235,11 @@ class Fleet:
         b.last_error = ""
 
     def candidates(self, model: str) -> list[Backend]:
-        return [b for b in self.backends.values() if b.healthy and model in b.models]
+        up = [b for b in self.backends.values() if b.healthy and model in b.models]
+        # Nodes whose daemon drains (a restart) are left out, unless that is all of
+        # them: an engine without its daemon still answers (it recomputes).
+        serving = [b for b in up if b.daemon_serving]
+        return serving or up
 
     def models(self) -> dict[str, ModelInfo]:
         out: dict[str, ModelInfo] = {}

@@ -42,12 +42,18 @@ class _FleetCollector(Collector):
             "The engine's KV-cache usage, 0..1 (last scrape).",
             labels=["backend"],
         )
+        daemon = GaugeMetricFamily(
+            "kvstore_router_backend_daemon_serving",
+            "1 if the node's daemon reports SERVING (or is not watched); 0 = drained.",
+            labels=["backend"],
+        )
         for b in self.fleet.backends.values():
+            daemon.add_metric([b.node], 1.0 if b.daemon_serving else 0.0)
             healthy.add_metric([b.node], 1.0 if b.healthy else 0.0)
             inflight.add_metric([b.node], float(b.inflight))
             queued.add_metric([b.node], b.running + b.waiting)
             kv.add_metric([b.node], b.kv_usage)
-        yield from (healthy, inflight, queued, kv)
+        yield from (healthy, inflight, queued, kv, daemon)
 
 
 class RouterMetrics:

@@ -107,6 +107,7 @@ class Router:
             connect_timeout_s=config.connect_timeout_s,
             scrape_interval_s=config.scrape_interval_s,
             capacity=config.backend_capacity,
+            daemons=config.daemons,
         )
         self.metrics = RouterMetrics(self.fleet)
         self.policy = Policy(load_weight=config.load_weight, peer_weight=config.peer_weight)
@@ -179,8 +180,9 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         up = [b.node for b in self.fleet.backends.values() if b.healthy]
+        drained = [b.node for b in self.fleet.backends.values() if not b.daemon_serving]
         status = 200 if up else 503
-        return web.json_response({"healthy_backends": up}, status=status)
+        return web.json_response({"healthy_backends": up, "drained": drained}, status=status)
 
     async def models(self, request: web.Request) -> web.Response:
         now = int(time.time())

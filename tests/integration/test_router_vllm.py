@@ -724,6 +724,40 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
         stop(proc)
 
 
+def test_a_daemon_restarting_is_drained_then_brought_back(cluster):
+    """node-b's daemon restarts (SIGTERM: NOT_SERVING, drain, exit; then start
+    again, warm): meanwhile the router sends everything to node-a, even a prompt
+    whose prefix node-b holds, and every request is served; then node-b is back."""
+    b = cluster.engines["node-b"]
+    settings = {
+        **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+        **{f"daemons.{n}": e.daemon.address for n, e in cluster.engines.items()},
+        "indexer": cluster.indexer_address,
+        "decision_deadline_s": "5",
+        "scrape_interval_s": "0.3",
+    }
+    proc, r = start_router(cluster.tmp, "router-drain", settings)
+    serving = 'kvstore_router_backend_daemon_serving{backend="node-b"}'
+    try:
+        held = vm.prompt_ids(131, 4 * BS + 2)
+        assert b.http.post("/v1/completions", completion(held))[0] == 200
+        wait_for(lambda: index_prefix(cluster, "node-b", router_hashes(held)) == 4, 30, "indexed")
+        status, headers, _ = r.post("/v1/completions", completion(held))
+        assert (status, headers["x-kvstore-backend"]) == (200, "node-b")
+        b.daemon.stop()  # SIGTERM: the daemon drains and exits (warm restart kept)
+        wait_for(lambda: metric(r, serving) == 0, 30, "node-b drained")
+        assert json.loads(r.get("/health")[1])["drained"] == ["node-b"]
+        for ids in (held, vm.prompt_ids(132, 2 * BS)):
+            status, headers, out = r.post("/v1/completions", completion(ids))
+            assert status == 200, out
+            assert headers["x-kvstore-backend"] == "node-a"
+        b.daemon.start()
+        wait_for(lambda: metric(r, serving) == 1, 60, "node-b back")
+        assert json.loads(r.get("/health")[1])["drained"] == []
+    finally:
+        stop(proc)
+
+
 def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_then_others_serve(cluster):
     """Runs last: it kills node-b's engine."""
     b = cluster.engines["node-b"]
