@@ -161,3 +161,34 @@ def test_cli_names_missing_subcommand_modules() -> None:
     assert proc.returncode == 0
     for name in ("local", "tiers", "policy", "indexer", "p2p", "vllm", "agentic", "compare"):
         assert name in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = _bench(
+        "router",
+        "--engine",
+        "off",
+        "--samples",
+        "4",
+        "--context-tokens",
+        "40000",
+        "--new-tokens",
+        "1000",
+        "--progress",
+        "on",
+        "--results",
+        str(results),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _only_dir(results)
+    data = json.loads((out / "router.json").read_text())
+    d = data["decision"]
+    assert d["request_blocks"] == 40000 // 16
+    # the re-sent turn reused every block of the previous context
+    assert d["reused_blocks_mean"] == (40000 - 1000) // 16
+    assert d["resent_s"]["p50"] > 0 and d["cold_s"]["p50"] > 0
+    assert "Decision cost" in (out / "report.md").read_text()
+    assert (out / "decision_cdf.png").stat().st_size > 1000

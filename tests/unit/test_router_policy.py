@@ -164,3 +164,24 @@ def test_prefix_cache_is_bounded_in_tokens_and_chains():
     )
     with pytest.raises(InvalidRequest):
         PrefixHashCache(BlockHasher(bs), max_tokens=0)
+
+
+def test_engine_metrics_are_read_as_vllm_writes_them():
+    from kvstore.router.backends import parse_metrics
+
+    text = "\n".join(
+        [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+            'vllm:num_requests_running{engine="1",model_name="m"} 1.0',
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+            'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 9.0',
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+            'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5',
+            'vllm:cache_config_info{block_size="32",engine="0",prefix_caching_hash_algo='
+            '"sha256_cbor",sliding_window="None"} 1.0',
+        ]
+    )
+    running, waiting, kv, info = parse_metrics(text)
+    assert (running, waiting, kv) == (4.0, 2.0, 0.5)
+    assert (info.block_size, info.hash_algo) == (32, "sha256_cbor")
