@@ -722,6 +722,23 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
         assert out["choices"][0]["text"] == single["choices"][0]["text"]
     finally:
         stop(proc)
+    # A prefill slower than its deadline (1 ms: no engine answers that fast): decode computes.
+    cfg.write_text(
+        f'[router]\nindexer = "{cluster.indexer_address}"\ndecision_deadline_s = 5\n'
+        'prefill = ["node-a"]\ndecode = ["node-b"]\nprefill_deadline_s = 0.001\n'
+        f"[router.backends]\n{backends}\n"
+    )
+    proc, pd = start_router(cluster.tmp, "router-pd-late", {}, config=cfg)
+    try:
+        ids = vm.prompt_ids(74, 3 * BS + 2)
+        status, headers, out = pd.post("/v1/completions", completion(ids, max_tokens=12))
+        assert status == 200, out
+        assert headers["x-kvstore-pd"].startswith("fallback: deadline"), headers
+        assert metric(pd, 'kvstore_router_pd_fallbacks_total{reason="deadline"}') == 1
+        status, _, single = a.http.post("/v1/completions", completion(ids, max_tokens=12))
+        assert out["choices"][0]["text"] == single["choices"][0]["text"]
+    finally:
+        stop(proc)
 
 
 def test_a_daemon_restarting_is_drained_then_brought_back(cluster):
