@@ -190,10 +190,11 @@ class RouterConfig(_Section):
     """Tokens of recent prefix hash chains kept for incremental hashing (int64 each)."""
     backend_capacity: float = 8.0
     """Requests an engine runs at once (its --max-num-seqs): the policy's load scale."""
-    load_weight: float = 0.5
+    load_weight: float = 0.05
     """Policy: cost of one backend_capacity of queued work, in units of a full prefill."""
-    peer_weight: float = 0.5
-    """Policy: share of a block's prefill saved by pulling it from a peer. 0 = no peers."""
+    peer_weight: float = 0.0
+    """Policy: share of a block's prefill credited to pulling it from a peer (the pull
+    hint is sent either way; see peer_hints)."""
     scrape_interval_s: float = 1.0
     """How often each engine's /metrics (load, KV usage) and /health are read."""
     connect_timeout_s: float = 2.0

@@ -23,28 +23,39 @@ from router_client.strategies import llmd_pick
 NODES = ["a", "b", "c"]
 
 
-def test_a_burst_sharing_a_prefix_spreads_with_the_routers_own_inflight_counts():
-    # Node a holds the parent's 100-block prefix in DRAM; b and c hold nothing but
-    # can pull it. Eight subagents arrive at once; each decision adds one in-flight
-    # request to the node it picked (engines run 4 at a time).
-    scores = ScoreResult(100, [NodeHit("a", 100, 0, 100, 0)])
+def _burst(scores: ScoreResult, policy: Policy, n: int = 8, capacity: float = 4) -> list[str]:
+    """n subagents arriving at once; each decision adds one in-flight request to its node."""
     inflight = dict.fromkeys(NODES, 0)
     picks = []
-    for _ in range(8):
-        load = {n: NodeLoad(inflight=inflight[n], capacity=4) for n in NODES}
-        d = choose(scores, NODES, "a", load)
+    for _ in range(n):
+        load = {node: NodeLoad(inflight=inflight[node], capacity=capacity) for node in NODES}
+        d = choose(scores, NODES, "a", load, policy)
         inflight[d.node] += 1
         picks.append(d.node)
-    assert picks[0] == "a"  # the holder first
-    assert set(picks) == {"a", "b", "c"}, picks  # not all piled on a
-    assert picks.count("a") > picks.count("b")  # but the holder takes the most
-    # The ones sent elsewhere carry the pull hint.
-    d = choose(scores, NODES, "a", {"a": NodeLoad(inflight=8, capacity=4)})
-    assert d.node != "a" and (d.peer, d.peer_blocks) == ("a", 100)
-    # Cache-only ("precise-only") piles them all on the holder.
+    return picks
+
+
+def test_a_burst_sharing_a_prefix_spreads_with_the_routers_own_inflight_counts():
+    # a and b hold the parent's 100-block prefix in DRAM, c holds nothing.
+    scores = ScoreResult(100, [NodeHit("a", 100, 0, 100, 0), NodeHit("b", 100, 0, 100, 0)])
+    picks = _burst(scores, Policy())
+    # spread over the holders by the load each decision adds, not piled on one
+    assert picks.count("a") == picks.count("b") == 4, picks
+    # With pulls credited (peer_weight), a node that can pull the prefix takes a share too.
+    pulls = Policy(peer_weight=0.6, load_weight=0.5)
+    spread = _burst(scores, pulls)
+    assert set(spread) == {"a", "b", "c"}, spread
+    assert spread.count("c") < spread.count("a")  # the holders still take the most
+    # A non-holder chosen carries the pull hint; under default weights only a heavy load
+    # on the holders sends work there.
+    heavy = {n: NodeLoad(inflight=60, capacity=4) for n in ("a", "b")}
+    d = choose(scores, NODES, "a", heavy)
+    assert d.node == "c" and (d.peer, d.peer_blocks) == ("a", 100)
+    # Cache-only ("precise-only") piles them all on the one holder, whatever its load.
     only = make_strategy("precise-only")
+    one = ScoreResult(100, [NodeHit("a", 100, 0, 100, 0)])
     assert {
-        only.choose(np.zeros(100, np.uint64), NODES, {"a": NodeLoad(inflight=k)}, scores).node
+        only.choose(np.zeros(100, np.uint64), NODES, {"a": NodeLoad(inflight=k)}, one).node
         for k in range(8)
     } == {"a"}
 
