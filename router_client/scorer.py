@@ -40,6 +40,69 @@ from router_client.policy import (
 from router_client.prefix_cache import Hashed, PrefixHashCache
 
 
+def score_request(
+    model: str, block_hashes: np.ndarray, candidates: Sequence[str]
+) -> indexer_pb2.ScoreRequest:
+    return indexer_pb2.ScoreRequest(
+        model=model,
+        block_hashes=np.asarray(block_hashes, dtype="<u8").tobytes(),
+        candidate_nodes=list(candidates),
+    )
+
+
+def score_result(resp: indexer_pb2.ScoreResponse) -> ScoreResult:
+    return ScoreResult(
+        request_blocks=resp.request_blocks,
+        hits=[
+            NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
+            for s in resp.scores
+        ],
+    )
+
+
+def score_error(e: grpc.RpcError) -> Exception:
+    """The kvstore error for a failed Score call."""
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"indexer did not answer in time: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(detail)
+    return Unavailable(f"indexer: {code}: {detail}")
+
+
+class AsyncIndexClient:
+    """The indexer's Score for an asyncio router (grpc.aio: no thread hop per
+    decision). Create it inside the running loop."""
+
+    def __init__(self, address: str, *, deadline_s: float = 0.05) -> None:
+        if deadline_s <= 0:
+            raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
+        self.deadline_s = deadline_s
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 64 << 20)]
+        )
+        self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+
+    async def scores(
+        self,
+        model: str,
+        block_hashes: np.ndarray,
+        candidates: Sequence[str] = (),
+        deadline_s: float | None = None,
+    ) -> ScoreResult:
+        """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
+        req = score_request(model, block_hashes, candidates)
+        try:
+            resp = await self._stub.Score(req, timeout=deadline_s or self.deadline_s)
+        except grpc.RpcError as e:
+            raise score_error(e) from None
+        return score_result(resp)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
 class RouterClient:
     """Asks an indexer for prefix scores; never lets a slow indexer stall routing."""
 
@@ -86,28 +149,12 @@ class RouterClient:
         deadline_s: float | None = None,
     ) -> ScoreResult:
         """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
-        req = indexer_pb2.ScoreRequest(
-            model=model,
-            block_hashes=np.asarray(block_hashes, dtype="<u8").tobytes(),
-            candidate_nodes=list(candidates),
-        )
+        req = score_request(model, block_hashes, candidates)
         try:
             resp = self._stub.Score(req, timeout=deadline_s or self.deadline_s)
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            detail = e.details() if hasattr(e, "details") else str(e)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded(f"indexer did not answer in time: {detail}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequest(detail) from None
-            raise Unavailable(f"indexer: {code}: {detail}") from None
-        return ScoreResult(
-            request_blocks=resp.request_blocks,
-            hits=[
-                NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
-                for s in resp.scores
-            ],
-        )
+            raise score_error(e) from None
+        return score_result(resp)
 
     def pick(
         self,

@@ -31,7 +31,6 @@ import json
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import aiohttp
@@ -48,7 +47,7 @@ from kvstore.router.metrics import RouterMetrics
 from kvstore.sdnotify import SdNotifier
 from router_client.policy import Decision, Policy, ScoreResult
 from router_client.prefix_cache import Hashed, PrefixHashCache
-from router_client.scorer import RouterClient
+from router_client.scorer import AsyncIndexClient
 from router_client.strategies import make_strategy
 
 log = logging.getLogger("kvstore.router")
@@ -112,10 +111,8 @@ class Router:
         self.metrics = RouterMetrics(self.fleet)
         self.policy = Policy(load_weight=config.load_weight, peer_weight=config.peer_weight)
         self.strategy = make_strategy(config.strategy, policy=self.policy)
-        self._index: RouterClient | None = None
+        self._index: AsyncIndexClient | None = None
         self._hashes: PrefixHashCache | None = None
-        # One thread for the blocking gRPC Score: its deadline bounds the wait.
-        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="router-score")
         self._inflight = 0
         self.flow = FlowControl(
             classes=config.priority_classes,
@@ -146,8 +143,7 @@ class Router:
     async def _stop(self, app: web.Application) -> None:
         await self.fleet.close()
         if self._index is not None:
-            self._index.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            await self._index.close()
 
     def _ensure_hasher(self) -> PrefixHashCache | None:
         """The hasher needs the engines' block size and hash: from config or their /metrics."""
@@ -160,19 +156,9 @@ class Router:
         if not block_size:
             return None
         seed = c.hash_seed or None
+        self._hashes = PrefixHashCache(BlockHasher(block_size, algo, seed), c.hash_cache_tokens)
         if c.indexer:
-            self._index = RouterClient(
-                c.indexer,
-                block_size_tokens=block_size,
-                hash_algo=algo,
-                hash_seed=seed,
-                deadline_s=c.decision_deadline_s,
-                policy=self.policy,
-                hash_cache_tokens=c.hash_cache_tokens,
-            )
-            self._hashes = self._index.hash_cache
-        else:
-            self._hashes = PrefixHashCache(BlockHasher(block_size, algo, seed), c.hash_cache_tokens)
+            self._index = AsyncIndexClient(c.indexer, deadline_s=c.decision_deadline_s)
         log.info("router hashing: block_size=%d algo=%s", block_size, algo)
         return self._hashes
 
@@ -473,12 +459,8 @@ class Router:
         # model path (vLLM's "root") unless the connector sets model_name.
         info = self.fleet.models().get(model)
         index_model = info.root if info else model
-        loop = asyncio.get_running_loop()
-        index = self._index
         try:
-            return await loop.run_in_executor(
-                self._pool, lambda: index.scores(index_model, hashed.hashes, names)
-            )
+            return await self._index.scores(index_model, hashed.hashes, names)
         except KVStoreError as e:
             log.debug("indexer: %s", e)
             return None
