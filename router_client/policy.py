@@ -45,8 +45,8 @@ import msgspec
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # Defaults tuned on `kvstore-bench agentic --preset cybergym` (8 nodes, the
     # same capacity as the published runs): there they beat approximate routing
-    # on modelled throughput (+5.7%) and TTFT p90 (150.5 s vs 170.9 s) with an
-    # 82.3% local prefix hit; a larger load or peer weight spread work, made
+    # on modelled throughput (+6.8%) and TTFT p90 (150.5 s vs 174.7 s, one run)
+    # with an 82.3% local prefix hit; a larger load or peer weight spread work, made
     # copies and evictions, and lost (load 0.5 + peer 0.5: -45% throughput).
     gpu_weight: float = 1.0
     """Share of a block's prefill a hit in the engine's GPU cache saves (no copy at all)."""
