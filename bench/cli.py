@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "bench.agentic",
         "agentic trace replayed on a cluster of daemons, per routing strategy",
     ),
+    "router": (
+        "bench.router_bench",
+        "kvstore router: decision cost for 195k-token contexts, proxy overhead on vLLM CPU",
+    ),
     "compare": ("bench.compare", "store/load vs Redis, LMCache and Mooncake, same blocks"),
     "trace": ("bench.trace_cli", "generate an agentic trace file (JSONL) and print its statistics"),
 }

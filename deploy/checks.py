@@ -11,7 +11,7 @@ Called by deploy/validate.sh; each subcommand exits non-zero with the reason:
                         aside; TOML compared parsed)
     configs FILE...     every kvstore TOML, standalone or inside a ConfigMap of
                         the given manifests (one set), loads in `kvstore
-                        serve|indexer --print-config` with the env of the
+                        serve|indexer|router --print-config` with the env of the
                         containers that mount it (unknown keys are errors there)
     dashboard FILE RULES_OUT
                         the Grafana dashboard is well formed; its queries, with
@@ -68,6 +68,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         },
         "metrics": {"podAnnotations": False, "serviceMonitor": {"enabled": True}},
         "imagePullSecrets": [{"name": "registry"}],
+    },
+    "router": {
+        "router": {
+            "enabled": True,
+            "replicas": 2,
+            "backends": {
+                "gpu-node-1": "http://gpu-node-1.example.internal:8000",
+                "gpu-node-2": "http://gpu-node-2.example.internal:8000",
+            },
+            "config": {"strategy": "cache+load", "decision_deadline_s": 0.05},
+        },
     },
     "custom-ports": {
         "ports": {
@@ -247,7 +258,7 @@ def configs(paths: list[Path]) -> None:
     docs: list[tuple[Path, dict[str, Any]]] = []
     for path in paths:
         if path.suffix == ".toml":
-            command = "indexer" if "indexer" in path.name else "serve"
+            command = next((c for c in ("indexer", "router") if c in path.name), "serve")
             _kvstore_print_config([command], path.read_text(), str(path))
             checked += 1
         else:

@@ -3,6 +3,7 @@
 kvstore serve [--config FILE] [--set section.key=value ...] [--print-config]
 kvstore status [--address unix:/tmp/kvstore.sock] [--json]
 kvstore indexer ...            (the cluster indexer; see `kvstore indexer -h`)
+kvstore router [--config FILE] [--set router.key=value ...] [--print-config]
 """
 
 from __future__ import annotations
@@ -122,6 +123,16 @@ def _add_indexer(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.set_defaults(func=indexer_cli.run)
 
 
+def _add_router(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvstore.router import cli as router_cli
+
+    p = sub.add_parser(
+        "router", help="run the OpenAI-compatible router in front of the engines (docs/router.md)"
+    )
+    router_cli.add_arguments(p)
+    p.set_defaults(func=router_cli.run)
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvstore import demo
 
@@ -138,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_serve(sub)
     _add_status(sub)
     _add_indexer(sub)
+    _add_router(sub)
     _add_demo(sub)
     args = parser.parse_args(argv)
     try:

@@ -164,6 +164,84 @@ class LogConfig(_Section):
     format: Literal["text", "json"] = "text"
 
 
+class RouterConfig(_Section):
+    """`kvstore router`: the OpenAI-compatible proxy in front of the engines (docs/router.md)."""
+
+    listen: str = "127.0.0.1:8000"
+    """host:port the proxy serves HTTP on. Port 0 picks a free port (logged)."""
+    backends: dict[str, str] = msgspec.field(default_factory=dict)
+    """Engines: node id (the daemon's node_id, as the indexer knows it) -> the engine's
+    OpenAI server, "http://host:port" or "unix:/path/to.sock"."""
+    indexer: str = ""
+    """host:port of the indexer's gRPC Score. "" = no cache signal (load decides)."""
+    daemons: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node id -> that node's daemon gRPC address (host:port or unix:path). A node whose
+    daemon's health is not SERVING (draining for a restart, down) leaves the candidates
+    until it serves again, unless every node is in that state."""
+    strategy: Literal["random", "round-robin", "approximate", "precise-only", "cache+load"] = (
+        "cache+load"
+    )
+    """Routing strategy (router_client.strategies)."""
+    decision_deadline_s: float = 0.05
+    """The indexer must answer within this; past it the choice falls back to load."""
+    block_size_tokens: int = 0
+    """The engines' KV block size. 0 = read it from the engines' /metrics."""
+    hash_algo: Literal["", "sha256", "sha256_cbor"] = ""
+    """The engines' prefix-caching hash. "" = read it from the engines' /metrics."""
+    hash_seed: str = ""
+    """The engines' NONE_HASH seed. "" = PYTHONHASHSEED or "vllm-none-hash", as vLLM."""
+    hash_cache_tokens: int = 8 * 1024 * 1024
+    """Tokens of recent prefix hash chains kept for incremental hashing (int64 each)."""
+    backend_capacity: float = 8.0
+    """Requests an engine runs at once (its --max-num-seqs): the policy's load scale."""
+    load_weight: float = 0.05
+    """Policy: cost of one backend_capacity of queued work, in units of a full prefill."""
+    peer_weight: float = 0.0
+    """Policy: share of a block's prefill credited to pulling it from a peer (the pull
+    hint is sent either way; see peer_hints)."""
+    scrape_interval_s: float = 1.0
+    """How often each engine's /metrics (load, KV usage) and /health are read."""
+    connect_timeout_s: float = 2.0
+    """Connecting to an engine; past it the engine counts as down and the next one is tried."""
+    upstream_timeout_s: float = 600.0
+    """Longest wait for an engine's next bytes (a silent engine fails the request)."""
+    max_body_bytes: int = 64 * MiB
+    """Largest request body accepted (413 beyond)."""
+    max_inflight: int = 1024
+    """Requests proxied at once; beyond, new ones get 429 with Retry-After."""
+    peer_hints: bool = True
+    """Send a chosen engine that lacks part of the prefix kv_transfer_params
+    {"kvstore_peer": <node holding it>}, so its daemon pulls the blocks (needs [peer])."""
+    prefill: list[str] = msgspec.field(default_factory=list)
+    """Prefill/decode split: node ids (of backends) that only prefill. [] = no split."""
+    decode: list[str] = msgspec.field(default_factory=list)
+    """Node ids that decode: they get the prompt with a kvstore_peer hint naming the
+    prefill node, whose daemon holds the KV. Required with prefill."""
+    prefill_deadline_s: float = 30.0
+    """A prefill that has not answered by then is abandoned: decode computes locally."""
+    flow_control: bool = True
+    """Hold requests at the router once every engine runs backend_capacity of them, in
+    per-class queues (priorities, fair share between tenants, 429 for the lowest)."""
+    priority_classes: list[str] = msgspec.field(default_factory=lambda: ["high", "normal", "low"])
+    """Priority classes, most important first. A request's class: its
+    x-kvstore-priority header, else its tenant's (tenant_priority), else the body's
+    vLLM "priority" (< 0: the first class, > 0: the last), else default_priority."""
+    default_priority: str = "normal"
+    """The class of a request that names none."""
+    queue_max: int = 1024
+    """Waiting requests per class; beyond, 429 (the first class: 503, never shed)."""
+    low_max_wait_s: float = 5.0
+    """The last class waits at most this for a slot, then gets 429 + Retry-After."""
+    tenant_weights: dict[str, float] = msgspec.field(default_factory=dict)
+    """Fair-share weight per tenant (default 1): slots given in proportion while waiting."""
+    tenant_priority: dict[str, str] = msgspec.field(default_factory=dict)
+    """Tenant -> priority class (overrides the request's own claim)."""
+    tenants: dict[str, str] = msgspec.field(default_factory=dict)
+    """API key (Authorization: Bearer <key>) -> tenant. Set: a request without a known
+    key gets 401, and the router sets its cache_salt from the tenant (a client's own
+    cache_salt is replaced, never trusted), so tenants never share KV."""
+
+
 class Config(_Section):
     node_id: str = ""
     """This node's id in events, peer transfer and the indexer. "" = the host name."""
@@ -177,6 +255,7 @@ class Config(_Section):
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
     def resolved(self) -> Config:
         """Fill the defaults that depend on other fields (node id, region path)."""
@@ -328,6 +407,30 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    r = config.router
+    if r.decision_deadline_s <= 0 or r.scrape_interval_s <= 0 or r.connect_timeout_s <= 0:
+        problems.append("router: decision_deadline_s, scrape_interval_s, connect_timeout_s > 0")
+    if r.block_size_tokens < 0 or r.backend_capacity <= 0 or r.max_inflight <= 0:
+        problems.append(
+            "router: need block_size_tokens >= 0, backend_capacity and max_inflight > 0"
+        )
+    if not r.priority_classes or r.default_priority not in r.priority_classes:
+        problems.append("router: default_priority must be one of router.priority_classes")
+    for tenant, klass in r.tenant_priority.items():
+        if klass not in r.priority_classes:
+            problems.append(f"router.tenant_priority.{tenant}: {klass!r} is not a class")
+    if r.queue_max <= 0 or r.low_max_wait_s <= 0:
+        problems.append("router: queue_max and low_max_wait_s must be > 0")
+    if bool(r.prefill) != bool(r.decode):
+        problems.append("router: prefill and decode go together (both lists, or neither)")
+    for node in [*r.prefill, *r.decode]:
+        if node not in r.backends:
+            problems.append(f"router: prefill/decode node {node!r} is not in router.backends")
+    if set(r.prefill) & set(r.decode):
+        problems.append("router: a node cannot be both prefill and decode")
+    for node, url in r.backends.items():
+        if not url.startswith(("http://", "https://", "unix:")):
+            problems.append(f"router.backends.{node}: {url!r} is not http(s)://... or unix:/...")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
 

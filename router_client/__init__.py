@@ -1,13 +1,32 @@
-"""What a router imports: vLLM-compatible hashing, indexer scores, a node choice."""
+"""What a router imports: vLLM-compatible hashing (incremental), indexer scores, the policy."""
 
-from router_client.scorer import (
+from router_client.policy import (
+    DEFAULT_POLICY,
     Decision,
     NodeHit,
+    NodeLoad,
     Policy,
-    RouterClient,
     ScoreResult,
     choose,
     node_value,
 )
+from router_client.prefix_cache import Hashed, PrefixHashCache
+from router_client.scorer import RouterClient
+from router_client.strategies import STRATEGIES, Strategy, make_strategy
 
-__all__ = ["Decision", "NodeHit", "Policy", "RouterClient", "ScoreResult", "choose", "node_value"]
+__all__ = [
+    "DEFAULT_POLICY",
+    "STRATEGIES",
+    "Decision",
+    "Hashed",
+    "NodeHit",
+    "NodeLoad",
+    "Policy",
+    "PrefixHashCache",
+    "RouterClient",
+    "ScoreResult",
+    "Strategy",
+    "choose",
+    "make_strategy",
+    "node_value",
+]

@@ -1,117 +1,106 @@
-"""Cache-aware node choice for a router: hash, ask the indexer, pick.
+"""The indexer client a router uses: hash, ask the indexer, pick.
 
     rc = RouterClient("10.0.0.9:50061", block_size_tokens=16, deadline_s=0.02)
     d = rc.pick("meta-llama/Llama-3.1-8B", token_ids, candidates=["a", "b", "c"],
-                default="b", load={"a": 0.9, "b": 0.2, "c": 0.4})
-    send_to(d.node)          # d.reason: "prefix", "no_hit" or "fallback"
+                default="b", load={"a": NodeLoad(running=3, capacity=8), ...})
+    send_to(d.node)          # d.reason: "prefix", "load", "no_hit" or "fallback"
 
-Policy (documented in docs/events-indexer.md): for each candidate,
+The policy is ``router_client.policy`` (documented in docs/router.md). If the
+indexer does not answer within ``deadline_s``, the choice falls back to load
+alone (or the caller's ``default`` when no load is given): a slow indexer never
+stalls routing.
 
-    value = (gpu_weight * gpu_blocks + cpu_weight * cpu_blocks
-             + disk_weight * disk_blocks) / request_blocks
-            - load_weight * load[node]
-
-where the block counts are the node's longest cached prefix of the request
-split by the fastest tier holding each block, and ``load`` is whatever the
-caller measures, scaled to [0, 1] (queue depth / capacity, KV usage...). The
-highest value wins; ties go to the lower load, then the name. If no
-candidate holds at least ``min_prefix_blocks`` blocks, or the indexer does
-not answer within ``deadline_s``, the caller's ``default`` is returned: the
-router's own balancing applies whenever there is no cache signal.
-
-Hashing happens here (the vLLM-compatible hasher), so only 8 bytes per block
-cross the network instead of 4 per token.
+Hashing happens here (the vLLM-compatible hasher, incrementally through
+``PrefixHashCache``: a re-sent context hashes only its new tail), so only 8
+bytes per block cross the network instead of 4 per token.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
-import msgspec
 import numpy as np
 
 from kvstore.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from kvstore.hashing import BlockHasher
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+from router_client.policy import (
+    DEFAULT_POLICY,
+    NO_SCORES,
+    Decision,
+    LoadArg,
+    NodeHit,
+    Policy,
+    ScoreResult,
+    choose,
+)
+from router_client.prefix_cache import Hashed, PrefixHashCache
 
 
-class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    gpu_weight: float = 1.0
-    """Value of a prefix block already in an engine's GPU cache (no copy at all)."""
-    cpu_weight: float = 0.8
-    """Value of a block in the node's DRAM tier (one host-to-device copy)."""
-    disk_weight: float = 0.5
-    """Value of a block on the node's disk tier (a read, then a copy)."""
-    load_weight: float = 1.0
-    """Weight of the caller's load term (load in [0, 1])."""
-    min_prefix_blocks: int = 1
-    """Prefixes shorter than this are no signal: fall back to the default."""
-
-
-DEFAULT_POLICY = Policy()
-
-
-class NodeHit(msgspec.Struct, frozen=True):
-    node: str
-    prefix_blocks: int
-    gpu_blocks: int
-    cpu_blocks: int
-    disk_blocks: int
-
-
-class ScoreResult(msgspec.Struct, frozen=True):
-    request_blocks: int
-    hits: list[NodeHit]
-
-
-class Decision(msgspec.Struct, frozen=True):
-    node: str
-    reason: str
-    """"prefix": chosen by cache score; "no_hit": no candidate holds a prefix;
-    "fallback": the indexer failed or missed the deadline (see ``error``)."""
-    value: float = 0.0
-    hit: NodeHit | None = None
-    error: str = ""
-
-
-def node_value(hit: NodeHit, request_blocks: int, load: float, policy: Policy) -> float:
-    if request_blocks <= 0:
-        return -policy.load_weight * load
-    cached = (
-        policy.gpu_weight * hit.gpu_blocks
-        + policy.cpu_weight * hit.cpu_blocks
-        + policy.disk_weight * hit.disk_blocks
+def score_request(
+    model: str, block_hashes: np.ndarray, candidates: Sequence[str]
+) -> indexer_pb2.ScoreRequest:
+    return indexer_pb2.ScoreRequest(
+        model=model,
+        block_hashes=np.asarray(block_hashes, dtype="<u8").tobytes(),
+        candidate_nodes=list(candidates),
     )
-    return cached / request_blocks - policy.load_weight * load
 
 
-def choose(
-    result: ScoreResult,
-    candidates: Sequence[str],
-    default: str,
-    load: Mapping[str, float] | None = None,
-    policy: Policy = DEFAULT_POLICY,
-) -> Decision:
-    """The policy above, on an indexer answer (pure; no I/O)."""
-    load = load or {}
-    hits = {h.node: h for h in result.hits if h.prefix_blocks >= policy.min_prefix_blocks}
-    best: tuple[float, float, str] | None = None
-    for node in candidates:
-        hit = hits.get(node)
-        if hit is None:
-            continue
-        ld = float(load.get(node, 0.0))
-        v = node_value(hit, result.request_blocks, ld, policy)
-        key = (-v, ld, node)
-        if best is None or key < best:
-            best = key
-    if best is None:
-        return Decision(node=default, reason="no_hit")
-    node = best[2]
-    return Decision(node=node, reason="prefix", value=-best[0], hit=hits[node])
+def score_result(resp: indexer_pb2.ScoreResponse) -> ScoreResult:
+    return ScoreResult(
+        request_blocks=resp.request_blocks,
+        hits=[
+            NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
+            for s in resp.scores
+        ],
+    )
+
+
+def score_error(e: grpc.RpcError) -> Exception:
+    """The kvstore error for a failed Score call."""
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"indexer did not answer in time: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(detail)
+    return Unavailable(f"indexer: {code}: {detail}")
+
+
+class AsyncIndexClient:
+    """The indexer's Score for an asyncio router (grpc.aio: no thread hop per
+    decision). Create it inside the running loop."""
+
+    def __init__(self, address: str, *, deadline_s: float = 0.05) -> None:
+        if deadline_s <= 0:
+            raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
+        self.deadline_s = deadline_s
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_send_message_length", 64 << 20)]
+        )
+        self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+
+    async def scores(
+        self,
+        model: str,
+        block_hashes: np.ndarray,
+        candidates: Sequence[str] = (),
+        deadline_s: float | None = None,
+    ) -> ScoreResult:
+        """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
+        req = score_request(model, block_hashes, candidates)
+        try:
+            resp = await self._stub.Score(req, timeout=deadline_s or self.deadline_s)
+        except grpc.RpcError as e:
+            raise score_error(e) from None
+        return score_result(resp)
+
+    async def close(self) -> None:
+        await self._channel.close()
 
 
 class RouterClient:
@@ -127,10 +116,12 @@ class RouterClient:
         deadline_s: float = 0.05,
         policy: Policy = DEFAULT_POLICY,
         channel: grpc.Channel | None = None,
+        hash_cache_tokens: int = 8 << 20,
     ) -> None:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
         self.hasher = BlockHasher(block_size_tokens, hash_algo, hash_seed)
+        self.hash_cache = PrefixHashCache(self.hasher, hash_cache_tokens)
         self.deadline_s = deadline_s
         self.policy = policy
         self._channel = channel or grpc.insecure_channel(
@@ -142,7 +133,13 @@ class RouterClient:
         self, token_ids: Any, cache_salt: str | None = None, lora: tuple[str, str] | None = None
     ) -> np.ndarray:
         """Block hashes (uint64) of the full blocks of ``token_ids``, as vLLM computes them."""
-        return self.hasher.hash_tokens_int(token_ids, cache_salt=cache_salt, lora=lora)
+        return self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora).hashes
+
+    def hash_incremental(
+        self, token_ids: Any, cache_salt: str | None = None, lora: tuple[str, str] | None = None
+    ) -> Hashed:
+        """``hash`` with what was reused and where the previous turn went (affinity)."""
+        return self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora)
 
     def scores(
         self,
@@ -152,28 +149,12 @@ class RouterClient:
         deadline_s: float | None = None,
     ) -> ScoreResult:
         """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
-        req = indexer_pb2.ScoreRequest(
-            model=model,
-            block_hashes=np.asarray(block_hashes, dtype="<u8").tobytes(),
-            candidate_nodes=list(candidates),
-        )
+        req = score_request(model, block_hashes, candidates)
         try:
             resp = self._stub.Score(req, timeout=deadline_s or self.deadline_s)
         except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            detail = e.details() if hasattr(e, "details") else str(e)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise DeadlineExceeded(f"indexer did not answer in time: {detail}") from None
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequest(detail) from None
-            raise Unavailable(f"indexer: {code}: {detail}") from None
-        return ScoreResult(
-            request_blocks=resp.request_blocks,
-            hits=[
-                NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
-                for s in resp.scores
-            ],
-        )
+            raise score_error(e) from None
+        return score_result(resp)
 
     def pick(
         self,
@@ -182,28 +163,53 @@ class RouterClient:
         candidates: Sequence[str],
         *,
         default: str,
-        load: Mapping[str, float] | None = None,
+        load: LoadArg | None = None,
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
     ) -> Decision:
-        """Best candidate by the policy; ``default`` on no hit or any indexer trouble.
+        """Best candidate by the policy; on no hit or any indexer trouble, the least
+        loaded (when ``load`` is given) or ``default``.
 
-        The deadline covers the indexer call; hashing (~10 ms for 195k tokens)
-        is local and comes before it.
+        The deadline covers the indexer call; hashing is local and comes before it.
+        The choice is recorded for the next turn's affinity.
         """
-        hashes = self.hash(token_ids, cache_salt=cache_salt, lora=lora)
-        if hashes.size == 0:
-            return Decision(node=default, reason="no_hit")
+        hashed = self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora)
+        d = self.decide(model, hashed, candidates, default=default, load=load)
+        self.hash_cache.routed(hashed, d.node)
+        return d
+
+    def decide(
+        self,
+        model: str,
+        hashed: Hashed,
+        candidates: Sequence[str],
+        *,
+        default: str,
+        load: LoadArg | None = None,
+    ) -> Decision:
+        """``pick`` on hashes already computed (records nothing)."""
+        if hashed.hashes.size == 0:
+            return choose(NO_SCORES, candidates, default, load, self.policy)
         t0 = time.monotonic()
         try:
-            result = self.scores(model, hashes, candidates)
+            result = self.scores(model, hashed.hashes, candidates)
         except (Unavailable, InvalidRequest) as e:
+            d = choose(
+                ScoreResult(request_blocks=int(hashed.hashes.size), hits=[]),
+                candidates,
+                default,
+                load,
+                self.policy,
+                affinity=hashed.previous_node,
+                reason_without_hit="fallback",
+            )
             return Decision(
-                node=default,
+                node=d.node,
                 reason="fallback",
+                value=d.value,
                 error=f"{type(e).__name__} after {time.monotonic() - t0:.3f}s: {e}",
             )
-        return choose(result, candidates, default, load, self.policy)
+        return choose(result, candidates, default, load, self.policy, affinity=hashed.previous_node)
 
     def close(self) -> None:
         self._channel.close()

@@ -50,5 +50,5 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 log "NIXL 1.5.1"
 pip install -q --no-deps nixl-cu12==1.5.1
 log "kvstore with dev and test extras"
-pip install -q -e '.[dev,redis,deploy,bench]'
+pip install -q -e '.[dev,redis,deploy,bench,router]'
 log "done"

@@ -65,7 +65,8 @@ def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> 
         "random",
         "round-robin",
         "approximate",
-        "precise",
+        "precise-only",
+        "cache+load",
         "approximate-gpu-only",
     }
     n_requests = data["trace"]["requests"]
@@ -102,10 +103,10 @@ def test_agentic_quick_replays_every_request_on_real_daemons(tmp_path: Path) -> 
         assert s["peer"]["fetched_blocks"] > 0 and s["blocks_pulled"] > 0, name
         assert s["token_shares"]["peer"] > 0, name
     report = (out / "report.md").read_text()
-    assert "Measured" in report and "Modelled" in report and "| precise |" in report
+    assert "Measured" in report and "Modelled" in report and "| cache+load |" in report
     for png in ("hit_rate.png", "tier_shares.png", "ttft_cdf.png"):
         assert (out / png).stat().st_size > 1000
-    assert "precise" in proc.stderr  # per-strategy progress lines
+    assert "cache+load" in proc.stderr  # per-strategy progress lines
     assert set(Path("/dev/shm").glob("kvsbench-*")) <= before, "daemon regions left behind"
 
 
@@ -160,3 +161,34 @@ def test_cli_names_missing_subcommand_modules() -> None:
     assert proc.returncode == 0
     for name in ("local", "tiers", "policy", "indexer", "p2p", "vllm", "agentic", "compare"):
         assert name in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = _bench(
+        "router",
+        "--engine",
+        "off",
+        "--samples",
+        "4",
+        "--context-tokens",
+        "40000",
+        "--new-tokens",
+        "1000",
+        "--progress",
+        "on",
+        "--results",
+        str(results),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _only_dir(results)
+    data = json.loads((out / "router.json").read_text())
+    d = data["decision"]
+    assert d["request_blocks"] == 40000 // 16
+    # the re-sent turn reused every block of the previous context
+    assert d["reused_blocks_mean"] == (40000 - 1000) // 16
+    assert d["resent_s"]["p50"] > 0 and d["cold_s"]["p50"] > 0
+    assert "Decision cost" in (out / "report.md").read_text()
+    assert (out / "decision_cdf.png").stat().st_size > 1000

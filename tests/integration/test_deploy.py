@@ -152,6 +152,20 @@ MISTAKES = [
     ),
     ("configs", "systemd/kvstore.toml", "[leases]", "[lease]", "lease"),
     (
+        "configs",
+        "systemd/router.toml",
+        "decision_deadline_s = 0.05",
+        "decision_deadline = 0.05",
+        "decision_deadline",
+    ),
+    (
+        "render",
+        "helm/kvstore/values.yaml",
+        "  backends: {}\n",
+        "  backends: {}\n  backend: {}\n",
+        "backend",
+    ),
+    (
         "dashboard",
         "grafana/kvstore-dashboard.json",
         "sum by (method) (",

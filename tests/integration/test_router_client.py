@@ -38,17 +38,27 @@ def test_policy_weighs_tiers_and_load():
         request_blocks=100,
         hits=[
             NodeHit("gpu-short", 50, 50, 0, 0),  # 0.50
-            NodeHit("dram-long", 90, 0, 90, 0),  # 0.72
+            NodeHit("dram-long", 90, 0, 90, 0),  # 0.63
             NodeHit("disk-full", 100, 0, 0, 100),  # 0.50
         ],
     )
     assert choose(r, ["gpu-short", "dram-long", "disk-full"], "d").node == "dram-long"
-    # a busy node loses its lead
-    busy = choose(r, ["gpu-short", "dram-long", "disk-full"], "d", load={"dram-long": 0.5})
-    assert busy.node in ("gpu-short", "disk-full") and busy.reason == "prefix"
-    # equal value: the less loaded wins
-    tie = choose(r, ["gpu-short", "disk-full"], "d", load={"gpu-short": 0.1})
-    assert tie.node == "disk-full"
+    # a busy node loses its lead (0.63 - 0.05 * 4 < 0.50)
+    busy = choose(
+        r, ["gpu-short", "dram-long", "disk-full"], "d", load={"dram-long": 4.0, "disk-full": 0.1}
+    )
+    assert busy.node == "gpu-short" and busy.reason == "prefix"
+    # the pull hint names the node holding the longest prefix
+    assert (busy.peer, busy.peer_blocks) == ("disk-full", 50)
+    # a pull credited: a GPU prefix plus pulling the rest (0.50 + 0.5 * 40/100) beats
+    # the longer DRAM prefix (0.63 + 0.5 * 10/100)
+    pulls = choose(r, ["gpu-short", "dram-long"], "d", policy=Policy(peer_weight=0.5))
+    assert (pulls.node, pulls.value) == ("gpu-short", pytest.approx(0.7))
+    # equal value: the less loaded wins (disk-full 1.00 - 0.05 * 10 = gpu-short 0.50)
+    tie = choose(
+        r, ["gpu-short", "disk-full"], "d", load={"disk-full": 10.0}, policy=Policy(disk_weight=1.0)
+    )
+    assert tie.node == "gpu-short" and tie.value == pytest.approx(0.5)
     # only candidates count; no hit -> the caller's default
     assert choose(r, ["elsewhere"], "d").node == "d"
     assert choose(r, ["elsewhere"], "d").reason == "no_hit"
@@ -94,9 +104,10 @@ def test_pick_routes_to_the_node_holding_the_prefix(cluster):
         pubs["c"].blocks_stored(NS(), hashes[:30], "GPU", None, None)
         wait_for(lambda: len(ix.score("llama", hashes)) == 3)
         d = rc.pick("llama", prompt, ["a", "b", "c"], default="a")
-        # b: 48*0.8/64 = 0.6 beats c: 30*1.0/64 = 0.47
+        # b: 48*0.7/64 = 0.525 beats c: 30*1.0/64 = 0.47
         assert (d.node, d.reason, d.hit.prefix_blocks) == ("b", "prefix", 48)
-        d = rc.pick("llama", prompt, ["a", "b", "c"], default="a", load={"b": 0.5})
+        # b, the previous turn's node (+0.1 affinity), loaded: 0.525 + 0.1 - 0.05 * 4 < 0.47
+        d = rc.pick("llama", prompt, ["a", "b", "c"], default="a", load={"b": 4.0})
         assert d.node == "c"
         # another tenant's salt: nothing cached -> default
         d = rc.pick("llama", prompt, ["a", "b", "c"], default="a", cache_salt="tenant-9")

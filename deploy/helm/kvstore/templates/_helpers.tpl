@@ -75,3 +75,22 @@ set by the chart (the Redis URL too, unless it comes from a Secret).
 {{- end -}}
 {{- toToml (dict "indexer" (mustMergeOverwrite (deepCopy $ix.config) $fixed)) -}}
 {{- end -}}
+
+{{/*
+The router's config tree: router.config with its listen port, this release's
+indexer (when enabled) and the backends set by the chart.
+*/}}
+{{- define "kvstore.routerConfig" -}}
+{{- $r := .Values.router -}}
+{{- if not $r.backends -}}
+{{- fail "router.enabled needs router.backends (node id -> engine URL)" -}}
+{{- end -}}
+{{- $fixed := dict
+  "listen" (printf "0.0.0.0:%d" (int .Values.ports.router))
+  "backends" $r.backends
+-}}
+{{- if .Values.indexer.enabled -}}
+{{- $_ := set $fixed "indexer" (printf "%s-indexer:%d" (include "kvstore.fullname" .) (int .Values.ports.indexerGrpc)) -}}
+{{- end -}}
+{{- toToml (dict "router" (mustMergeOverwrite (deepCopy $r.config) $fixed)) -}}
+{{- end -}}

@@ -1,0 +1,256 @@
+"""The engines behind the router: their HTTP sessions, health, models and load.
+
+A background task reads every engine's ``/metrics`` (vLLM's
+``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``,
+``vllm:cache_config_info`` for the block size and hash algorithm) and
+``/v1/models`` every ``scrape_interval_s``. An engine that fails a read, or
+refuses a connection while proxying, leaves the candidate set until a read
+succeeds again. The router's own in-flight count per engine is kept here too
+(the engines' gauges lag by up to one scrape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from router_client.policy import NodeLoad
+
+log = logging.getLogger("kvstore.router")
+
+# Bounds: an engine's /metrics and /v1/models bodies (vLLM's are ~100 KiB).
+MAX_SCRAPE_BYTES = 4 << 20
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class EngineInfo:
+    block_size: int = 0
+    hash_algo: str = ""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    max_model_len: int
+    root: str
+    """The engine's model path (vLLM's ``root``): the connector's namespace model by default."""
+
+
+@dataclass
+class Backend:
+    node: str
+    url: str
+    base: str
+    session: aiohttp.ClientSession
+    healthy: bool = False
+    models: dict[str, ModelInfo] = field(default_factory=dict)
+    """Served model id -> its info, from /v1/models."""
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    inflight: int = 0
+    info: EngineInfo = field(default_factory=EngineInfo)
+    last_error: str = ""
+    scraped_at: float = 0.0
+    daemon: str = ""
+    """The node's daemon gRPC address ("" = not watched)."""
+    daemon_serving: bool = True
+    """The daemon's grpc.health.v1 status is SERVING (True when not watched)."""
+
+    def load(self, capacity: float) -> NodeLoad:
+        return NodeLoad(
+            running=self.running,
+            waiting=self.waiting,
+            kv_usage=self.kv_usage,
+            inflight=float(self.inflight),
+            capacity=capacity,
+        )
+
+    def mark_down(self, why: str) -> None:
+        if self.healthy:
+            log.warning("backend %s (%s) is down: %s", self.node, self.url, why)
+        self.healthy = False
+        self.last_error = why
+
+
+def parse_metrics(text: str) -> tuple[float, float, float, EngineInfo]:
+    """(running, waiting, kv_usage, engine info) from vLLM's Prometheus text."""
+    running = waiting = kv = 0.0
+    info = EngineInfo()
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if name not in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:cache_config_info",
+        ):
+            continue
+        labels, _, value = rest.rpartition("}")
+        try:
+            v = float(value.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name == "vllm:num_requests_running":
+            running += v
+        elif name == "vllm:num_requests_waiting":
+            waiting += v
+        elif name == "vllm:kv_cache_usage_perc":
+            kv = max(kv, v)
+        else:
+            lab = dict(_LABEL_RE.findall(labels))
+            with contextlib.suppress(ValueError):
+                info.block_size = int(lab.get("block_size", "0"))
+            info.hash_algo = lab.get("prefix_caching_hash_algo", "")
+    return running, waiting, kv, info
+
+
+def _base_and_connector(url: str) -> tuple[str, aiohttp.BaseConnector]:
+    if url.startswith("unix:"):
+        return "http://localhost", aiohttp.UnixConnector(path=url[len("unix:") :])
+    return url.rstrip("/"), aiohttp.TCPConnector(limit=0)
+
+
+class Fleet:
+    """Every configured engine; ``candidates(model)`` are the healthy ones serving it."""
+
+    def __init__(
+        self,
+        backends: Mapping[str, str],
+        *,
+        connect_timeout_s: float,
+        scrape_interval_s: float,
+        capacity: float,
+        daemons: Mapping[str, str] | None = None,
+    ) -> None:
+        self._spec = dict(backends)
+        self._daemons = dict(daemons or {})
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.connect_timeout_s = connect_timeout_s
+        self.scrape_interval_s = scrape_interval_s
+        self.capacity = capacity
+        self.backends: dict[str, Backend] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        for node in sorted(self._spec):
+            url = self._spec[node]
+            base, conn = _base_and_connector(url)
+            self.backends[node] = Backend(
+                node=node,
+                url=url,
+                base=base,
+                session=aiohttp.ClientSession(connector=conn),
+                daemon=self._daemons.get(node, ""),
+            )
+        await self.scrape_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for b in self.backends.values():
+            await b.session.close()
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.scrape_interval_s)
+            try:
+                await self.scrape_all()
+            except Exception:  # a scrape bug must not stop the loop that heals backends
+                log.exception("scraping backends failed")
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(b) for b in self.backends.values()))
+
+    async def _daemon_health(self, b: Backend) -> None:
+        """A daemon draining for a restart says NOT_SERVING, then stops answering."""
+        ch = self._channels.get(b.node)
+        if ch is None:
+            ch = self._channels[b.node] = grpc.aio.insecure_channel(b.daemon)
+        try:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s
+            )
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            serving = False
+        if serving != b.daemon_serving:
+            log.warning(
+                "backend %s: its daemon (%s) %s",
+                b.node,
+                b.daemon,
+                "serves again" if serving else "is not serving: drained from the candidates",
+            )
+        b.daemon_serving = serving
+
+    async def _scrape(self, b: Backend) -> None:
+        if b.daemon:
+            await self._daemon_health(b)
+        timeout = aiohttp.ClientTimeout(
+            total=max(self.scrape_interval_s, self.connect_timeout_s),
+            connect=self.connect_timeout_s,
+        )
+        try:
+            async with b.session.get(b.base + "/metrics", timeout=timeout) as r:
+                if r.status != 200:
+                    raise aiohttp.ClientResponseError(
+                        r.request_info, (), status=r.status, message="/metrics"
+                    )
+                text = (await r.content.read(MAX_SCRAPE_BYTES)).decode(errors="replace")
+            async with b.session.get(b.base + "/v1/models", timeout=timeout) as r:
+                body = await r.json(content_type=None) if r.status == 200 else {}
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            b.mark_down(f"{type(exc).__name__}: {exc}")
+            return
+        b.running, b.waiting, b.kv_usage, info = parse_metrics(text)
+        if info.block_size:
+            b.info = info
+        models: dict[str, ModelInfo] = {}
+        for m in body.get("data", []) if isinstance(body, dict) else []:
+            if isinstance(m, dict) and isinstance(m.get("id"), str):
+                models[m["id"]] = ModelInfo(
+                    int(m.get("max_model_len") or 0), str(m.get("root") or m["id"])
+                )
+        b.models = models
+        b.scraped_at = time.monotonic()
+        if not b.healthy:
+            log.info("backend %s (%s) is up: models %s", b.node, b.url, sorted(models))
+        b.healthy = True
+        b.last_error = ""
+
+    def candidates(self, model: str) -> list[Backend]:
+        up = [b for b in self.backends.values() if b.healthy and model in b.models]
+        # Nodes whose daemon drains (a restart) are left out, unless that is all of
+        # them: an engine without its daemon still answers (it recomputes).
+        serving = [b for b in up if b.daemon_serving]
+        return serving or up
+
+    def models(self) -> dict[str, ModelInfo]:
+        out: dict[str, ModelInfo] = {}
+        for b in self.backends.values():
+            if b.healthy:
+                for m, n in b.models.items():
+                    out.setdefault(m, n)
+        return out
+
+    def engine_info(self) -> EngineInfo | None:
+        for b in self.backends.values():
+            if b.info.block_size:
+                return b.info
+        return None
