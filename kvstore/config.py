@@ -241,6 +241,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_SECRET",
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",
+        "KVSTORE_TEST_RUN",  # tests: names the run's regions (kvstore.process)
     }
 )
 NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)
