@@ -80,6 +80,7 @@ class KVEventBatch(EventBatch):
 class _LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
+    block_size: int = 0
 
 
 class _LeanRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):

@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     notifier.ready(status=f"listening on {host}:{port}")
     interval_s = notifier.watchdog_interval_s
     while not stop.wait(interval_s):  # None (unarmed): wait for the signal only
-        notifier.watchdog()
+        # An indexer whose ingestion is down or whose backend is unreachable
+        # answers stale scores: let systemd's watchdog restart it.
+        if indexer.healthy:
+            notifier.watchdog()
     notifier.stopping()
     server.stop(grace=2.0).wait(3.0)
     indexer.close()
