@@ -1,6 +1,6 @@
 """Cache-aware node choice for a router: hash, ask the indexer, pick.
 
-    rc = RouterClient("10.0.0.9:50061", block_size_tokens=16, deadline_s=0.02)
+    rc = RouterClient("10.0.0.9:50061", deadline_s=0.02)
     d = rc.pick("meta-llama/Llama-3.1-8B", token_ids, candidates=["a", "b", "c"],
                 default="b", load={"a": 0.9, "b": 0.2, "c": 0.4})
     send_to(d.node)          # d.reason: "prefix", "no_hit" or "fallback"
@@ -20,7 +20,10 @@ not answer within ``deadline_s``, the caller's ``default`` is returned: the
 router's own balancing applies whenever there is no cache signal.
 
 Hashing happens here (the vLLM-compatible hasher), so only 8 bytes per block
-cross the network instead of 4 per token.
+cross the network instead of 4 per token. The block size is, by default, the
+one the indexer learned from the engines' events for the model (asked with
+``Models`` and cached for ``BLOCK_SIZE_TTL_S``); until the indexer knows one,
+``FALLBACK_BLOCK_SIZE_TOKENS``. Pass ``block_size_tokens`` to pin it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ import numpy as np
 from kvstore.errors import DeadlineExceeded, InvalidRequest, Unavailable
 from kvstore.hashing import BlockHasher
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+
+FALLBACK_BLOCK_SIZE_TOKENS = 16
+BLOCK_SIZE_TTL_S = 30.0
+# a model the indexer does not know yet is asked about again this soon
+_UNKNOWN_TTL_S = 1.0
+_MAX_CACHED_MODELS = 4096
 
 
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -121,7 +130,7 @@ class RouterClient:
         self,
         address: str,
         *,
-        block_size_tokens: int = 16,
+        block_size_tokens: int | None = None,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         deadline_s: float = 0.05,
@@ -130,7 +139,12 @@ class RouterClient:
     ) -> None:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
-        self.hasher = BlockHasher(block_size_tokens, hash_algo, hash_seed)
+        self._block_size = block_size_tokens
+        self._hash_algo = hash_algo
+        self._hash_seed = hash_seed
+        self._hashers: dict[int, BlockHasher] = {}
+        self._sizes: dict[str, tuple[int, float]] = {}  # model -> (block size, valid until)
+        self.hasher = self._hasher(block_size_tokens or FALLBACK_BLOCK_SIZE_TOKENS)
         self.deadline_s = deadline_s
         self.policy = policy
         self._channel = channel or grpc.insecure_channel(
@@ -138,11 +152,52 @@ class RouterClient:
         )
         self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
 
+    def _hasher(self, block_size: int) -> BlockHasher:
+        h = self._hashers.get(block_size)
+        if h is None:
+            if len(self._hashers) >= 64:
+                self._hashers.clear()  # bounded: a handful of sizes in practice
+            h = self._hashers[block_size] = BlockHasher(
+                block_size, self._hash_algo, self._hash_seed
+            )
+        return h
+
+    def block_size_for(self, model: str) -> int:
+        """The block size to hash ``model``'s requests at (see the module doc)."""
+        if self._block_size:
+            return self._block_size
+        now = time.monotonic()
+        cached = self._sizes.get(model)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        if len(self._sizes) >= _MAX_CACHED_MODELS:
+            self._sizes.clear()
+        try:
+            resp = self._stub.Models(indexer_pb2.ModelsRequest(), timeout=self.deadline_s)
+            for m in resp.models:
+                if m.block_size_tokens:
+                    self._sizes[m.model] = (m.block_size_tokens, now + BLOCK_SIZE_TTL_S)
+        except grpc.RpcError:
+            pass  # the Score that follows reports the indexer's trouble
+        if model not in self._sizes or self._sizes[model][1] <= now:
+            self._sizes[model] = (FALLBACK_BLOCK_SIZE_TOKENS, now + _UNKNOWN_TTL_S)
+        return self._sizes[model][0]
+
     def hash(
-        self, token_ids: Any, cache_salt: str | None = None, lora: tuple[str, str] | None = None
+        self,
+        token_ids: Any,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        *,
+        model: str | None = None,
     ) -> np.ndarray:
-        """Block hashes (uint64) of the full blocks of ``token_ids``, as vLLM computes them."""
-        return self.hasher.hash_tokens_int(token_ids, cache_salt=cache_salt, lora=lora)
+        """Block hashes (uint64) of the full blocks of ``token_ids``, as vLLM computes them.
+
+        With ``model`` (and no pinned block size), at the block size the
+        indexer learned for it; else at the pinned or fallback size.
+        """
+        hasher = self.hasher if model is None else self._hasher(self.block_size_for(model))
+        return hasher.hash_tokens_int(token_ids, cache_salt=cache_salt, lora=lora)
 
     def scores(
         self,
@@ -191,7 +246,7 @@ class RouterClient:
         The deadline covers the indexer call; hashing (~10 ms for 195k tokens)
         is local and comes before it.
         """
-        hashes = self.hash(token_ids, cache_salt=cache_salt, lora=lora)
+        hashes = self.hash(token_ids, cache_salt=cache_salt, lora=lora, model=model)
         if hashes.size == 0:
             return Decision(node=default, reason="no_hit")
         t0 = time.monotonic()
