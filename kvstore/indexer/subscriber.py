@@ -98,6 +98,9 @@ _MAX_SNAPSHOT_HASHES = 32 << 20
 _SNAPSHOT_BACKOFF_S = (0.2, 30.0)  # first retry after, at most
 _BACKEND_BACKOFF_S = (0.1, 5.0)
 _MAX_LEARNED_MODELS = 4_096
+# Batches below a snapshot's seq arriving this soon after it were queued
+# before it (they are in it); later, a lower seq is a restarted publisher.
+_STALE_WINDOW_S = 2.0
 _MAX_SIZES_PER_MODEL = 8
 # the daemon's StoreService tiers (kvstore.v1.Tier) -> index mediums
 _TIER_MEDIUM = {1: "KVSTORE_GPU", 2: "CPU", 3: "DISK"}
@@ -198,6 +201,7 @@ class _Source:
         # snapshots (sources with a snapshot_address)
         self.snapshot_due = bool(spec.snapshot_address)
         self.snapshot_seq: int | None = None  # set until a batch >= it is applied
+        self.snapshot_at = 0.0
         self.retry_at = 0.0
         self.backoff_s = _SNAPSHOT_BACKOFF_S[0]
         self.channel: grpc.Channel | None = None
@@ -555,24 +559,36 @@ class Subscriber:
                 self._tail_check(src)
 
     def _tail_check(self, src: _Source) -> None:
-        """An idle source: did batches past the last applied one get lost on the way?"""
+        """An idle source: is it the publisher we followed, and did its tail get lost?
+
+        Asks the replay buffer from the last batch applied (``next - 1``): the
+        publisher must still have that very batch (same payload, where we saw
+        it), then whatever follows is a tail we missed. No batch there means
+        it restarted with a shorter history (its first batches may have been
+        lost on the way, so the live stream never showed the reset); a later
+        first batch means the buffer moved past it. Either way: a snapshot.
+        """
         src.tail_checked_at = time.monotonic()
         self.stats.tail_checks += 1
         assert src.next is not None
-        start = src.next
-        batches = self._replay(src, start)
-        if not batches:
+        if src.next == 0:
             return
-        if batches[0][0] != start:
-            src.snapshot_due = True  # the buffer no longer has it
+        probe = src.next - 1
+        batches = self._replay(src, probe)
+        first = batches[0] if batches else None
+        known = src.recent.get(probe)
+        if first is None or first[0] != probe or (known is not None and known != hash(first[2])):
+            log.info("KV event source %s: publisher changed under us; resyncing", src.spec.key)
+            self.stats.restarts += 1
+            src.snapshot_due = True
+            src.retry_at = 0.0
             return
-        expect = start
-        for seq, topic, payload in batches:
-            if seq != expect:
+        src.recent[probe] = hash(first[2])
+        for seq, topic, payload in batches[1:]:
+            if seq != src.next:
                 src.snapshot_due = True
                 return
             self._apply_one(src, seq, topic, payload)
-            expect = seq + 1
 
     # --- snapshots -------------------------------------------------------------------
 
@@ -662,6 +678,7 @@ class Subscriber:
         src.backoff_s = _SNAPSHOT_BACKOFF_S[0]
         src.matched_at = src.last_event_at = time.monotonic()
         src.snapshot_seq = next_seq
+        src.snapshot_at = time.monotonic()
         src.next = next_seq
         src.cursor = next_seq - 1 if next_seq else None
         src.recent.clear()
@@ -905,7 +922,11 @@ class Subscriber:
             if seq < src.next:
                 if src.recent.get(seq) == hash(payload):
                     return  # already applied (a replay and the live stream overlap)
-                if src.snapshot_seq is not None and 0 < seq < src.snapshot_seq:
+                if (
+                    src.snapshot_seq is not None
+                    and 0 < seq < src.snapshot_seq
+                    and time.monotonic() - src.snapshot_at < _STALE_WINDOW_S
+                ):
                     self.stats.stale_skipped += 1  # sent before the snapshot: in it
                     return
                 # the counter went back (seq 0 is a new publisher's first batch)
