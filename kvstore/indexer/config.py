@@ -65,6 +65,8 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cluster_secret: str = ""
     """The cluster secret (the daemons' peer.secret): sent on Snapshot calls, and
     required from RegisterNode / UnregisterNode callers when set."""
+    metrics_address: str = ""
+    """Prometheus /metrics host:port (port 0 picks one); "" = off."""
     max_registered_sources: int = 256
     """Sources RegisterNode may add; past it registrations get RESOURCE_EXHAUSTED."""
 

@@ -467,3 +467,78 @@ def test_snapshot_rpc_is_consistent_with_the_event_stream(daemon_factory):
     assert sorted(got.tolist()) == sorted(hashes.tolist())
     assert {c.block_size_tokens for c in chunks if not c.done} == {16}
     assert msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[])) is not None
+
+
+# --- staleness on /metrics and in `kvstore status --indexer` ------------------------
+
+
+def test_staleness_shows_on_metrics_and_kvstore_status(daemon_factory, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    s = daemon_settings()
+    d = daemon_factory("node-a", settings=s)
+    put_one_by_one(d, chain(2))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    env = {**os.environ, "PYTHONPATH": root}
+    src = (
+        f"node=node-a,endpoint={s['events.publish_address']},"
+        f"replay_endpoint={s['events.replay_address']},snapshot_address={s['server.tcp_address']}"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvstore.indexer", "--address", "127.0.0.1:0"]
+        + ["--metrics-address", "127.0.0.1:0", "--source", src],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        metrics = address = ""
+        deadline = time.monotonic() + 30
+        while not address and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if "metrics on" in line:
+                metrics = line.rsplit(" ", 1)[1].strip()
+            elif "listening on" in line:
+                address = line.rsplit(" ", 1)[1].strip()
+        assert metrics and address, "indexer did not start"
+
+        def status() -> dict:  # type: ignore[type-arg]
+            out = subprocess.run(
+                [sys.executable, "-m", "kvstore", "status", "--indexer", address, "--json"],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        wait_for(lambda: int(status()["sources"][0]["snapshots"]) >= 1, what="a snapshot applied")
+        doc = status()
+        assert doc["health"] == "SERVING"
+        (n,) = doc["sources"]
+        assert n["connected"] and 0 <= n["sinceSnapshotS"] < 30
+        text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+        assert "kvstore_indexer_up 1.0" in text
+        assert 'kvstore_indexer_source_since_snapshot_seconds{kind="daemon",node="node-a"' in text
+        assert "kvstore_indexer_source_last_event_age_seconds{" in text
+        human = subprocess.run(
+            [sys.executable, "-m", "kvstore", "status", "--indexer", address],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        assert "SERVING" in human and "node-a" in human and "snapshot" in human
+    finally:
+        proc.terminate()
+        proc.wait(10)
