@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -57,6 +58,10 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
             overrides[key] = value
     if getattr(args, "no_ingest", False):
         overrides["ingest"] = False
+    raw = load(getattr(args, "config", None), {})
+    if not raw.cluster_secret and os.environ.get("KVSTORE_SECRET"):
+        # the same variable the daemons' clients read; the file wins
+        overrides["cluster_secret"] = os.environ["KVSTORE_SECRET"]
     cfg = load(getattr(args, "config", None), overrides)
     extra = [parse_source(s) for s in getattr(args, "source", [])]
     if extra:

@@ -64,7 +64,8 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Each kind of ingestion error is logged at most once per interval (counted always)."""
     cluster_secret: str = ""
     """The cluster secret (the daemons' peer.secret): sent on Snapshot calls, and
-    required from RegisterNode / UnregisterNode callers when set."""
+    required from RegisterNode / UnregisterNode callers when set. `kvstore indexer`
+    takes KVSTORE_SECRET when the file does not set it."""
     metrics_address: str = ""
     """Prometheus /metrics host:port (port 0 picks one); "" = off."""
     max_registered_sources: int = 256
