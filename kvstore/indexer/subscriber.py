@@ -795,8 +795,8 @@ class Subscriber:
                     # whatever happened while we were apart, the daemon knows
                     src.snapshot_due = True
                     src.retry_at = 0.0
-                    if self.backend_down_since is None:
-                        self._snapshot(src)
+                    if self.backend_down_since is None and not self._snapshot(src):
+                        self._catch_up(src)  # meanwhile, what the replay buffer has
                 else:
                     self._catch_up(src)
 
@@ -879,6 +879,10 @@ class Subscriber:
         if src.spec.snapshot_address:
             self._on_snapshot_source_frames(src, seq, topic, payload)
             return
+        self._on_plain_frames(src, seq, topic, payload)
+
+    def _on_plain_frames(self, src: _Source, seq: int, topic: bytes, payload: bytes) -> None:
+        """A source without snapshots: replay what is missing, else rebuild from the buffer."""
         src.dropped = False
         if src.next is None:
             # First batch since this indexer started: resume after the saved
@@ -916,9 +920,13 @@ class Subscriber:
         """A daemon source: the index is rebuilt from a snapshot whenever it may be wrong."""
         for _ in range(3):  # a snapshot, then at most a replay, then this batch
             if src.snapshot_due or src.next is None:
-                if time.monotonic() < src.retry_at or not self._snapshot(src):
-                    return  # dropped: the snapshot (retried with backoff) covers it
-                continue
+                if time.monotonic() >= src.retry_at and self._snapshot(src):
+                    continue
+                # No snapshot to be had now (retried with backoff): follow the
+                # stream as a source without snapshots does, rather than show
+                # nothing; the snapshot replaces it all once it comes.
+                self._on_plain_frames(src, seq, topic, payload)
+                return
             if seq < src.next:
                 if src.recent.get(seq) == hash(payload):
                     return  # already applied (a replay and the live stream overlap)

@@ -542,3 +542,17 @@ def test_staleness_shows_on_metrics_and_kvstore_status(daemon_factory, tmp_path)
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_snapshots_over_tcp_carry_the_cluster_secret(daemon_factory, indexers):
+    """A daemon with a cluster secret answers the indexer's Snapshot only with it."""
+    s = daemon_settings(**{"peer.secret": "s3cret", "events.buffer_batches": 2})
+    d = daemon_factory("node-a", settings=s)
+    hashes = chain(6)
+    put_one_by_one(d, hashes)  # past the replay buffer: only a snapshot has it all
+    wrong = indexers([source_for("node-a", s)], cluster_secret="wrong")
+    right = indexers([source_for("node-a", s)], cluster_secret="s3cret")
+    wait_for(lambda: prefix(right, "tiny", hashes, "node-a") == 6, what="snapshot with the secret")
+    wait_for(lambda: wrong.subscriber.stats.snapshot_failures >= 1)
+    assert wrong.subscriber.stats.snapshots == 0
+    assert prefix(wrong, "tiny", hashes, "node-a") == 0
