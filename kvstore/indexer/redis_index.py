@@ -17,6 +17,9 @@ Layout (``p`` = the configured key prefix, default ``kvidx``):
   table lookup. A key whose bits all clear is deleted, so memory follows the
   live index. ``p:layout`` records the stride; an indexer configured with
   another ``max_nodes`` refuses to start rather than misread the bits.
+- ``p:epoch`` a random value set when the index's data is first written: a
+  replica that finds another one knows Redis lost the data (a restart
+  without persistence, a flush) and rebuilds.
 - ``p:cursor:<source>`` last applied sequence number of an event source, so
   a restarted indexer asks its publishers to replay exactly what it missed.
 
@@ -32,6 +35,7 @@ Not for Redis Cluster (scripts build key names themselves).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -183,6 +187,7 @@ class RedisIndex:
             self._r.set(f"{self._p}:layout", layout, nx=True)
             raw_layout = self._r.get(f"{self._p}:layout")
             stored = raw_layout.decode() if isinstance(raw_layout, bytes) else str(raw_layout)
+            self._epoch = self._read_epoch()
         except redis.RedisError as e:
             raise Unavailable(f"Redis at {url} is unreachable: {e}") from e
         if stored != layout:
@@ -216,15 +221,27 @@ class RedisIndex:
             return None
         return key[start : start + n].decode(errors="replace")
 
+    def _read_epoch(self) -> bytes:
+        """This index's epoch: a random value set once per life of the data."""
+        key = f"{self._p}:epoch"
+        self._r.set(key, secrets.token_hex(8), nx=True)
+        raw = self._r.get(key) or b""
+        return raw.encode() if isinstance(raw, str) else bytes(raw)
+
     def ping(self) -> bool:
         """Unavailable if Redis is unreachable; True if it lost this index since the last ping.
 
-        Redis restarted without persistence (or flushed) has no layout key:
-        cached node ids and models are void, and every source must resync.
+        Redis restarted without persistence (or flushed) loses the epoch key;
+        the first replica to ping sets a new one, and every replica sees it
+        differ from the one it knew: its cached node ids and models are void
+        (another replica may have handed the ids out anew), and every source
+        must resync.
         """
-        created = self._call(self._r.set, f"{self._p}:layout", self._layout, nx=True)
-        if not created:
+        epoch = self._call(self._read_epoch)
+        if epoch == self._epoch:
             return False
+        self._epoch = epoch
+        self._call(self._r.set, f"{self._p}:layout", self._layout, nx=True)
         self._ids.clear()
         self._ids_models.clear()
         return True

@@ -556,3 +556,26 @@ def test_snapshots_over_tcp_carry_the_cluster_secret(daemon_factory, indexers):
     wait_for(lambda: wrong.subscriber.stats.snapshot_failures >= 1)
     assert wrong.subscriber.stats.snapshots == 0
     assert prefix(wrong, "tiny", hashes, "node-a") == 0
+
+
+@pytest.mark.redis
+def test_every_replica_notices_that_redis_lost_the_index(redis_server):  # noqa: F811
+    """Two mirrors on one Redis: after it restarts empty both reload, not just the first."""
+    from kvstore.indexer.mirror import MirroredIndex
+
+    a, b = MirroredIndex(RedisIndex(redis_server.url)), MirroredIndex(RedisIndex(redis_server.url))
+    try:
+        hv = np.array([5, 6], dtype=np.uint64)
+        a.add("m", "n1", "CPU", hv)
+        assert not a.ping() and not b.ping()
+        redis_server.stop()
+        redis_server.start()
+        assert a.ping()  # sets a new epoch ...
+        assert b.ping()  # ... which b sees differ from the one it knew
+        assert a.score("m", hv) == [] and b.score("m", hv) == []  # mirrors match Redis
+        b.add("m", "n2", "CPU", hv)  # ids handed out anew: no stale cache
+        a.ping()
+        assert a.durable.score("m", hv) == [NodeScore("n2", 2, 0, 2, 0)]
+    finally:
+        a.close()
+        b.close()
