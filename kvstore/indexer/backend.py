@@ -158,7 +158,9 @@ def prefix_scores(
         which, bit = np.nonzero(_unpack(lost.T))
         prefix[bit] = changed[which]
     prefix[np.flatnonzero(_unpack(cum[:, length - 1 : length].T)[0])] = length
-    g = tiers[ENGINE_GPU, :, :length] | tiers[KVSTORE_GPU, :, :length]
+    g = tiers[ENGINE_GPU, :, :length]
+    if tiers.shape[0] > KVSTORE_GPU:  # rows may come without the daemon-GPU medium
+        g = g | tiers[KVSTORE_GPU, :, :length]
     c, d = tiers[CPU, :, :length], tiers[DISK, :, :length]
     gpu = _count_tier(g & cum, cum, prefix)
     disk_only = _count_tier(d & ~(g | c) & cum, cum, prefix)

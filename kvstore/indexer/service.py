@@ -51,6 +51,7 @@ from kvstore.hashing import BlockHasher
 from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.memory import MemoryIndex
+from kvstore.indexer.seedcheck import SeedVerdict
 from kvstore.indexer.subscriber import SourceSpec, SourceStatus, Subscriber
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
@@ -91,6 +92,8 @@ class Indexer:
             tail_check_s=cfg.tail_check_s,
             error_log_interval_s=cfg.error_log_interval_s,
             cluster_secret=cfg.cluster_secret,
+            hash_algo=cfg.hash_algo,
+            hash_seed=cfg.hash_seed or None,
         )
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._registered: dict[str, tuple[SourceSpec, float]] = {}  # key -> (spec, expires_at|0)
@@ -441,6 +444,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
 
     def Models(self, request, context):
         learned = self._ix.subscriber.learned_models()
+        seeds = dict(self._ix.subscriber.seeds.verdicts)
         with self._ix.lock:
             try:
                 indexed = self._ix.index.models()
@@ -453,6 +457,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                     model=m,
                     # several sizes: none is "the" size; the caller must choose
                     block_size_tokens=sizes[0] if len(sizes := learned.get(m, [])) == 1 else 0,
+                    first_blocks_checked=(v := seeds.get(m, SeedVerdict())).checked,
+                    first_blocks_mismatched=v.mismatched,
                 )
                 for m in sorted(set(indexed) | set(learned))
             ]

@@ -81,6 +81,7 @@ from kvstore.indexer.backend import (
     IndexBackend,
     source_medium,
 )
+from kvstore.indexer.seedcheck import SeedChecker
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +249,8 @@ class Subscriber:
         error_log_interval_s: float = 10.0,
         backend_ping_s: float = 1.0,
         cluster_secret: str = "",
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         self._index = index
@@ -289,6 +292,7 @@ class Subscriber:
         self.heartbeat_at = time.monotonic()
         # model -> block sizes its sources publish (from events and snapshots)
         self._block_sizes: dict[str, set[int]] = {}
+        self.seeds = SeedChecker(hash_algo, hash_seed)
         self._thread = self._new_thread()
 
     def _new_thread(self) -> threading.Thread:
@@ -1105,6 +1109,15 @@ class Subscriber:
             present = isinstance(ev, LeanStored)
             if present and ev.block_size:  # type: ignore[union-attr]
                 self._learn(model, ev.block_size)  # type: ignore[union-attr]
+                if ev.parent_block_hash is None and ev.block_hashes and ev.token_ids:  # type: ignore[union-attr]
+                    self.seeds.offer(
+                        model,
+                        ev.block_hashes[0],
+                        ev.block_size,  # type: ignore[union-attr]
+                        ev.token_ids,  # type: ignore[union-attr]
+                        ev.extra_keys,  # type: ignore[union-attr]
+                        ev.lora_name,  # type: ignore[union-attr]
+                    )
             # runs of (present, hashes) in arrival order; hashes stay as
             # decoded, bytes-form or signed ones are folded at flush
             runs = self._staged.get((model, node, medium))

@@ -137,12 +137,16 @@ class ModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "block_size_tokens")
+    __slots__ = ("model", "block_size_tokens", "first_blocks_checked", "first_blocks_mismatched")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_MISMATCHED_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size_tokens: int
-    def __init__(self, model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ...) -> None: ...
+    first_blocks_checked: int
+    first_blocks_mismatched: int
+    def __init__(self, model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., first_blocks_checked: _Optional[int] = ..., first_blocks_mismatched: _Optional[int] = ...) -> None: ...
 
 class ModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -579,3 +579,31 @@ def test_every_replica_notices_that_redis_lost_the_index(redis_server):  # noqa:
     finally:
         a.close()
         b.close()
+
+
+def test_models_report_first_blocks_hashed_with_another_seed(daemon_factory, indexers):
+    """Engines seeded differently never match a token-id Score: the indexer says so."""
+    s = daemon_settings()
+    d = daemon_factory("node-a", settings=s)
+    ix = indexers([source_for("node-a", s)])
+    server, port = serve(ix, "127.0.0.1:0")
+    try:
+        tokens = np.random.default_rng(9).integers(0, 32_000, 16 * 3)
+        # snapshots carry no token ids: the events must reach the indexer (live
+        # or replayed), so it follows the daemon before they are published
+        wait_for(lambda: ix.subscriber.stats.snapshots >= 1)
+        with Client(d.address) as c:
+            for model, seed in (("same", None), ("seeded", "4242")):
+                hashes = BlockHasher(16, "sha256", seed).hash_tokens_int(tokens)
+                ns = c.declare_namespace(make_spec(BLOCK_BYTES, model=model))
+                h = c.prepare_store(ns, hashes)
+                c.commit_store(h, token_ids=tokens)  # a connector passes the tokens
+        wait_for(lambda: {"same", "seeded"} <= set(ix.subscriber.seeds.verdicts))
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            models = indexer_pb2_grpc.IndexerServiceStub(ch).Models(
+                indexer_pb2.ModelsRequest(), timeout=5
+            )
+        got = {m.model: (m.first_blocks_checked, m.first_blocks_mismatched) for m in models.models}
+        assert got == {"same": (1, 0), "seeded": (1, 1)}
+    finally:
+        server.stop(0)
