@@ -272,22 +272,26 @@ class Indexer:
             )
         with self._reg_lock:
             self._check_owner(spec.node, owner_token)
-            if spec.key not in self._registered:
-                if len(self._registered) >= self.cfg.max_registered_sources:
-                    raise CapacityExhausted(
-                        f"{len(self._registered)} sources are registered already "
-                        f"(max_registered_sources = {self.cfg.max_registered_sources})"
-                    )
-                # one source per (node, kind): a second endpoint would feed one node twice
-                for other, _ in self._registered.values():
-                    if other.node == spec.node and other.kind == spec.kind:
-                        raise PermissionDenied(
-                            f"node {spec.node!r} already has a registered {spec.kind} source "
-                            f"at {other.endpoint}; unregister it first"
-                        )
+            # one source per (node, kind): the owner moving its stream (a new
+            # address) replaces its old one instead of feeding the node twice
+            moved = [
+                k
+                for k, (other, _) in self._registered.items()
+                if k != spec.key and other.node == spec.node and other.kind == spec.kind
+            ]
+            new = spec.key not in self._registered and not moved
+            if new and len(self._registered) >= self.cfg.max_registered_sources:
+                raise CapacityExhausted(
+                    f"{len(self._registered)} sources are registered already "
+                    f"(max_registered_sources = {self.cfg.max_registered_sources})"
+                )
+            for k in moved:
+                del self._registered[k]
             token = self._owners.get(spec.node) or owner_token or secrets.token_hex(16)
             self._owners[spec.node] = token
             self._registered[spec.key] = (spec, time.monotonic() + ttl_s if ttl_s else 0.0)
+        for k in moved:
+            self.subscriber.remove_source(k, drop_entries=True)
         self.subscriber.add_source(spec)
         return token
 

@@ -385,6 +385,10 @@ def test_register_node_is_bounded_owned_and_cannot_touch_configured_sources(inde
                 # someone else's name: neither replaced nor extended without its token
                 assert code(reg, "r1", "tcp://127.0.0.1:4") == grpc.StatusCode.PERMISSION_DENIED
                 reg("r2", "tcp://127.0.0.1:5", "chosen-token")
+                # its owner may move it: the new address replaces the old one
+                reg("r2", "tcp://127.0.0.1:8", "chosen-token")
+                r2 = [sp.endpoint for sp, _, _ in ix.sources() if sp.node == "r2"]
+                assert r2 == ["tcp://127.0.0.1:8"]
                 reg("r3", "tcp://127.0.0.1:6")
                 assert code(reg, "r4", "tcp://127.0.0.1:7") == grpc.StatusCode.RESOURCE_EXHAUSTED
 
