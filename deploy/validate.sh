@@ -162,6 +162,31 @@ $out"
   [[ -z "$out" ]] || fail "promtool check metrics printed:
 $out"
   echo "ok: promtool check metrics ($(grep -vc '^#' "$metrics") samples)"
+  # The indexer's /metrics too (the dashboard's freshness row); one source,
+  # never reachable, so the per-source series carry a sample.
+  local ixout="$WORK/indexer.out" ixmetrics="$WORK/indexer-metrics.txt" ixaddress="" ixpid
+  env -u KVSTORE_CONFIG "$PYTHON" -m kvstore.indexer --address 127.0.0.1:0 \
+    --metrics-address 127.0.0.1:0 --source node=probe,endpoint=tcp://127.0.0.1:1 \
+    >"$ixout" 2>"$WORK/indexer.err" &
+  ixpid=$!
+  for _ in $(seq 1 300); do
+    ixaddress="$(sed -n 's/^kvstore indexer metrics on //p' "$ixout" 2>/dev/null || true)"
+    [[ -n "$ixaddress" ]] && grep -q "listening on" "$ixout" && break
+    kill -0 "$ixpid" 2>/dev/null || fail "indexer exited: $(cat "$WORK/indexer.err")"
+    sleep 0.1
+  done
+  [[ -n "$ixaddress" ]] || fail "indexer not ready within 30 s: $(cat "$WORK/indexer.err")"
+  sleep 0.5  # the ingestion thread takes the source up
+  "$PYTHON" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
+    "http://$ixaddress/metrics" >"$ixmetrics"
+  kill -TERM "$ixpid"
+  wait "$ixpid" || fail "indexer exited $? after SIGTERM (want 0): $(cat "$WORK/indexer.err")"
+  out="$(promtool check metrics <"$ixmetrics" 2>&1)" || fail "promtool check metrics (indexer):
+$out"
+  [[ -z "$out" ]] || fail "promtool check metrics (indexer) printed:
+$out"
+  echo "ok: promtool check metrics on the indexer ($(grep -vc '^#' "$ixmetrics") samples)"
+  cat "$ixmetrics" >>"$metrics"
   "$PYTHON" "$DEPLOY/checks.py" metric-names "$DEPLOY/grafana/kvstore-dashboard.json" "$metrics"
   kill -TERM "$DAEMON_PID"
   wait "$DAEMON_PID" || fail "daemon exited $? after SIGTERM (want 0): $(cat "$WORK/daemon.err")"

@@ -2,6 +2,7 @@
 
 kvstore serve [--config FILE] [--set section.key=value ...] [--print-config]
 kvstore status [--address unix:/tmp/kvstore.sock] [--json]
+kvstore status --indexer HOST:PORT [--json]   (sources, staleness, health)
 kvstore indexer ...            (the cluster indexer; see `kvstore indexer -h`)
 kvstore router [--config FILE] [--set router.key=value ...] [--print-config]
 """
@@ -55,10 +56,60 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout-s", type=float, default=3.0)
+    p.add_argument(
+        "--indexer",
+        metavar="HOST:PORT",
+        help="show a cluster indexer instead: health, and per source its staleness",
+    )
+
+
+def _indexer_status(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+
+    with grpc.insecure_channel(args.indexer) as ch:
+        try:
+            nodes = indexer_pb2_grpc.IndexerServiceStub(ch).ListNodes(
+                indexer_pb2.ListNodesRequest(), timeout=args.timeout_s
+            )
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=args.timeout_s
+            )
+        except grpc.RpcError as e:
+            print(
+                f"kvstore status: indexer {args.indexer}: {e.code()} {e.details()}", file=sys.stderr
+            )
+            return 1
+    serving = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    if args.json:
+        doc = MessageToDict(nodes, always_print_fields_with_no_presence=True)
+        print(json.dumps({"health": serving, **doc}, indent=2))
+        return 0
+
+    def age(s: float) -> str:
+        return "never" if s < 0 else f"{s:.1f}s"
+
+    print(f"kvstore indexer at {args.indexer}: {serving}, {len(nodes.sources)} sources")
+    for n in nodes.sources:
+        src = n.source
+        how = "registered" if n.registered else "configured"
+        print(
+            f"  {src.node:<16} {src.kind or 'daemon':<6} {how:<10} "
+            f"{'up' if n.connected else 'DOWN':<4} last event {age(n.last_event_age_s):>7} ago, "
+            f"snapshot {age(n.since_snapshot_s):>7} ago, seq {n.next_seq}, "
+            f"snapshots={n.snapshots} errors={n.errors}"
+        )
+    return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
+
+    if args.indexer:
+        return _indexer_status(args)
 
     from kvstore.client import Client
 

@@ -7,9 +7,10 @@ element by element.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -17,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvstore import __version__, errors
+from kvstore.events.sink import SequencedSink
 from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
@@ -154,6 +156,36 @@ _HELLO_ADDRESSES = frozenset(
         "peer_transport",
     )
 )
+
+
+# A snapshot waits this long for the event sender to reach its marker.
+SNAPSHOT_MARK_TIMEOUT_S = 10.0
+SNAPSHOT_MAX_HASHES_PER_MESSAGE = 65_536
+
+
+def held_by_tier(manager: BlockManager, model: str) -> dict[str, tuple[int, dict[Tier, list[int]]]]:
+    """Per model: its block size and the committed hashes in each tier, as events tell them.
+
+    A block counts in every tier holding a copy: DRAM (a region slot), GPU (a
+    pool slot), DISK (a disk slot; a DRAM block with a clean disk copy is in
+    both), exactly the tiers whose BlockStored it got and no BlockRemoved.
+    """
+    out: dict[str, tuple[int, dict[Tier, list[int]]]] = {}
+    for ns in list(manager.namespaces.values()):
+        if model and ns.model != model:
+            continue
+        _, tiers = out.setdefault(
+            ns.model, (ns.block_size_tokens, {Tier.GPU: [], Tier.DRAM: [], Tier.DISK: []})
+        )
+        for h, b in ns.blocks.items():
+            if b.offset >= 0:
+                tiers[Tier.DRAM].append(h)
+            if b.gpu_offset >= 0:
+                tiers[Tier.GPU].append(h)
+            if b.disk_slot >= 0:
+                tiers[Tier.DISK].append(h)
+    return out
+
 
 # fill(namespace_id, hashes, peer_hint, timeout_s): pull what the local prefix lacks
 PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
@@ -414,3 +446,41 @@ class StoreService(pb_grpc.StoreServiceServicer):
             return pb.GetInlineResponse(found_blocks=len(plan.blocks), data=data)
 
         return await call_async(context, run)
+
+    async def Snapshot(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        sink = self.manager.sink
+        if not isinstance(sink, SequencedSink):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "KV events are off: no sequence to snapshot at"
+            )
+            return
+        per_msg = request.max_hashes_per_message or SNAPSHOT_MAX_HASHES_PER_MESSAGE
+        per_msg = min(per_msg, SNAPSHOT_MAX_HASHES_PER_MESSAGE)
+        # The marker and the walk share one event-loop step (no await between):
+        # nothing the manager does can fall between them.
+        mark = sink.mark()
+        held = held_by_tier(self.manager, request.model)
+        next_seq = 0
+        try:
+            next_seq = await asyncio.wait_for(asyncio.wrap_future(mark), SNAPSHOT_MARK_TIMEOUT_S)
+        except errors.KVStoreError as exc:
+            await context.abort(status_for(exc), str(exc))
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the KV event sender did not reach the snapshot within {SNAPSHOT_MARK_TIMEOUT_S}s",
+            )
+        for model, (block_size, tiers) in held.items():
+            for tier, hashes in tiers.items():
+                for i in range(0, len(hashes), per_msg):
+                    yield pb.SnapshotChunk(
+                        next_seq=next_seq,
+                        model=model,
+                        tier=int(tier),  # type: ignore[arg-type]
+                        block_hashes=pack_u64(hashes[i : i + per_msg]),
+                        block_size_tokens=block_size,
+                    )
+            if not any(tiers.values()):
+                # a model with namespaces but no blocks still tells its block size
+                yield pb.SnapshotChunk(next_seq=next_seq, model=model, block_size_tokens=block_size)
+        yield pb.SnapshotChunk(next_seq=next_seq, done=True)

@@ -1,6 +1,6 @@
 """The indexer client a router uses: hash, ask the indexer, pick.
 
-    rc = RouterClient("10.0.0.9:50061", block_size_tokens=16, deadline_s=0.02)
+    rc = RouterClient("10.0.0.9:50061", deadline_s=0.02)
     d = rc.pick("meta-llama/Llama-3.1-8B", token_ids, candidates=["a", "b", "c"],
                 default="b", load={"a": NodeLoad(running=3, capacity=8), ...})
     send_to(d.node)          # d.reason: "prefix", "load", "no_hit" or "fallback"
@@ -12,7 +12,10 @@ stalls routing.
 
 Hashing happens here (the vLLM-compatible hasher, incrementally through
 ``PrefixHashCache``: a re-sent context hashes only its new tail), so only 8
-bytes per block cross the network instead of 4 per token.
+bytes per block cross the network instead of 4 per token. The block size is, by
+default, the one the indexer learned from the engines' events for the model
+(asked with ``Models`` and cached for ``BLOCK_SIZE_TTL_S``); until the indexer
+knows one, ``FALLBACK_BLOCK_SIZE_TOKENS``. Pass ``block_size_tokens`` to pin it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ from router_client.policy import (
     choose,
 )
 from router_client.prefix_cache import Hashed, PrefixHashCache
+
+FALLBACK_BLOCK_SIZE_TOKENS = 16
+BLOCK_SIZE_TTL_S = 30.0
+# a model the indexer does not know yet is asked about again this soon
+_UNKNOWN_TTL_S = 1.0
+_MAX_CACHED_MODELS = 4096
+# block sizes with a hasher and a prefix cache each: a handful in practice
+_MAX_BLOCK_SIZES = 16
 
 
 def score_request(
@@ -110,7 +121,7 @@ class RouterClient:
         self,
         address: str,
         *,
-        block_size_tokens: int = 16,
+        block_size_tokens: int | None = None,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         deadline_s: float = 0.05,
@@ -120,8 +131,14 @@ class RouterClient:
     ) -> None:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
-        self.hasher = BlockHasher(block_size_tokens, hash_algo, hash_seed)
-        self.hash_cache = PrefixHashCache(self.hasher, hash_cache_tokens)
+        self._block_size = block_size_tokens
+        self._hash_algo = hash_algo
+        self._hash_seed = hash_seed
+        self._hash_cache_tokens = hash_cache_tokens
+        self._caches: dict[int, PrefixHashCache] = {}
+        self._sizes: dict[str, tuple[int, float]] = {}  # model -> (block size, valid until)
+        self.hash_cache = self._cache(block_size_tokens or FALLBACK_BLOCK_SIZE_TOKENS)
+        self.hasher = self.hash_cache.hasher
         self.deadline_s = deadline_s
         self.policy = policy
         self._channel = channel or grpc.insecure_channel(
@@ -129,17 +146,64 @@ class RouterClient:
         )
         self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
 
+    def _cache(self, block_size: int) -> PrefixHashCache:
+        cache = self._caches.get(block_size)
+        if cache is None:
+            if len(self._caches) >= _MAX_BLOCK_SIZES:
+                self._caches.clear()
+            hasher = BlockHasher(block_size, self._hash_algo, self._hash_seed)
+            cache = self._caches[block_size] = PrefixHashCache(hasher, self._hash_cache_tokens)
+        return cache
+
+    def block_size_for(self, model: str) -> int:
+        """The block size to hash ``model``'s requests at (see the module doc)."""
+        if self._block_size:
+            return self._block_size
+        now = time.monotonic()
+        cached = self._sizes.get(model)
+        if cached is not None and cached[1] > now:
+            return cached[0]
+        if len(self._sizes) >= _MAX_CACHED_MODELS:
+            self._sizes.clear()
+        try:
+            resp = self._stub.Models(indexer_pb2.ModelsRequest(), timeout=self.deadline_s)
+            for m in resp.models:
+                if m.block_size_tokens:
+                    self._sizes[m.model] = (m.block_size_tokens, now + BLOCK_SIZE_TTL_S)
+        except grpc.RpcError:
+            pass  # the Score that follows reports the indexer's trouble
+        if model not in self._sizes or self._sizes[model][1] <= now:
+            self._sizes[model] = (FALLBACK_BLOCK_SIZE_TOKENS, now + _UNKNOWN_TTL_S)
+        return self._sizes[model][0]
+
+    def _cache_for(self, model: str | None) -> PrefixHashCache:
+        return self.hash_cache if model is None else self._cache(self.block_size_for(model))
+
     def hash(
-        self, token_ids: Any, cache_salt: str | None = None, lora: tuple[str, str] | None = None
+        self,
+        token_ids: Any,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        *,
+        model: str | None = None,
     ) -> np.ndarray:
-        """Block hashes (uint64) of the full blocks of ``token_ids``, as vLLM computes them."""
-        return self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora).hashes
+        """Block hashes (uint64) of the full blocks of ``token_ids``, as vLLM computes them.
+
+        With ``model`` (and no pinned block size), at the block size the
+        indexer learned for it; else at the pinned or fallback size.
+        """
+        return self.hash_incremental(token_ids, cache_salt, lora, model=model).hashes
 
     def hash_incremental(
-        self, token_ids: Any, cache_salt: str | None = None, lora: tuple[str, str] | None = None
+        self,
+        token_ids: Any,
+        cache_salt: str | None = None,
+        lora: tuple[str, str] | None = None,
+        *,
+        model: str | None = None,
     ) -> Hashed:
         """``hash`` with what was reused and where the previous turn went (affinity)."""
-        return self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora)
+        return self._cache_for(model).hash(token_ids, cache_salt=cache_salt, lora=lora)
 
     def scores(
         self,
@@ -173,9 +237,10 @@ class RouterClient:
         The deadline covers the indexer call; hashing is local and comes before it.
         The choice is recorded for the next turn's affinity.
         """
-        hashed = self.hash_cache.hash(token_ids, cache_salt=cache_salt, lora=lora)
+        cache = self._cache_for(model)
+        hashed = cache.hash(token_ids, cache_salt=cache_salt, lora=lora)
         d = self.decide(model, hashed, candidates, default=default, load=load)
-        self.hash_cache.routed(hashed, d.node)
+        cache.routed(hashed, d.node)
         return d
 
     def decide(

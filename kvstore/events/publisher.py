@@ -14,6 +14,12 @@ thread-safe:
   payload)``, then ``(b"", b"", END_SEQ, b"")``. The replay buffer keeps the
   last ``replay_buffer_batches`` batches.
 
+Snapshots (``mark``): the daemon's Snapshot RPC walks what it holds and, in
+the same event-loop step, queues a marker; the sender thread resolves the
+marker with the sequence number of the first batch sent after it. Every
+event queued before the walk is in a batch below that number, every later
+one at or above it, so "snapshot + the stream from that number on" is exact.
+
 A new publisher first sends ``AllBlocksCleared`` on ``kv@<node>@`` (seq 0):
 whatever a consumer still credits to this node from an earlier process is
 gone. If the queue overflows, events are dropped (counted) and the next thing sent
@@ -29,13 +35,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
 import numpy as np
 import zmq
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, Unavailable
 from kvstore.events.sink import NamespaceRef
 from kvstore.events.wire import (
     END_SEQ,
@@ -50,6 +57,8 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.02  # how long the sender sleeps on an empty queue (replay latency bound)
 _MAX_REPLAY_REQUESTS_PER_TURN = 16
+# the topic slot of a snapshot marker on the queue (real topics are bytes)
+_MARK = None
 
 
 def _hash_list(block_hashes: Sequence[int] | np.ndarray) -> list[int]:
@@ -93,7 +102,7 @@ class ZmqEventPublisher:
         self._rank = data_parallel_rank
         self._max_batch_events = max_batch_events
         self._close_timeout_s = close_timeout_s
-        self._queue: queue.Queue[tuple[bytes, Any]] = queue.Queue(maxsize=max_queue_events)
+        self._queue: queue.Queue[tuple[bytes | None, Any]] = queue.Queue(maxsize=max_queue_events)
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=replay_buffer_batches)
         self._topics: dict[str, bytes] = {}
         self._overflowed = False
@@ -182,6 +191,23 @@ class ZmqEventPublisher:
     def all_cleared(self, ns: NamespaceRef | None) -> None:
         self._put("" if ns is None else ns.model, AllBlocksCleared())
 
+    def mark(self) -> Future[int]:
+        """A future of the seq of the first batch sent after everything queued so far.
+
+        Fails (``Unavailable``) if the queue is full, if events are dropped
+        before the marker is sent (the stream then has a hole the snapshot
+        would paper over), or if the publisher closes first.
+        """
+        fut: Future[int] = Future()
+        if self._stopping.is_set():
+            fut.set_exception(Unavailable("the KV event publisher is closing"))
+            return fut
+        try:
+            self._queue.put_nowait((_MARK, fut))
+        except queue.Full:
+            fut.set_exception(Unavailable("the KV event queue is full; retry the snapshot"))
+        return fut
+
     def _put(self, model: str, ev: Any) -> None:
         if self._stopping.is_set():
             return
@@ -218,6 +244,13 @@ class ZmqEventPublisher:
         try:
             self._loop()
         finally:
+            while True:  # markers nobody will resolve now
+                try:
+                    topic, item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if topic is _MARK and not item.done():
+                    item.set_exception(Unavailable("the KV event publisher closed"))
             self._pub.close(linger=0)
             if self._replay is not None:
                 self._replay.close(linger=0)
@@ -237,6 +270,11 @@ class ZmqEventPublisher:
                 self._overflowed = False
                 clear_topic = make_topic(self.node_id, "").encode()
                 items.insert(0, (clear_topic, AllBlocksCleared()))
+                for topic, item in items:
+                    # events after a marker may be among the dropped ones
+                    if topic is _MARK:
+                        item.set_exception(Unavailable("KV events were dropped; retry"))
+                items = [it for it in items if it[0] is not _MARK]
             try:
                 seq = self._send(enc, seq, items)
                 self._serve_replay()
@@ -246,8 +284,8 @@ class ZmqEventPublisher:
                 log.error("KV events sender: %s", e)
                 time.sleep(0.1)  # a broken socket must not spin the thread
 
-    def _drain(self) -> list[tuple[bytes, Any]]:
-        items: list[tuple[bytes, Any]] = []
+    def _drain(self) -> list[tuple[bytes | None, Any]]:
+        items: list[tuple[bytes | None, Any]] = []
         try:
             items.append(self._queue.get(timeout=_IDLE_WAIT_S))
             while len(items) < self._max_batch_events:
@@ -256,10 +294,16 @@ class ZmqEventPublisher:
             pass
         return items
 
-    def _send(self, enc: msgspec.msgpack.Encoder, seq: int, items: list[tuple[bytes, Any]]) -> int:
+    def _send(
+        self, enc: msgspec.msgpack.Encoder, seq: int, items: list[tuple[bytes | None, Any]]
+    ) -> int:
         i = 0
         while i < len(items):
             topic = items[i][0]
+            if topic is _MARK:
+                items[i][1].set_result(seq)
+                i += 1
+                continue
             j = i
             while j < len(items) and items[j][0] == topic:
                 j += 1

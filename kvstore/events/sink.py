@@ -9,7 +9,8 @@ sink must never block: publishers queue (bounded) and send elsewhere.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from concurrent.futures import Future
+from typing import Protocol, runtime_checkable
 
 # vLLM's `medium` strings for the tiers.
 MEDIUM_GPU = "GPU"
@@ -48,6 +49,15 @@ class EventSink(Protocol):
     ) -> None: ...
 
     def all_cleared(self, ns: NamespaceRef | None) -> None: ...
+
+
+@runtime_checkable
+class SequencedSink(Protocol):
+    """A sink whose events carry sequence numbers a snapshot can be pinned to."""
+
+    def mark(self) -> Future[int]:
+        """Seq of the first batch after every event the sink has been given so far."""
+        ...
 
 
 class NullSink:

@@ -80,6 +80,12 @@ class KVEventBatch(EventBatch):
 class _LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[int | bytes]
     medium: str | None = None
+    block_size: int = 0
+    # kept raw (no Python objects built) unless a chain's first block is checked
+    parent_block_hash: int | bytes | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = msgspec.Raw()
 
 
 class _LeanRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):

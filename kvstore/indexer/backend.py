@@ -33,11 +33,19 @@ from kvstore.errors import InvalidRequest
 # only on little-endian hosts (x86, arm64).
 assert sys.byteorder == "little", "kvstore.indexer assumes a little-endian host"
 
-# Tier order, fastest first: a prefix block held in several tiers of a node
-# counts for the fastest. vLLM's own engines publish "GPU" (or None) for their
+# The index's mediums. A prefix block held in several of a node's mediums
+# counts for the fastest: GPU (an engine's own KV cache, or the daemon's GPU
+# tier), then CPU, then DISK. vLLM's engines publish "GPU" (or None) for their
 # KV cache; its offloading connector's lower tier is "STORAGE", our "DISK".
-MEDIUMS: tuple[str, ...] = ("GPU", "CPU", "DISK")
-_MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2, "STORAGE": 2}
+# The daemon's GPU tier is its own entry, KVSTORE_GPU (a daemon source's
+# "GPU" events land there): an engine and its node's daemon each clear and
+# remove only their own entries, never the other's.
+MEDIUMS: tuple[str, ...] = ("GPU", "CPU", "DISK", "KVSTORE_GPU")
+ENGINE_GPU, CPU, DISK, KVSTORE_GPU = range(4)
+_MEDIUM_INDEX = {"GPU": 0, "CPU": 1, "DISK": 2, "STORAGE": 2, "KVSTORE_GPU": 3}
+# Mediums an engine source and a daemon source report (and so may clear).
+ENGINE_MEDIUMS: tuple[str, ...] = ("GPU",)
+DAEMON_MEDIUMS: tuple[str, ...] = ("KVSTORE_GPU", "CPU", "DISK")
 
 
 def medium_index(medium: str | None) -> int:
@@ -48,6 +56,17 @@ def medium_index(medium: str | None) -> int:
         return _MEDIUM_INDEX[medium.upper()]
     except KeyError:
         raise InvalidRequest(f"unknown KV event medium {medium!r}") from None
+
+
+def source_medium(medium: str | None, daemon: bool) -> str:
+    """The index medium of an event's medium from a daemon or an engine source."""
+    m = MEDIUMS[medium_index(medium)]
+    if daemon and m == "GPU":
+        return "KVSTORE_GPU"
+    if not daemon and m != "GPU":
+        # an engine stream reports its GPU cache only; anything else is not its to say
+        raise InvalidRequest(f"an engine source reports GPU blocks only; got medium {medium!r}")
+    return m
 
 
 class NodeScore(msgspec.Struct, frozen=True):
@@ -78,6 +97,11 @@ class IndexBackend(Protocol):
     ) -> list[NodeScore]: ...
 
     def stats(self) -> dict[str, int]: ...
+
+    def ping(self) -> bool:
+        """Raise ``Unavailable`` if the store is unreachable; True if it lost its data
+        since the last ping (a Redis restarted empty): every source must then resync."""
+        ...
 
     def load_cursor(self, source: str) -> int | None: ...
 
@@ -119,7 +143,7 @@ def prefix_scores(
     if n == 0 or not alive.any():
         return []
     tiers = np.ascontiguousarray(rows.transpose(1, 2, 0))  # (medium, word, block)
-    held = tiers[0] | tiers[1] | tiers[2]
+    held = np.bitwise_or.reduce(tiers, axis=0)
     held &= alive[:, None]
     cum = np.bitwise_and.accumulate(held, axis=1)
     live = np.asarray(cum.any(axis=0))
@@ -134,7 +158,10 @@ def prefix_scores(
         which, bit = np.nonzero(_unpack(lost.T))
         prefix[bit] = changed[which]
     prefix[np.flatnonzero(_unpack(cum[:, length - 1 : length].T)[0])] = length
-    g, c, d = tiers[0, :, :length], tiers[1, :, :length], tiers[2, :, :length]
+    g = tiers[ENGINE_GPU, :, :length]
+    if tiers.shape[0] > KVSTORE_GPU:  # rows may come without the daemon-GPU medium
+        g = g | tiers[KVSTORE_GPU, :, :length]
+    c, d = tiers[CPU, :, :length], tiers[DISK, :, :length]
     gpu = _count_tier(g & cum, cum, prefix)
     disk_only = _count_tier(d & ~(g | c) & cum, cum, prefix)
     out = []

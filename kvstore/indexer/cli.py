@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", help="gRPC listen address host:port (default 127.0.0.1:50061)")
     parser.add_argument("--backend", choices=["memory", "redis"], help="index backend")
     parser.add_argument("--redis-url", help="Redis/Valkey URL for --backend redis")
+    parser.add_argument("--metrics-address", help="Prometheus /metrics host:port (default off)")
     parser.add_argument(
         "--source",
         action="append",
@@ -45,12 +47,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> IndexerConfig:
     overrides: dict[str, Any] = {}
-    for flag, key in (("address", "address"), ("backend", "backend"), ("redis_url", "redis_url")):
+    for flag, key in (
+        ("address", "address"),
+        ("backend", "backend"),
+        ("redis_url", "redis_url"),
+        ("metrics_address", "metrics_address"),
+    ):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
     if getattr(args, "no_ingest", False):
         overrides["ingest"] = False
+    raw = load(getattr(args, "config", None), {})
+    if not raw.cluster_secret and os.environ.get("KVSTORE_SECRET"):
+        # the same variable the daemons' clients read; the file wins
+        overrides["cluster_secret"] = os.environ["KVSTORE_SECRET"]
     cfg = load(getattr(args, "config", None), overrides)
     extra = [parse_source(s) for s in getattr(args, "source", [])]
     if extra:
@@ -92,14 +103,31 @@ def run(args: argparse.Namespace) -> int:
         indexer.close()
         return 2
     host = cfg.address.rsplit(":", 1)[0]
+    metrics_server = None
+    if cfg.metrics_address:
+        from kvstore.indexer.metrics import serve_metrics
+
+        try:
+            metrics_server, mport = serve_metrics(indexer, cfg.metrics_address)
+        except OSError as e:
+            log.error("cannot serve metrics on %s: %s", cfg.metrics_address, e)
+            server.stop(0)
+            indexer.close()
+            return 2
+        print(f"kvstore indexer metrics on {cfg.metrics_address.rsplit(':', 1)[0]}:{mport}")
     # one line tests and scripts can wait for
     print(f"kvstore indexer listening on {host}:{port}", flush=True)
     log.info("indexer backend=%s sources=%d", cfg.backend, len(cfg.sources))
     notifier.ready(status=f"listening on {host}:{port}")
     interval_s = notifier.watchdog_interval_s
     while not stop.wait(interval_s):  # None (unarmed): wait for the signal only
-        notifier.watchdog()
+        # An indexer whose ingestion is down or whose backend is unreachable
+        # answers stale scores: let systemd's watchdog restart it.
+        if indexer.healthy:
+            notifier.watchdog()
     notifier.stopping()
+    if metrics_server is not None:
+        metrics_server.shutdown()
     server.stop(grace=2.0).wait(3.0)
     indexer.close()
     return 0

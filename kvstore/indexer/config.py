@@ -52,6 +52,24 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A source disconnected this long has its entries dropped."""
     max_workers: int = 8
     """gRPC worker threads."""
+    snapshot_timeout_s: float = 30.0
+    """How long one Snapshot call to a daemon may take (a big node's is long)."""
+    snapshot_interval_s: float = 600.0
+    """A source with a snapshot_address is re-checked against a snapshot this
+    often, so even an undetected loss heals in bounded time; 0 = only when needed."""
+    tail_check_s: float = 5.0
+    """An idle source's replay buffer is asked this often for batches past the
+    last one applied (a dropped tail is otherwise invisible until the next batch)."""
+    error_log_interval_s: float = 10.0
+    """Each kind of ingestion error is logged at most once per interval (counted always)."""
+    cluster_secret: str = ""
+    """The cluster secret (the daemons' peer.secret): sent on Snapshot calls, and
+    required from RegisterNode / UnregisterNode callers when set. `kvstore indexer`
+    takes KVSTORE_SECRET when the file does not set it."""
+    metrics_address: str = ""
+    """Prometheus /metrics host:port (port 0 picks one); "" = off."""
+    max_registered_sources: int = 256
+    """Sources RegisterNode may add; past it registrations get RESOURCE_EXHAUSTED."""
 
     def check(self) -> None:
         if self.backend not in ("memory", "redis"):
@@ -67,9 +85,15 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "max_request_tokens",
             "max_request_blocks",
             "max_workers",
+            "snapshot_timeout_s",
+            "tail_check_s",
+            "error_log_interval_s",
+            "max_registered_sources",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"indexer.{name} must be > 0")
+        if self.snapshot_interval_s < 0:
+            raise ConfigError("indexer.snapshot_interval_s must be >= 0")
         if self.redis_max_nodes <= 0 or self.redis_max_nodes % 64:
             raise ConfigError("indexer.redis_max_nodes must be a positive multiple of 64")
         for i, src in enumerate(self.sources):
@@ -98,7 +122,8 @@ def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
 
 
 def parse_source(text: str) -> SourceSpec:
-    """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,kind=engine,model=M]``."""
+    """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,snapshot_address=h:p]
+    [,kind=engine,model=M]``."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")

@@ -272,7 +272,7 @@ class MemoryIndex:
         while start < hashes.size:
             rows = t.rows(hashes[start : start + chunk])
             parts.append(rows)
-            held = (rows[:, 0] | rows[:, 1] | rows[:, 2]) & running
+            held = np.bitwise_or.reduce(rows, axis=1) & running
             running = np.bitwise_and.reduce(held, axis=0)
             if not running.any():
                 break
@@ -296,6 +296,17 @@ class MemoryIndex:
             "replicas": replicas,
             "bytes": nbytes,
         }
+
+    def ping(self) -> bool:
+        return False  # process memory is never unreachable and never lost alone
+
+    def reset(self) -> None:
+        """Forget everything (a mirror about to be reloaded from its durable copy)."""
+        self._tables.clear()
+        self._node_bit.clear()
+        self._bit_node.clear()
+        self._free_bits.clear()
+        self._words = 1
 
     def load_cursor(self, source: str) -> int | None:
         return self._cursors.get(source)

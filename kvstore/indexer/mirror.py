@@ -7,6 +7,12 @@ sees every event anyway, so it applies each one to Redis (the shared, durable
 copy: cursors, restarts, other replicas) *and* to a local ``MemoryIndex``
 that answers Scores. At start the local copy is loaded from Redis.
 
+The two never diverge: a write that fails on Redis is not applied locally,
+and once a durable write has failed (possibly half applied, e.g. a clear
+over several models) the copy is marked diverged; the next ``ping`` that
+reaches Redis reloads it from Redis and reports data lost, so the
+subscriber resyncs every source (into both copies).
+
 Replicas that do not ingest (``ingest = false``) must read Redis directly;
 replicas that each keep a mirror agree only if they follow the same sources
 (a node registered with one replica is in Redis but not in the others'
@@ -15,10 +21,12 @@ mirrors).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from kvstore.errors import KVStoreError
 from kvstore.indexer.backend import NodeScore
 from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.redis_index import RedisIndex
@@ -31,22 +39,42 @@ class MirroredIndex:
         self.durable = durable
         self.local = local or MemoryIndex()
         self.loaded_blocks = durable.load_into(self.local)
+        self.diverged = False
+        self.reloads = 0
+
+    def _durable(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except KVStoreError:
+            self.diverged = True  # maybe half applied: reload at the next ping
+            raise
 
     def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
-        self.durable.add(model, node, medium, hashes)
+        self._durable(self.durable.add, model, node, medium, hashes)
         self.local.add(model, node, medium, hashes)
 
     def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
-        self.durable.remove(model, node, medium, hashes)
+        self._durable(self.durable.remove, model, node, medium, hashes)
         self.local.remove(model, node, medium, hashes)
 
     def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None:
-        self.durable.clear(node, model, mediums)
+        self._durable(self.durable.clear, node, model, mediums)
         self.local.clear(node, model, mediums)
 
     def drop_node(self, node: str) -> None:
-        self.durable.drop_node(node)
+        self._durable(self.durable.drop_node, node)
         self.local.drop_node(node)
+
+    def ping(self) -> bool:
+        lost = self.durable.ping()
+        if lost or self.diverged:
+            # Redis is the truth the replicas share: copy it again, whole
+            self.local.reset()
+            self.durable.load_into(self.local)
+            self.diverged = False
+            self.reloads += 1
+            return True
+        return False
 
     def nodes(self) -> list[str]:
         return self.local.nodes()

@@ -6,34 +6,46 @@ Layout (``p`` = the configured key prefix, default ``kvidx``):
   reused, so a replica holding a stale id map can never credit one node's
   blocks to another.
 - ``p:models`` set of model names.
-- ``p:m:<model>:<8-byte big-endian block hash>`` string: a bit array with
-  bit ``medium * max_nodes + id`` (``SETBIT`` order) set while node ``id``
-  holds the block in that tier (0 GPU, 1 CPU, 2 DISK). Medium-major with a
+- ``p:m:<len>:<model>:<8-byte big-endian block hash>`` string, ``len`` the
+  model name's length in UTF-8 bytes: a bit array with bit
+  ``medium * max_nodes + id`` (``SETBIT`` order) set while node ``id`` holds
+  the block in that medium (``backend.MEDIUMS`` order: 0 engine GPU, 1 CPU,
+  2 DISK, 3 the daemon's GPU tier). The length prefix makes every model's
+  keys a prefix no other model's keys share (``p:m:1:a:`` cannot match model
+  ``a:b``, whose keys start ``p:m:3:a:b:``). Medium-major with a
   fixed stride, so a fetched row converts to node bitsets with one bit-order
   table lookup. A key whose bits all clear is deleted, so memory follows the
   live index. ``p:layout`` records the stride; an indexer configured with
   another ``max_nodes`` refuses to start rather than misread the bits.
+- ``p:epoch`` a random value set when the index's data is first written: a
+  replica that finds another one knows Redis lost the data (a restart
+  without persistence, a flush) and rebuilds.
 - ``p:cursor:<source>`` last applied sequence number of an event source, so
   a restarted indexer asks its publishers to replay exactly what it missed.
 
 Every multi-key operation is one Lua script call carrying the hashes packed
 in a single argument: one round trip per batch and no per-key argument
-encoding in Python. Score fetches the bit arrays of a chunk of hashes as one
+encoding in Python. A node's clear is one script that SCANs every model it
+names inside Redis, so it is atomic: two ingesting replicas clearing and
+re-adding one node cannot interleave (the script blocks Redis while it
+runs, ~1 s per million keys of the cleared models). Score fetches the bit arrays of a chunk of hashes as one
 concatenated string and runs the same numpy scorer as the in-memory index.
 Not for Redis Cluster (scripts build key names themselves).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvstore.errors import BackendError, InvalidRequest, Unavailable
-from kvstore.indexer.backend import NodeScore, medium_index, prefix_scores
+from kvstore.indexer.backend import MEDIUMS, NodeScore, medium_index, prefix_scores
 
-_MEDIUMS = 3
+_MEDIUMS = len(MEDIUMS)
+_LAYOUT = "bits-v2"
 # bit b (MSB first, Redis's SETBIT order) -> bit b (LSB first, numpy/our order)
 _REVERSE_BITS = np.array([int(f"{i:08b}"[::-1], 2) for i in range(256)], dtype=np.uint8)
 
@@ -86,14 +98,24 @@ return table.concat(out)
 """
 
 _CLEAR_NODE = """
-local off, stride = tonumber(ARGV[1]), tonumber(ARGV[2])
-for _, k in ipairs(KEYS) do
-  for i = 3, #ARGV do
-    redis.call('SETBIT', k, off + tonumber(ARGV[i]) * stride, 0)
-  end
-  if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
+-- ARGV: node id, stride, SCAN count, n mediums, the mediums, then key patterns
+local off, stride, count, nm = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local cleared = 0
+for p = 5 + nm, #ARGV do
+  local cursor = '0'
+  repeat
+    local r = redis.call('SCAN', cursor, 'MATCH', ARGV[p], 'COUNT', count)
+    cursor = r[1]
+    for _, k in ipairs(r[2]) do
+      for i = 5, 4 + nm do
+        redis.call('SETBIT', k, off + tonumber(ARGV[i]) * stride, 0)
+      end
+      if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
+      cleared = cleared + 1
+    end
+  until cursor == '0'
 end
-return #KEYS
+return cleared
 """
 
 _NODE_ID = """
@@ -108,6 +130,15 @@ return id
 
 def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+def _glob_escape_bytes(b: bytes) -> bytes:
+    out = bytearray()
+    for c in b:
+        if c in b"*?[]\\":
+            out.append(0x5C)  # backslash
+        out.append(c)
+    return bytes(out)
 
 
 class RedisIndex:
@@ -152,10 +183,11 @@ class RedisIndex:
             self._get_rows = self._r.register_script(_GET_ROWS)
             self._clear_node = self._r.register_script(_CLEAR_NODE)
             self._node_id = self._r.register_script(_NODE_ID)
-            layout = f"bits-v1 max_nodes={max_nodes}"
+            layout = self._layout = f"{_LAYOUT} max_nodes={max_nodes}"
             self._r.set(f"{self._p}:layout", layout, nx=True)
             raw_layout = self._r.get(f"{self._p}:layout")
             stored = raw_layout.decode() if isinstance(raw_layout, bytes) else str(raw_layout)
+            self._epoch = self._read_epoch()
         except redis.RedisError as e:
             raise Unavailable(f"Redis at {url} is unreachable: {e}") from e
         if stored != layout:
@@ -171,7 +203,48 @@ class RedisIndex:
             raise Unavailable(f"Redis index: {e}") from e
 
     def _model_prefix(self, model: str) -> bytes:
-        return f"{self._p}:m:{model}:".encode()
+        name = model.encode()
+        return f"{self._p}:m:{len(name)}:".encode() + name + b":"
+
+    @staticmethod
+    def _parse_model(key: bytes, head: int) -> str | None:
+        """The model of a ``p:m:<len>:<model>:<hash>`` key (``head`` = len of ``p:m:``)."""
+        colon = key.find(b":", head)
+        if colon < 0:
+            return None
+        try:
+            n = int(key[head:colon])
+        except ValueError:
+            return None
+        start = colon + 1
+        if len(key) != start + n + 9 or key[start + n : start + n + 1] != b":":
+            return None
+        return key[start : start + n].decode(errors="replace")
+
+    def _read_epoch(self) -> bytes:
+        """This index's epoch: a random value set once per life of the data."""
+        key = f"{self._p}:epoch"
+        self._r.set(key, secrets.token_hex(8), nx=True)
+        raw = self._r.get(key) or b""
+        return raw.encode() if isinstance(raw, str) else bytes(raw)
+
+    def ping(self) -> bool:
+        """Unavailable if Redis is unreachable; True if it lost this index since the last ping.
+
+        Redis restarted without persistence (or flushed) loses the epoch key;
+        the first replica to ping sets a new one, and every replica sees it
+        differ from the one it knew: its cached node ids and models are void
+        (another replica may have handed the ids out anew), and every source
+        must resync.
+        """
+        epoch = self._call(self._read_epoch)
+        if epoch == self._epoch:
+            return False
+        self._epoch = epoch
+        self._call(self._r.set, f"{self._p}:layout", self._layout, nx=True)
+        self._ids.clear()
+        self._ids_models.clear()
+        return True
 
     @staticmethod
     def _packed(hashes: np.ndarray) -> bytes:
@@ -251,17 +324,12 @@ class RedisIndex:
             list(range(_MEDIUMS)) if mediums is None else sorted({medium_index(m) for m in mediums})
         )
         models = self.models() if model is None else [model]
-        for mdl in models:
-            pattern = _glob_escape(f"{self._p}:m:{mdl}:") + "*"
-            cursor = 0
-            while True:
-                cursor, keys = self._call(
-                    self._r.scan, cursor=cursor, match=pattern, count=self._scan_count
-                )
-                if keys:
-                    self._call(self._clear_node, keys=keys, args=[nid, self._max_nodes, *ms])
-                if cursor == 0:
-                    break
+        patterns = [_glob_escape_bytes(self._model_prefix(m)) + b"*" for m in models]
+        if patterns:
+            self._call(
+                self._clear_node,
+                args=[nid, self._max_nodes, self._scan_count, len(ms), *ms, *patterns],
+            )
 
     def drop_node(self, node: str) -> None:
         # The id stays bound to the name: a replica with a cached map can
@@ -318,7 +386,7 @@ class RedisIndex:
             )
             rows = self._rows(blob)
             parts.append(rows)
-            held = (rows[:, 0] | rows[:, 1] | rows[:, 2]) & running
+            held = np.bitwise_or.reduce(rows, axis=1) & running
             running = np.bitwise_and.reduce(held, axis=0)
             if not running.any():
                 break
@@ -352,9 +420,10 @@ class RedisIndex:
                 values = self._call(self._r.mget, keys)
                 by_model: dict[str, list[tuple[bytes, bytes]]] = {}
                 for k, v in zip(keys, values, strict=True):
-                    if v is None or len(k) < head + 9:
-                        continue  # deleted since SCAN saw it
-                    by_model.setdefault(k[head:-9].decode(), []).append((k[-8:], v))
+                    model_name = self._parse_model(k, head)
+                    if v is None or model_name is None:
+                        continue  # deleted since SCAN saw it, or not a block key
+                    by_model.setdefault(model_name, []).append((k[-8:], v))
                 for model, items in by_model.items():
                     hashes = np.frombuffer(b"".join(h for h, _ in items), dtype=">u8")
                     blob = b"".join(v.ljust(self._width, b"\0")[: self._width] for _, v in items)
@@ -376,7 +445,7 @@ class RedisIndex:
         for (model, c), parts in groups.items():
             name = names.get(c % self._max_nodes)
             if name is not None:
-                medium = ("GPU", "CPU", "DISK")[c // self._max_nodes]
+                medium = MEDIUMS[c // self._max_nodes]
                 target.add(model, name, medium, np.concatenate(parts).astype(np.uint64))
         return total
 

@@ -4,33 +4,55 @@
 ``IndexerServicer`` is the only place that maps kvstore errors to gRPC status
 codes. A Score for a model the index has never seen is an empty answer, not
 an error: routers ask before any engine has stored anything.
+
+Health: the gRPC health status (and the systemd watchdog, see ``cli``) follow
+``Indexer.health()``: NOT_SERVING while the ingestion thread is dead or
+stalled or the backend is unreachable. A dead thread is restarted.
+
+Registrations (``RegisterNode``) are bounded (``max_registered_sources``,
+then RESOURCE_EXHAUSTED), never replace or remove a configured source
+(PERMISSION_DENIED), and a registered node name belongs to its first
+registrant: later registrations and ``UnregisterNode`` of that name must
+present the owner token the first one got (or chose). With a cluster secret
+configured, both RPCs also need it (``x-kvstore-cluster-secret``).
+
+Block sizes: the index learns each model's block size from the events and
+snapshots it ingests. A Score with token ids and no block size hashes at the
+learned size; one whose block size the sources do not publish is rejected.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore.auth import secret_matches
 from kvstore.errors import (
     BackendError,
+    CapacityExhausted,
     ConfigError,
     InvalidRequest,
     KVStoreError,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
 from kvstore.hashing import BlockHasher
 from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.memory import MemoryIndex
-from kvstore.indexer.subscriber import SourceSpec, Subscriber
+from kvstore.indexer.seedcheck import SeedVerdict
+from kvstore.indexer.subscriber import SourceSpec, SourceStatus, Subscriber
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -65,10 +87,21 @@ class Indexer:
             self.lock,
             replay_timeout_s=cfg.replay_timeout_s,
             node_gone_s=cfg.node_gone_s,
+            snapshot_timeout_s=cfg.snapshot_timeout_s,
+            snapshot_interval_s=cfg.snapshot_interval_s,
+            tail_check_s=cfg.tail_check_s,
+            error_log_interval_s=cfg.error_log_interval_s,
+            cluster_secret=cfg.cluster_secret,
+            hash_algo=cfg.hash_algo,
+            hash_seed=cfg.hash_seed or None,
         )
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._registered: dict[str, tuple[SourceSpec, float]] = {}  # key -> (spec, expires_at|0)
+        self._owners: dict[str, str] = {}  # registered node -> its owner token
+        self._configured_nodes = {s.node for s in cfg.sources}
         self._reg_lock = threading.Lock()
+        self._health: Any = None  # grpc_health HealthServicer once served
+        self._healthy: tuple[bool, str] = (True, "")
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kv-indexer-reaper", daemon=True)
 
@@ -78,6 +111,43 @@ class Indexer:
             for spec in self.cfg.sources:
                 self.subscriber.add_source(spec)
         self._reaper.start()
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, why not): ingestion runs and the backend answers (see the module doc)."""
+        if self.cfg.ingest:
+            return self.subscriber.health()
+        try:
+            with self.lock:
+                self.index.ping()
+        except KVStoreError as e:
+            return False, f"the index backend is unreachable: {e}"
+        return True, ""
+
+    @property
+    def healthy(self) -> bool:
+        """The last health check's verdict (the reaper refreshes it twice a second)."""
+        return self._healthy[0]
+
+    def attach_health(self, servicer: Any) -> None:
+        self._health = servicer
+        self._publish_health()
+
+    def _publish_health(self) -> None:
+        if self.cfg.ingest:
+            self.subscriber.restart_if_dead()
+        ok, why = self.health()
+        if ok != self._healthy[0]:
+            if ok:
+                log.warning("indexer healthy again")
+            else:
+                log.error("indexer unhealthy: %s", why)
+        self._healthy = (ok, why)
+        if self._health is not None:
+            status = health_pb2.HealthCheckResponse.SERVING
+            if not ok:
+                status = health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in (SERVICE_NAME, ""):
+                self._health.set(name, status)
 
     def close(self) -> None:
         self._stop.set()
@@ -98,10 +168,35 @@ class Indexer:
             h = self._hashers[key] = BlockHasher(block_size, algo, self.cfg.hash_seed or None)
         return h
 
+    def block_size_for(self, model: str, requested: int = 0) -> int:
+        """The block size to hash a token-id request at: the one the sources publish.
+
+        Raises ``InvalidRequest`` (naming both) when the request's size is not
+        one the model's sources publish, or when they publish several and the
+        request does not say which.
+        """
+        learned = self.subscriber.block_sizes(model)
+        if not learned:
+            return requested or self.cfg.block_size_tokens
+        if requested:
+            if requested not in learned:
+                raise InvalidRequest(
+                    f"block_size_tokens {requested} cannot match model {model!r}: its engines "
+                    f"publish blocks of {_sizes(learned)} tokens"
+                )
+            return requested
+        if len(learned) > 1:
+            raise InvalidRequest(
+                f"model {model!r} is published with block sizes {_sizes(learned)}: "
+                "send block_size_tokens"
+            )
+        return learned[0]
+
     def hash_request(
         self,
         token_ids: bytes,
         *,
+        model: str = "",
         block_size: int = 0,
         algo: str = "",
         cache_salt: str = "",
@@ -115,7 +210,7 @@ class Indexer:
                 f"{n_tokens} tokens exceed the indexer's max_request_tokens "
                 f"({self.cfg.max_request_tokens})"
             )
-        bs = block_size or self.cfg.block_size_tokens
+        bs = self.block_size_for(model, block_size)
         if bs > 1 << 20:
             raise InvalidRequest(f"block_size_tokens {bs} is out of range")
         hasher = self._hasher(bs, algo or self.cfg.hash_algo)
@@ -151,7 +246,16 @@ class Indexer:
 
     # --- nodes ------------------------------------------------------------------------
 
-    def register(self, spec: SourceSpec, ttl_s: float) -> None:
+    def _check_owner(self, node: str, token: str) -> None:
+        """Under _reg_lock: a registered node name is its first registrant's."""
+        owner = self._owners.get(node)
+        if owner is not None and not hmac.compare_digest(owner.encode(), token.encode()):
+            raise PermissionDenied(
+                f"node {node!r} is registered by another caller; its owner token is required"
+            )
+
+    def register(self, spec: SourceSpec, ttl_s: float, owner_token: str = "") -> str:
+        """Add (or renew) a registered source; returns the node's owner token."""
         if not self.cfg.ingest:
             raise Unavailable("this indexer replica does not ingest events (ingest = false)")
         if ttl_s < 0 or ttl_s != ttl_s:
@@ -160,26 +264,65 @@ class Indexer:
             spec.check()
         except ConfigError as e:
             raise InvalidRequest(str(e)) from None
-        with self._reg_lock:
-            self._registered[spec.key] = (spec, time.monotonic() + ttl_s if ttl_s else 0.0)
-        self.subscriber.add_source(spec)
-
-    def unregister(self, node: str, endpoint: str = "") -> int:
-        keys = [
-            s.key
-            for s in self.subscriber.sources()
-            if s.node == node and (not endpoint or s.endpoint == endpoint)
-        ]
-        if not keys:
-            raise NotFound(
-                f"no event source for node {node!r}" + (f" at {endpoint}" if endpoint else "")
+        if len(owner_token) > 256:
+            raise InvalidRequest("owner_token is longer than 256 characters")
+        if spec.node in self._configured_nodes:
+            raise PermissionDenied(
+                f"node {spec.node!r} is a configured source; a registration cannot replace it"
             )
         with self._reg_lock:
+            self._check_owner(spec.node, owner_token)
+            # one source per (node, kind): the owner moving its stream (a new
+            # address) replaces its old one instead of feeding the node twice
+            moved = [
+                k
+                for k, (other, _) in self._registered.items()
+                if k != spec.key and other.node == spec.node and other.kind == spec.kind
+            ]
+            new = spec.key not in self._registered and not moved
+            if new and len(self._registered) >= self.cfg.max_registered_sources:
+                raise CapacityExhausted(
+                    f"{len(self._registered)} sources are registered already "
+                    f"(max_registered_sources = {self.cfg.max_registered_sources})"
+                )
+            for k in moved:
+                del self._registered[k]
+            token = self._owners.get(spec.node) or owner_token or secrets.token_hex(16)
+            self._owners[spec.node] = token
+            self._registered[spec.key] = (spec, time.monotonic() + ttl_s if ttl_s else 0.0)
+        for k in moved:
+            self.subscriber.remove_source(k, drop_entries=True)
+        self.subscriber.add_source(spec)
+        return token
+
+    def unregister(self, node: str, endpoint: str = "", owner_token: str = "") -> int:
+        if node in self._configured_nodes:
+            raise PermissionDenied(f"node {node!r} is a configured source; it cannot be removed")
+        with self._reg_lock:
+            keys = [
+                k
+                for k, (s, _) in self._registered.items()
+                if s.node == node and (not endpoint or s.endpoint == endpoint)
+            ]
+            if not keys:
+                raise NotFound(
+                    f"no registered event source for node {node!r}"
+                    + (f" at {endpoint}" if endpoint else "")
+                )
+            self._check_owner(node, owner_token)
             for k in keys:
                 self._registered.pop(k, None)
+            self._forget_owner_if_unused(node)
         for k in keys:
             self.subscriber.remove_source(k, drop_entries=True)
         return len(keys)
+
+    def _forget_owner_if_unused(self, node: str) -> None:
+        if not any(s.node == node for s, _ in self._registered.values()):
+            self._owners.pop(node, None)
+
+    def source_status(self) -> dict[str, SourceStatus]:
+        return {s.key: s for s in self.subscriber.source_status()}
 
     def sources(self) -> list[tuple[SourceSpec, bool, float]]:
         now = time.monotonic()
@@ -194,14 +337,23 @@ class Indexer:
 
     def _reap(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
+            try:
+                self._publish_health()
+            except Exception:  # the health loop must outlive anything it checks
+                log.exception("indexer health check failed")
             now = time.monotonic()
             with self._reg_lock:
                 expired = [k for k, (_, exp) in self._registered.items() if exp and exp < now]
                 for k in expired:
-                    del self._registered[k]
+                    node = self._registered.pop(k)[0].node
+                    self._forget_owner_if_unused(node)
             for k in expired:
                 log.warning("registration of KV event source %s lapsed; dropping it", k)
                 self.subscriber.remove_source(k, drop_entries=True)
+
+
+def _sizes(sizes: list[int]) -> str:
+    return " or ".join(map(str, sizes))
 
 
 def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
@@ -211,6 +363,7 @@ def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
         replay_endpoint=src.replay_endpoint,
         kind=src.kind or "daemon",
         model=src.model,
+        snapshot_address=src.snapshot_address,
     )
 
 
@@ -218,6 +371,8 @@ _STATUS: list[tuple[type[KVStoreError], grpc.StatusCode]] = [
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (Unavailable, grpc.StatusCode.UNAVAILABLE),
     (BackendError, grpc.StatusCode.INTERNAL),
 ]
@@ -240,6 +395,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                 lora = (request.lora_name, request.lora_path) if request.lora_name else None
                 hashes = self._ix.hash_request(
                     request.token_ids,
+                    model=request.model,
                     block_size=request.block_size_tokens,
                     algo=request.hash_algo,
                     cache_salt=request.cache_salt,
@@ -265,20 +421,52 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             request_blocks=int(hashes.size),
         )
 
+    def _check_secret(self, context: grpc.ServicerContext) -> None:
+        secret = self._ix.cfg.cluster_secret
+        if secret and not secret_matches(context.invocation_metadata(), secret.encode()):
+            raise PermissionDenied("this call needs the cluster secret (x-kvstore-cluster-secret)")
+
     def RegisterNode(self, request, context):
         try:
-            self._ix.register(_spec_from_pb(request.source), request.ttl_s)
+            self._check_secret(context)
+            token = self._ix.register(
+                _spec_from_pb(request.source), request.ttl_s, request.owner_token
+            )
         except KVStoreError as e:
             _abort(context, e)
-        return indexer_pb2.RegisterNodeResponse()
+            raise AssertionError("unreachable") from e
+        return indexer_pb2.RegisterNodeResponse(owner_token=token)
 
     def UnregisterNode(self, request, context):
         try:
-            n = self._ix.unregister(request.node, request.endpoint)
+            self._check_secret(context)
+            n = self._ix.unregister(request.node, request.endpoint, request.owner_token)
         except KVStoreError as e:
             _abort(context, e)
             raise AssertionError("unreachable") from e
         return indexer_pb2.UnregisterNodeResponse(removed_sources=n)
+
+    def Models(self, request, context):
+        learned = self._ix.subscriber.learned_models()
+        seeds = dict(self._ix.subscriber.seeds.verdicts)
+        with self._ix.lock:
+            try:
+                indexed = self._ix.index.models()
+            except KVStoreError as e:
+                _abort(context, e)
+                raise AssertionError("unreachable") from e
+        return indexer_pb2.ModelsResponse(
+            models=[
+                indexer_pb2.ModelInfo(
+                    model=m,
+                    # several sizes: none is "the" size; the caller must choose
+                    block_size_tokens=sizes[0] if len(sizes := learned.get(m, [])) == 1 else 0,
+                    first_blocks_checked=(v := seeds.get(m, SeedVerdict())).checked,
+                    first_blocks_mismatched=v.mismatched,
+                )
+                for m in sorted(set(indexed) | set(learned))
+            ]
+        )
 
     def ListNodes(self, request, context):
         try:
@@ -287,8 +475,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
         except KVStoreError as e:
             _abort(context, e)
             raise AssertionError("unreachable") from e
-        return indexer_pb2.ListNodesResponse(
-            sources=[
+        status = self._ix.source_status()
+        infos = []
+        for s, reg, exp in self._ix.sources():
+            st = status.get(s.key)
+            infos.append(
                 indexer_pb2.NodeInfo(
                     source=indexer_pb2.EventSource(
                         node=s.node,
@@ -296,14 +487,19 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                         replay_endpoint=s.replay_endpoint,
                         kind=s.kind,
                         model=s.model,
+                        snapshot_address=s.snapshot_address,
                     ),
                     registered=reg,
                     expires_in_s=exp,
+                    last_event_age_s=st.last_event_age_s if st else -1.0,
+                    since_snapshot_s=st.since_snapshot_s if st else -1.0,
+                    connected=st.connected if st else False,
+                    next_seq=st.next_seq if st else 0,
+                    errors=st.errors if st else 0,
+                    snapshots=st.snapshots if st else 0,
                 )
-                for s, reg, exp in self._ix.sources()
-            ],
-            indexed_nodes=indexed,
-        )
+            )
+        return indexer_pb2.ListNodesResponse(sources=infos, indexed_nodes=indexed)
 
 
 def serve(indexer: Indexer, address: str) -> tuple[grpc.Server, int]:
@@ -321,8 +517,7 @@ def serve(indexer: Indexer, address: str) -> tuple[grpc.Server, int]:
     indexer_pb2_grpc.add_IndexerServiceServicer_to_server(IndexerServicer(indexer), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in (SERVICE_NAME, ""):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    indexer.attach_health(health_servicer)
     reflection.enable_server_reflection(
         (
             indexer_pb2.DESCRIPTOR.services_by_name["IndexerService"].full_name,

@@ -18,6 +18,30 @@ Per source it tracks the next expected sequence number:
 - A source disconnected for longer than ``node_gone_s`` has its entries
   dropped; when it reconnects it is replayed from 0.
 
+Sources with a ``snapshot_address`` (kvstore daemons) never fall back to
+"what the replay buffer still has": whenever the index cannot be sure it
+matches the daemon (first connection and every reconnection, a gap the
+replay cannot fill, a sequence reset, a node-wide clear after seq 0, a
+backend outage, and every ``snapshot_interval_s``), the subscriber asks the
+daemon's ``Snapshot`` RPC for what it holds, replaces the node's entries in
+the daemon's mediums with it, and applies the stream from the snapshot's
+``next_seq`` on. Batches below it still queued from before are skipped
+(``seq 0`` is always a new publisher's first batch, so it is never taken for
+one of those). An idle source is checked every ``tail_check_s`` by asking its
+replay buffer for anything past the last applied batch (a dropped tail).
+
+Supervision: nothing a source sends and no backend error ends the thread.
+Errors are counted (per source and in total), logged at most once per
+``error_log_interval_s`` per kind, and retried with backoff. A backend
+error (Redis unreachable) drops what is staged, marks the backend down
+(``health()`` is then not ok) and every source for a rebuild; once the
+backend answers again, every source is resynced. A thread that dies anyway
+is restarted by ``restart_if_dead`` (the indexer calls it).
+
+Sources own their mediums: a daemon source's events and clears touch its
+CPU, DISK and its GPU tier (``KVSTORE_GPU``), an engine source's only the
+engine's GPU cache (``GPU``); see ``backend.MEDIUMS``.
+
 Index updates are staged per (model, node, medium) as ``hash -> present`` in
 arrival order, so the net effect of a burst reaches the index as two
 vectorized calls instead of one per event; staging is flushed before any
@@ -33,12 +57,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import grpc
 import msgspec
 import numpy as np
 import zmq
 import zmq.utils.monitor
 
-from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.auth import SECRET_METADATA_KEY
+from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
 from kvstore.events.wire import (
     END_SEQ,
     LeanBatch,
@@ -49,7 +75,13 @@ from kvstore.events.wire import (
     block_hash_to_int,
     parse_topic,
 )
-from kvstore.indexer.backend import MEDIUMS, IndexBackend, medium_index
+from kvstore.indexer.backend import (
+    DAEMON_MEDIUMS,
+    ENGINE_MEDIUMS,
+    IndexBackend,
+    source_medium,
+)
+from kvstore.indexer.seedcheck import SeedChecker
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +94,17 @@ _RECENT_BATCHES = 4_096
 # one replay holds at most this much payload in memory at once
 _MAX_REPLAY_BYTES = 256 << 20
 _MAX_REPLAYS_PER_GAP = 8
+# a snapshot holds at most this many hashes (8 bytes each) in memory
+_MAX_SNAPSHOT_HASHES = 32 << 20
+_SNAPSHOT_BACKOFF_S = (0.2, 30.0)  # first retry after, at most
+_BACKEND_BACKOFF_S = (0.1, 5.0)
+_MAX_LEARNED_MODELS = 4_096
+# Batches below a snapshot's seq arriving this soon after it were queued
+# before it (they are in it); later, a lower seq is a restarted publisher.
+_STALE_WINDOW_S = 2.0
+_MAX_SIZES_PER_MODEL = 8
+# the daemon's StoreService tiers (kvstore.v1.Tier) -> index mediums
+_TIER_MEDIUM = {1: "KVSTORE_GPU", 2: "CPU", 3: "DISK"}
 
 
 class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -78,6 +121,9 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     "engine": a vLLM engine's own stream (its GPU cache; model below)."""
     model: str = ""
     """Model of an engine stream (vLLM's topic does not carry one)."""
+    snapshot_address: str = ""
+    """A daemon's gRPC host:port for StoreService.Snapshot; "" = no snapshots
+    (a lost batch the replay buffer no longer has is then lost for good)."""
 
     def check(self) -> None:
         if not self.node or "@" in self.node:
@@ -90,6 +136,11 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"source kind must be 'daemon' or 'engine'; got {self.kind!r}")
         if self.kind == KIND_ENGINE and not self.model:
             raise ConfigError(f"engine source {self.endpoint} needs a model")
+        if self.snapshot_address and self.kind != KIND_DAEMON:
+            raise ConfigError("only a daemon source has a snapshot_address")
+        addr = self.snapshot_address
+        if addr and not addr.startswith("unix:") and ":" not in addr:
+            raise ConfigError(f"snapshot_address must be host:port or unix:PATH; got {addr!r}")
 
     @property
     def key(self) -> str:
@@ -110,6 +161,30 @@ class SubscriberStats(msgspec.Struct):
     resyncs: int = 0
     restarts: int = 0
     nodes_gone: int = 0
+    snapshots: int = 0
+    snapshot_failures: int = 0
+    stale_skipped: int = 0
+    tail_checks: int = 0
+    errors: int = 0
+    backend_errors: int = 0
+    backend_outages: int = 0
+    thread_restarts: int = 0
+
+
+class SourceStatus(msgspec.Struct, frozen=True):
+    """How fresh one source's entries are (for ListNodes, metrics, ``kvstore status``)."""
+
+    key: str
+    node: str
+    kind: str
+    connected: bool
+    next_seq: int
+    last_event_age_s: float
+    """Seconds since the last applied batch; -1 = none yet."""
+    since_snapshot_s: float
+    """Seconds since the index last matched a snapshot of this source; -1 = never."""
+    errors: int
+    snapshots: int
 
 
 class _Source:
@@ -124,12 +199,30 @@ class _Source:
         self.dropped = False
         self.models: set[str] = set()
         self.recent: dict[int, int] = {}  # seq -> hash(payload) of recent batches
+        # snapshots (sources with a snapshot_address)
+        self.snapshot_due = bool(spec.snapshot_address)
+        self.snapshot_seq: int | None = None  # set until a batch >= it is applied
+        self.snapshot_at = 0.0
+        self.retry_at = 0.0
+        self.backoff_s = _SNAPSHOT_BACKOFF_S[0]
+        self.channel: grpc.Channel | None = None
+        # staleness and health (monotonic seconds)
+        self.last_event_at: float | None = None
+        self.matched_at: float | None = None
+        self.last_seen_at = time.monotonic()
+        self.tail_checked_at = time.monotonic()
+        self.errors = 0
+        self.snapshots = 0
 
     @property
-    def mediums(self) -> list[str] | None:
-        # An engine publishes only its GPU cache; clearing it must leave the
-        # node daemon's DRAM/disk entries alone.
-        return ["GPU"] if self.spec.kind == KIND_ENGINE else None
+    def daemon(self) -> bool:
+        return self.spec.kind == KIND_DAEMON
+
+    @property
+    def mediums(self) -> list[str]:
+        # An engine reports only its GPU cache and a daemon only its own tiers:
+        # a clear from one never touches the other's entries.
+        return list(DAEMON_MEDIUMS if self.daemon else ENGINE_MEDIUMS)
 
 
 _KNOWN_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
@@ -150,14 +243,30 @@ class Subscriber:
         *,
         replay_timeout_s: float = 2.0,
         node_gone_s: float = 30.0,
+        snapshot_timeout_s: float = 30.0,
+        snapshot_interval_s: float = 600.0,
+        tail_check_s: float = 5.0,
+        error_log_interval_s: float = 10.0,
+        backend_ping_s: float = 1.0,
+        cluster_secret: str = "",
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         self._index = index
         self._lock = lock
         self._replay_timeout_s = replay_timeout_s
         self._node_gone_s = node_gone_s
+        self._snapshot_timeout_s = snapshot_timeout_s
+        self._snapshot_interval_s = snapshot_interval_s
+        self._tail_check_s = tail_check_s
+        self._error_log_interval_s = error_log_interval_s
+        self._backend_ping_s = backend_ping_s
+        self._metadata = ((SECRET_METADATA_KEY, cluster_secret),) if cluster_secret else None
         self._ctx = context or zmq.Context.instance()
         self.stats = SubscriberStats()
+        self._specs: dict[str, SourceSpec] = {}  # what should be followed (any thread)
+        self._specs_lock = threading.Lock()
         self._sources: dict[str, _Source] = {}
         self._offline: dict[str, _Source] = {}
         self._by_socket: dict[zmq.Socket, _Source] = {}
@@ -173,22 +282,95 @@ class Subscriber:
         self._staged: dict[tuple[str, str, str], list[tuple[bool, list[Any]]]] = {}
         self._dirty: set[_Source] = set()
         self._dec = _Decoders()
-        self._thread = threading.Thread(target=self._run, name="kv-indexer-sub", daemon=True)
+        self._logged_at: dict[str, tuple[float, int]] = {}  # kind -> (last log, suppressed)
+        # the backend: down from its first error until a ping answers again
+        self.backend_down_since: float | None = None
+        self._backend_retry_at = 0.0
+        self._backend_backoff_s = _BACKEND_BACKOFF_S[0]
+        self._backend_pinged_at = time.monotonic()
+        self.last_error = ""
+        self.heartbeat_at = time.monotonic()
+        # model -> block sizes its sources publish (from events and snapshots)
+        self._block_sizes: dict[str, set[int]] = {}
+        self.seeds = SeedChecker(hash_algo, hash_seed)
+        self._thread = self._new_thread()
+
+    def _new_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name="kv-indexer-sub", daemon=True)
 
     # --- control (any thread) ------------------------------------------------------
 
     def start(self) -> None:
+        self.heartbeat_at = time.monotonic()
         self._thread.start()
+
+    def restart_if_dead(self) -> bool:
+        """Start a new ingestion thread if the running one died; True if it did."""
+        if self._stop.is_set() or self._thread.ident is None or self._thread.is_alive():
+            return False
+        self.stats.thread_restarts += 1
+        log.error("KV event subscriber thread had died; restarting it")
+        self._thread = self._new_thread()
+        self.start()
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def health(self, stall_s: float | None = None) -> tuple[bool, str]:
+        """(ok, why not): the thread runs, turns, and the backend answers."""
+        if not self._thread.is_alive():
+            return False, "the ingestion thread is not running"
+        # one turn may wait on a snapshot and a replay; longer than that is a stall
+        limit = stall_s or (self._snapshot_timeout_s + self._replay_timeout_s + 5.0)
+        age = time.monotonic() - self.heartbeat_at
+        if age > limit:
+            return False, f"the ingestion thread has not turned for {age:.1f}s"
+        if self.backend_down_since is not None:
+            return False, f"the index backend is unreachable: {self.last_error}"
+        return True, ""
 
     def add_source(self, spec: SourceSpec) -> None:
         spec.check()
+        with self._specs_lock:
+            self._specs[spec.key] = spec
         self._command("add", spec)
 
     def remove_source(self, key: str, drop_entries: bool = True) -> None:
+        with self._specs_lock:
+            self._specs.pop(key, None)
         self._command("remove", (key, drop_entries))
 
     def sources(self) -> list[SourceSpec]:
-        return [s.spec for s in list(self._sources.values())]
+        with self._specs_lock:
+            return list(self._specs.values())
+
+    def source_status(self) -> list[SourceStatus]:
+        now = time.monotonic()
+        out = []
+        for src in list(self._sources.values()):
+            out.append(
+                SourceStatus(
+                    key=src.spec.key,
+                    node=src.spec.node,
+                    kind=src.spec.kind,
+                    connected=src.down_since is None,
+                    next_seq=src.next or 0,
+                    last_event_age_s=-1.0 if src.last_event_at is None else now - src.last_event_at,
+                    since_snapshot_s=-1.0 if src.matched_at is None else now - src.matched_at,
+                    errors=src.errors,
+                    snapshots=src.snapshots,
+                )
+            )
+        return out
+
+    def block_sizes(self, model: str) -> list[int]:
+        """Block sizes the sources publish for ``model`` (empty: none learned yet)."""
+        return sorted(self._block_sizes.get(model, ()))
+
+    def learned_models(self) -> dict[str, list[int]]:
+        return {m: sorted(s) for m, s in list(self._block_sizes.items())}
 
     def apply_batch(self, spec: SourceSpec, topic: bytes, payload: bytes) -> None:
         """Apply one batch received out of band (no sequence checks), then flush.
@@ -223,7 +405,7 @@ class Subscriber:
         if self._thread.is_alive():
             self._wake()
             self._thread.join(timeout_s)
-        elif self._thread.ident is None:  # never started: the thread would close it
+        if not self._thread.is_alive():
             self._wake_rx.close(linger=0)
         with self._wake_lock:
             self._wake_tx.close(linger=0)
@@ -233,29 +415,304 @@ class Subscriber:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
+        # a restarted thread follows everything its predecessor followed
+        for spec in self.sources():
+            self._add(poller, spec)
         try:
             while not self._stop.is_set():
-                self._run_commands(poller)
-                ready = dict(poller.poll(_POLL_MS))
-                if self._wake_rx in ready:
-                    while self._wake_rx.poll(0):
-                        self._wake_rx.recv()
-                for sock in ready:
-                    if sock in self._by_monitor:
-                        self._on_monitor(self._by_monitor[sock])
-                for sock in ready:
-                    src = self._by_socket.get(sock)
-                    if src is not None:
-                        self._drain(src)
-                self._flush()
-                self._check_gone()
-        except Exception:
-            log.exception("KV event subscriber thread failed")
-            raise
+                try:
+                    self._turn(poller)
+                except KVStoreError as e:  # the backend failed outside a guarded write
+                    self._backend_failed(e)
+                except Exception as e:
+                    self.stats.errors += 1
+                    self._log_error("turn", f"KV event subscriber turn failed: {e!r}", exc=True)
+                    self._stop.wait(0.1)  # a persistent fault must not spin
+                self.heartbeat_at = time.monotonic()
         finally:
             for src in list(self._sources.values()):
                 self._close_source(src)
-            self._wake_rx.close(linger=0)
+            self._sources.clear()
+            self._by_socket.clear()
+            self._by_monitor.clear()
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        self._run_commands(poller)
+        ready = dict(poller.poll(_POLL_MS))
+        if self._wake_rx in ready:
+            while self._wake_rx.poll(0):
+                self._wake_rx.recv()
+        for sock in ready:
+            if sock in self._by_monitor:
+                self._on_monitor(self._by_monitor[sock])
+        for sock in ready:
+            src = self._by_socket.get(sock)
+            if src is not None:
+                self._drain(src)
+        self._guarded(self._flush)
+        self._check_gone()
+        self._maintain()
+
+    def _log_error(self, kind: str, msg: str, exc: bool = False) -> None:
+        """Log ``msg`` at most once per error_log_interval_s per kind, with a count."""
+        now = time.monotonic()
+        last, suppressed = self._logged_at.get(kind, (-1e18, 0))
+        if now - last < self._error_log_interval_s:
+            self._logged_at[kind] = (last, suppressed + 1)
+            return
+        if len(self._logged_at) > 1024:
+            self._logged_at.clear()  # bounded: kinds are few in practice
+        self._logged_at[kind] = (now, 0)
+        more = f" (and {suppressed} more like it since the last report)" if suppressed else ""
+        log.error("%s%s", msg, more, exc_info=exc)
+
+    # --- the backend -----------------------------------------------------------------
+
+    def _guarded(self, fn: Any, *args: Any) -> bool:
+        """Run an index update; on a backend error mark the backend down. True if it ran."""
+        if self.backend_down_since is not None:
+            return False
+        try:
+            fn(*args)
+            return True
+        except KVStoreError as e:
+            self._backend_failed(e)
+            return False
+
+    def _backend_failed(self, e: Exception) -> None:
+        self.stats.backend_errors += 1
+        self.last_error = str(e)
+        if self.backend_down_since is None:
+            self.stats.backend_outages += 1
+            self.backend_down_since = time.monotonic()
+            self._backend_backoff_s = _BACKEND_BACKOFF_S[0]
+            self._backend_retry_at = time.monotonic() + self._backend_backoff_s
+        self._log_error("backend", f"index backend failed; ingestion paused: {e}")
+        # what was staged is lost with the failed write; every source is rebuilt
+        self._staged.clear()
+        self._dirty.clear()
+        for src in self._sources.values():
+            self._mark_rebuild(src)
+
+    def _mark_rebuild(self, src: _Source) -> None:
+        if src.spec.snapshot_address:
+            src.snapshot_due = True
+            src.retry_at = 0.0
+        else:
+            src.next = None  # replay everything the publisher still has
+            src.cursor = None
+            src.recent.clear()
+
+    def _check_backend(self) -> None:
+        now = time.monotonic()
+        if self.backend_down_since is None:
+            if now - self._backend_pinged_at < self._backend_ping_s:
+                return
+            self._backend_pinged_at = now
+        elif now < self._backend_retry_at:
+            return
+        try:
+            with self._lock:
+                lost = self._index.ping()
+        except KVStoreError as e:
+            if self.backend_down_since is None:
+                self._backend_failed(e)
+            else:
+                self.last_error = str(e)
+                self._backend_backoff_s = min(self._backend_backoff_s * 2, _BACKEND_BACKOFF_S[1])
+                self._backend_retry_at = now + self._backend_backoff_s
+            return
+        if self.backend_down_since is not None:
+            log.warning(
+                "index backend answers again after %.1fs; resyncing every source",
+                now - self.backend_down_since,
+            )
+            self.backend_down_since = None
+            lost = True
+        if lost:
+            for src in self._sources.values():
+                self._mark_rebuild(src)
+                if not src.spec.snapshot_address:
+                    self._clear_source(src)
+                    if src.down_since is None:
+                        self._catch_up(src)
+
+    # --- maintenance ----------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        self._check_backend()
+        if self.backend_down_since is not None:
+            return
+        now = time.monotonic()
+        for src in list(self._sources.values()):
+            if not src.spec.snapshot_address or src.down_since is not None:
+                continue
+            periodic = (
+                self._snapshot_interval_s > 0
+                and src.matched_at is not None
+                and now - src.matched_at >= self._snapshot_interval_s
+            )
+            if (src.snapshot_due or periodic) and now >= src.retry_at:
+                self._snapshot(src)
+            elif (
+                src.spec.replay_endpoint
+                and src.next is not None
+                and now - src.last_seen_at >= self._tail_check_s
+                and now - src.tail_checked_at >= self._tail_check_s
+            ):
+                self._tail_check(src)
+
+    def _tail_check(self, src: _Source) -> None:
+        """An idle source: is it the publisher we followed, and did its tail get lost?
+
+        Asks the replay buffer from the last batch applied (``next - 1``): the
+        publisher must still have that very batch (same payload, where we saw
+        it), then whatever follows is a tail we missed. No batch there means
+        it restarted with a shorter history (its first batches may have been
+        lost on the way, so the live stream never showed the reset); a later
+        first batch means the buffer moved past it. Either way: a snapshot.
+        """
+        src.tail_checked_at = time.monotonic()
+        self.stats.tail_checks += 1
+        assert src.next is not None
+        if src.next == 0:
+            return
+        probe = src.next - 1
+        batches = self._replay(src, probe)
+        first = batches[0] if batches else None
+        known = src.recent.get(probe)
+        if first is None or first[0] != probe or (known is not None and known != hash(first[2])):
+            log.info("KV event source %s: publisher changed under us; resyncing", src.spec.key)
+            self.stats.restarts += 1
+            src.snapshot_due = True
+            src.retry_at = 0.0
+            return
+        src.recent[probe] = hash(first[2])
+        for seq, topic, payload in batches[1:]:
+            if seq != src.next:
+                src.snapshot_due = True
+                return
+            self._apply_one(src, seq, topic, payload)
+
+    # --- snapshots -------------------------------------------------------------------
+
+    def _stub(self, src: _Source) -> Any:
+        from kvstore.v1 import store_pb2_grpc  # grpc stubs only where snapshots are used
+
+        if src.channel is None:
+            src.channel = grpc.insecure_channel(
+                src.spec.snapshot_address,
+                options=[("grpc.max_receive_message_length", 64 << 20)],
+            )
+        return store_pb2_grpc.StoreServiceStub(src.channel)
+
+    def _fetch_snapshot(self, src: _Source) -> tuple[int, dict[tuple[str, str], list[bytes]]]:
+        from kvstore.v1 import store_pb2
+
+        groups: dict[tuple[str, str], list[bytes]] = {}
+        total = 0
+        next_seq: int | None = None
+        done = False
+        stream = self._stub(src).Snapshot(
+            store_pb2.SnapshotRequest(), timeout=self._snapshot_timeout_s, metadata=self._metadata
+        )
+        for chunk in stream:
+            if done:
+                raise InvalidRequest("snapshot went on after its last message")
+            if next_seq is None:
+                next_seq = chunk.next_seq
+            elif chunk.next_seq != next_seq:
+                raise InvalidRequest("snapshot messages disagree on next_seq")
+            if chunk.done:
+                done = True
+                continue
+            if chunk.block_size_tokens:
+                self._learn(chunk.model, chunk.block_size_tokens)
+            if not chunk.block_hashes:
+                continue
+            medium = _TIER_MEDIUM.get(chunk.tier)
+            if medium is None or len(chunk.block_hashes) % 8:
+                raise InvalidRequest(f"snapshot chunk with tier {chunk.tier} is malformed")
+            total += len(chunk.block_hashes) // 8
+            if total > _MAX_SNAPSHOT_HASHES:
+                raise InvalidRequest(f"snapshot exceeds {_MAX_SNAPSHOT_HASHES} hashes")
+            groups.setdefault((chunk.model, medium), []).append(chunk.block_hashes)
+        if not done or next_seq is None:
+            raise InvalidRequest("snapshot stream ended before its last message")
+        return next_seq, groups
+
+    def _snapshot(self, src: _Source) -> bool:
+        """Replace the node's daemon entries with what the daemon holds; True if done."""
+        now = time.monotonic()
+        try:
+            next_seq, groups = self._fetch_snapshot(src)
+        except (grpc.RpcError, KVStoreError) as e:
+            self.stats.snapshot_failures += 1
+            src.errors += 1
+            src.snapshot_due = True
+            src.retry_at = now + src.backoff_s
+            src.backoff_s = min(src.backoff_s * 2, _SNAPSHOT_BACKOFF_S[1])
+            detail = e.details() if isinstance(e, grpc.RpcError) else str(e)  # type: ignore[attr-defined]
+            self._log_error(
+                f"snapshot:{src.spec.key}",
+                f"snapshot of {src.spec.node} from {src.spec.snapshot_address} failed "
+                f"(retry in {src.backoff_s:.1f}s): {detail}",
+            )
+            return False
+        # staged updates are older than the snapshot: it supersedes them
+        mine = set(src.mediums)
+        self._staged = {
+            k: v for k, v in self._staged.items() if k[1] != src.spec.node or k[2] not in mine
+        }
+        node = src.spec.node
+
+        def replace() -> None:
+            with self._lock:
+                self._index.clear(node, None, src.mediums)
+                for (model, medium), parts in groups.items():
+                    keys = np.frombuffer(b"".join(parts), dtype="<u8").astype(np.uint64)
+                    self._index.add(model, node, medium, keys)
+                    src.models.add(model)
+
+        if not self._guarded(replace):
+            return False
+        self.stats.snapshots += 1
+        src.snapshots += 1
+        src.snapshot_due = False
+        src.backoff_s = _SNAPSHOT_BACKOFF_S[0]
+        src.matched_at = src.last_event_at = time.monotonic()
+        src.snapshot_seq = next_seq
+        src.snapshot_at = time.monotonic()
+        src.next = next_seq
+        src.cursor = next_seq - 1 if next_seq else None
+        src.recent.clear()
+        src.dropped = False
+        src.tail_checked_at = time.monotonic()
+        log.info(
+            "%s rebuilt from its snapshot: %d hashes, stream from seq %d",
+            src.spec.key,
+            sum(len(b) for parts in groups.values() for b in parts) // 8,
+            next_seq,
+        )
+        return True
+
+    def _learn(self, model: str, block_size: int) -> None:
+        sizes = self._block_sizes.get(model)
+        if sizes is None:
+            if len(self._block_sizes) >= _MAX_LEARNED_MODELS:
+                return
+            sizes = self._block_sizes[model] = set()
+        if block_size not in sizes and len(sizes) < _MAX_SIZES_PER_MODEL:
+            sizes.add(block_size)
+            if len(sizes) > 1:
+                log.warning(
+                    "model %r is published with block sizes %s: a Score with token ids must "
+                    "say which (block_size_tokens)",
+                    model,
+                    sorted(sizes),
+                )
+
+    # --- sources ---------------------------------------------------------------------
 
     def _run_commands(self, poller: zmq.Poller) -> None:
         while True:
@@ -285,28 +742,34 @@ class Subscriber:
         mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sub.connect(spec.endpoint)
         src = _Source(spec, sub, mon)
-        src.cursor = self._index.load_cursor(spec.key)
         self._sources[spec.key] = src
         self._by_socket[sub] = src
         self._by_monitor[mon] = src
         poller.register(sub, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
+        try:
+            src.cursor = self._index.load_cursor(spec.key)
+        except KVStoreError as e:
+            self._backend_failed(e)
         log.info("following KV events of %s at %s", spec.node, spec.endpoint)
 
     def _remove(self, poller: zmq.Poller, src: _Source, drop: bool) -> None:
-        self._flush()
+        self._guarded(self._flush)
         poller.unregister(src.sub)
         poller.unregister(src.mon)
         self._close_source(src)
         del self._sources[src.spec.key]
         if drop:
             self._clear_source(src)
-            with self._lock:
-                self._index.forget_cursor(src.spec.key)  # a comeback starts afresh
-            # the node id stays only while another stream still feeds it
-            if not any(s.spec.node == src.spec.node for s in self._sources.values()):
+
+            def forget() -> None:
                 with self._lock:
-                    self._index.drop_node(src.spec.node)
+                    self._index.forget_cursor(src.spec.key)  # a comeback starts afresh
+                    # the node id stays only while another stream still feeds it
+                    if not any(s.spec.node == src.spec.node for s in self._sources.values()):
+                        self._index.drop_node(src.spec.node)
+
+            self._guarded(forget)
 
     def _close_source(self, src: _Source) -> None:
         self._by_socket.pop(src.sub, None)
@@ -317,6 +780,9 @@ class Subscriber:
             pass
         src.mon.close(linger=0)
         src.sub.close(linger=0)
+        if src.channel is not None:
+            src.channel.close()
+            src.channel = None
 
     def _on_monitor(self, src: _Source) -> None:
         while src.mon.poll(0):
@@ -328,7 +794,15 @@ class Subscriber:
                 src.down_since = time.monotonic()
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 src.down_since = None
-                self._catch_up(src)
+                src.last_seen_at = time.monotonic()
+                if src.spec.snapshot_address:
+                    # whatever happened while we were apart, the daemon knows
+                    src.snapshot_due = True
+                    src.retry_at = 0.0
+                    if self.backend_down_since is None and not self._snapshot(src):
+                        self._catch_up(src)  # meanwhile, what the replay buffer has
+                else:
+                    self._catch_up(src)
 
     def _catch_up(self, src: _Source) -> None:
         """On (re)connect, replay what the publisher sent while we were away.
@@ -374,6 +848,9 @@ class Subscriber:
                 self._clear_source(src)
                 src.dropped = True
                 src.next = 0  # when it comes back, replay it from the start
+                src.matched_at = None
+                if src.spec.snapshot_address:
+                    src.snapshot_due = True
 
     # --- messages ---------------------------------------------------------------------
 
@@ -383,7 +860,19 @@ class Subscriber:
                 frames = src.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._on_frames(src, frames)
+            src.last_seen_at = time.monotonic()
+            if self.backend_down_since is not None:
+                continue  # nowhere to apply it; the rebuild after the outage covers it
+            try:
+                self._on_frames(src, frames)
+            except KVStoreError as e:
+                self._backend_failed(e)
+            except Exception as e:
+                src.errors += 1
+                self.stats.errors += 1
+                self._log_error(
+                    f"frames:{src.spec.key}", f"batch from {src.spec.key} failed: {e!r}", exc=True
+                )
 
     def _on_frames(self, src: _Source, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -391,6 +880,13 @@ class Subscriber:
             return
         topic, seq_b, payload = frames
         seq = int.from_bytes(seq_b, "big")
+        if src.spec.snapshot_address:
+            self._on_snapshot_source_frames(src, seq, topic, payload)
+            return
+        self._on_plain_frames(src, seq, topic, payload)
+
+    def _on_plain_frames(self, src: _Source, seq: int, topic: bytes, payload: bytes) -> None:
+        """A source without snapshots: replay what is missing, else rebuild from the buffer."""
         src.dropped = False
         if src.next is None:
             # First batch since this indexer started: resume after the saved
@@ -422,6 +918,83 @@ class Subscriber:
         self._apply(src, topic, payload)
         self._done(src, seq, payload)
 
+    def _on_snapshot_source_frames(
+        self, src: _Source, seq: int, topic: bytes, payload: bytes
+    ) -> None:
+        """A daemon source: the index is rebuilt from a snapshot whenever it may be wrong."""
+        for _ in range(3):  # a snapshot, then at most a replay, then this batch
+            if src.snapshot_due or src.next is None:
+                if time.monotonic() >= src.retry_at and self._snapshot(src):
+                    continue
+                # No snapshot to be had now (retried with backoff): follow the
+                # stream as a source without snapshots does, rather than show
+                # nothing; the snapshot replaces it all once it comes.
+                self._on_plain_frames(src, seq, topic, payload)
+                return
+            if seq < src.next:
+                if src.recent.get(seq) == hash(payload):
+                    return  # already applied (a replay and the live stream overlap)
+                if (
+                    src.snapshot_seq is not None
+                    and 0 < seq < src.snapshot_seq
+                    and time.monotonic() - src.snapshot_at < _STALE_WINDOW_S
+                ):
+                    self.stats.stale_skipped += 1  # sent before the snapshot: in it
+                    return
+                # the counter went back (seq 0 is a new publisher's first batch)
+                log.info(
+                    "KV event source %s restarted (seq %d, expected %d)",
+                    src.spec.key,
+                    seq,
+                    src.next,
+                )
+                self.stats.restarts += 1
+                src.snapshot_due = True
+                src.retry_at = 0.0
+                continue
+            if seq > src.next:
+                self.stats.gaps += 1
+                self._fill_gap(src, seq)
+                if seq > src.next:
+                    src.snapshot_due = True  # the replay buffer no longer has it
+                    src.retry_at = 0.0
+                    continue
+                if seq < src.next:
+                    return  # the replay covered this batch
+            self._apply_one(src, seq, topic, payload)
+            return
+
+    def _fill_gap(self, src: _Source, seq: int) -> None:
+        """Replay ``[next, seq)`` contiguously; stops at the first hole."""
+        if not src.spec.replay_endpoint:
+            return
+        for _ in range(_MAX_REPLAYS_PER_GAP):
+            assert src.next is not None
+            start = src.next
+            batches = self._replay(src, start)
+            if not batches or batches[0][0] != start:
+                return
+            for bseq, topic, payload in batches:
+                if bseq != src.next:
+                    return
+                self._apply_one(src, bseq, topic, payload)
+                if src.snapshot_due:
+                    return
+            self.stats.replayed_batches += len(batches)
+            if seq < src.next or src.next == start:
+                return
+
+    def _apply_one(self, src: _Source, seq: int, topic: bytes, payload: bytes) -> None:
+        cleared_node = self._apply(src, topic, payload)
+        self._done(src, seq, payload)
+        if src.snapshot_seq is not None and seq >= src.snapshot_seq:
+            src.snapshot_seq = None  # the live stream has passed the snapshot
+        if cleared_node and seq > 0:
+            # a node-wide clear past a publisher's first batch means it dropped
+            # events (its queue overflowed), not that it holds nothing
+            src.snapshot_due = True
+            src.retry_at = 0.0
+
     @staticmethod
     def _resume_seq(src: _Source) -> int:
         return 0 if src.cursor is None else src.cursor + 1
@@ -429,6 +1002,7 @@ class Subscriber:
     def _done(self, src: _Source, seq: int, payload: bytes) -> None:
         src.next = seq + 1
         src.cursor = seq
+        src.last_event_at = time.monotonic()
         src.recent[seq] = hash(payload)
         if len(src.recent) > _RECENT_BATCHES:
             del src.recent[next(iter(src.recent))]
@@ -470,7 +1044,10 @@ class Subscriber:
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if left_ms <= 0 or not sock.poll(left_ms):
-                    log.warning("replay from %s timed out", src.spec.replay_endpoint)
+                    self._log_error(
+                        f"replay:{src.spec.key}",
+                        f"replay from {src.spec.replay_endpoint} timed out",
+                    )
                     return out
                 frames = sock.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
@@ -491,7 +1068,8 @@ class Subscriber:
         finally:
             sock.close(linger=0)
 
-    def _apply(self, src: _Source, topic: bytes, payload: bytes) -> None:
+    def _apply(self, src: _Source, topic: bytes, payload: bytes) -> bool:
+        """Stage one batch's events; True if it held a node-wide clear."""
         spec = src.spec
         if spec.kind == KIND_ENGINE:
             model: str | None = spec.model
@@ -499,13 +1077,14 @@ class Subscriber:
             parsed = parse_topic(topic)
             if parsed is None:
                 self.stats.malformed += 1
-                return
+                return False
             model = parsed[1] or None  # kv@<node>@ = every model of the node
         events = self._decode(payload)
         if events is None:
-            return
+            return False
         self.stats.batches += 1
         node = spec.node
+        cleared_node = False
         for ev in events:
             self.stats.events += 1
             if isinstance(ev, LeanCleared):
@@ -513,17 +1092,32 @@ class Subscriber:
                 self.stats.clears += 1
                 with self._lock:
                     self._index.clear(node, model, src.mediums)
+                cleared_node = cleared_node or model is None
                 continue
             if model is None:
                 self.stats.malformed += 1  # block events need a model
                 continue
             try:
-                medium = MEDIUMS[medium_index(ev.medium)]
+                medium = source_medium(ev.medium, src.daemon)
             except InvalidRequest:
                 self.stats.unknown_events += 1
                 continue
+            if not isinstance(ev.block_hashes, list):
+                self.stats.malformed += 1
+                continue
             src.models.add(model)
             present = isinstance(ev, LeanStored)
+            if present and ev.block_size:  # type: ignore[union-attr]
+                self._learn(model, ev.block_size)  # type: ignore[union-attr]
+                if ev.parent_block_hash is None and ev.block_hashes and ev.token_ids:  # type: ignore[union-attr]
+                    self.seeds.offer(
+                        model,
+                        ev.block_hashes[0],
+                        ev.block_size,  # type: ignore[union-attr]
+                        ev.token_ids,  # type: ignore[union-attr]
+                        ev.extra_keys,  # type: ignore[union-attr]
+                        ev.lora_name,  # type: ignore[union-attr]
+                    )
             # runs of (present, hashes) in arrival order; hashes stay as
             # decoded, bytes-form or signed ones are folded at flush
             runs = self._staged.get((model, node, medium))
@@ -537,16 +1131,23 @@ class Subscriber:
                 self.stats.hashes_stored += len(ev.block_hashes)
             else:
                 self.stats.hashes_removed += len(ev.block_hashes)
+        return cleared_node
 
     def _decode(self, payload: bytes) -> Sequence[LeanStored | LeanRemoved | LeanCleared] | None:
+        # Any failure of any kind is one malformed batch, never the thread's
+        # end: msgspec raises RecursionError on deeply nested arrays, and
+        # whatever else a hostile payload provokes is caught the same way.
         try:
             return self._dec.batch.decode(payload).events
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
+        except Exception:
+            self.stats.malformed += 1
+            return None
         # One bad event must not cost the whole batch: decode event by event.
         try:
             raw = msgspec.msgpack.decode(payload)
-        except msgspec.DecodeError:
+        except Exception:
             self.stats.malformed += 1
             return None
         if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
@@ -562,6 +1163,8 @@ class Subscriber:
                     self.stats.malformed += 1
                 else:
                     self.stats.unknown_events += 1
+            except Exception:
+                self.stats.malformed += 1
         return out
 
     def _flush(self) -> None:
@@ -584,7 +1187,9 @@ class Subscriber:
                 # stores and removals interleave: the last word on each hash wins
                 ops: dict[int | bytes, bool] = {}
                 for present, hashes in runs:
-                    ops.update(dict.fromkeys(hashes, present))
+                    for h in hashes:
+                        if isinstance(h, (int, bytes)):
+                            ops[h] = present
                 keys = self._hash_array(list(ops))
                 if keys is None:
                     continue
@@ -610,8 +1215,13 @@ class Subscriber:
             return None
 
     def _clear_source(self, src: _Source) -> None:
-        """Drop what this source told the index (engines: their model's GPU tier)."""
-        self._flush()
+        """Drop what this source told the index (engines: their model's GPU cache)."""
+        if not self._guarded(self._flush):
+            return
         model = src.spec.model if src.spec.kind == KIND_ENGINE else None
-        with self._lock:
-            self._index.clear(src.spec.node, model, src.mediums)
+
+        def clear() -> None:
+            with self._lock:
+                self._index.clear(src.spec.node, model, src.mediums)
+
+        self._guarded(clear)

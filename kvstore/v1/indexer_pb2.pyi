@@ -51,38 +51,46 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., request_blocks: _Optional[int] = ...) -> None: ...
 
 class EventSource(_message.Message):
-    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model")
+    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     replay_endpoint: str
     kind: str
     model: str
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    snapshot_address: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("source", "ttl_s")
+    __slots__ = ("source", "ttl_s", "owner_token")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     source: EventSource
     ttl_s: float
-    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    owner_token: str
+    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., ttl_s: _Optional[float] = ..., owner_token: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("owner_token",)
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    owner_token: str
+    def __init__(self, owner_token: _Optional[str] = ...) -> None: ...
 
 class UnregisterNodeRequest(_message.Message):
-    __slots__ = ("node", "endpoint")
+    __slots__ = ("node", "endpoint", "owner_token")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    owner_token: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., owner_token: _Optional[str] = ...) -> None: ...
 
 class UnregisterNodeResponse(_message.Message):
     __slots__ = ("removed_sources",)
@@ -95,14 +103,26 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("source", "registered", "expires_in_s")
+    __slots__ = ("source", "registered", "expires_in_s", "last_event_age_s", "since_snapshot_s", "connected", "next_seq", "errors", "snapshots")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SNAPSHOT_S_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     source: EventSource
     registered: bool
     expires_in_s: float
-    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., registered: _Optional[bool] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    last_event_age_s: float
+    since_snapshot_s: float
+    connected: bool
+    next_seq: int
+    errors: int
+    snapshots: int
+    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., registered: _Optional[bool] = ..., expires_in_s: _Optional[float] = ..., last_event_age_s: _Optional[float] = ..., since_snapshot_s: _Optional[float] = ..., connected: _Optional[bool] = ..., next_seq: _Optional[int] = ..., errors: _Optional[int] = ..., snapshots: _Optional[int] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("sources", "indexed_nodes")
@@ -111,3 +131,25 @@ class ListNodesResponse(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     indexed_nodes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, sources: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ..., indexed_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "block_size_tokens", "first_blocks_checked", "first_blocks_mismatched")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCKS_MISMATCHED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size_tokens: int
+    first_blocks_checked: int
+    first_blocks_mismatched: int
+    def __init__(self, model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., first_blocks_checked: _Optional[int] = ..., first_blocks_mismatched: _Optional[int] = ...) -> None: ...
+
+class ModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class IndexerServiceStub:
                 request_serializer=kvstore_dot_v1_dot_indexer__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_indexer__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.Models = channel.unary_unary(
+                '/kvstore.v1.IndexerService/Models',
+                request_serializer=kvstore_dot_v1_dot_indexer__pb2.ModelsRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_indexer__pb2.ModelsResponse.FromString,
+                _registered_method=True)
 
 
 class IndexerServiceServicer:
@@ -83,6 +88,12 @@ class IndexerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Models(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_IndexerServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=kvstore_dot_v1_dot_indexer__pb2.ListNodesRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_indexer__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'Models': grpc.unary_unary_rpc_method_handler(
+                    servicer.Models,
+                    request_deserializer=kvstore_dot_v1_dot_indexer__pb2.ModelsRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_indexer__pb2.ModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +231,33 @@ class IndexerService:
             '/kvstore.v1.IndexerService/ListNodes',
             kvstore_dot_v1_dot_indexer__pb2.ListNodesRequest.SerializeToString,
             kvstore_dot_v1_dot_indexer__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Models(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.IndexerService/Models',
+            kvstore_dot_v1_dot_indexer__pb2.ModelsRequest.SerializeToString,
+            kvstore_dot_v1_dot_indexer__pb2.ModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

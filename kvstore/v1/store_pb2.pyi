@@ -376,3 +376,27 @@ class GetInlineResponse(_message.Message):
     found_blocks: int
     data: bytes
     def __init__(self, found_blocks: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("model", "max_hashes_per_message")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_HASHES_PER_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_hashes_per_message: int
+    def __init__(self, model: _Optional[str] = ..., max_hashes_per_message: _Optional[int] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("next_seq", "model", "tier", "block_hashes", "block_size_tokens", "done")
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    next_seq: int
+    model: str
+    tier: Tier
+    block_hashes: bytes
+    block_size_tokens: int
+    done: bool
+    def __init__(self, next_seq: _Optional[int] = ..., model: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_hashes: _Optional[bytes] = ..., block_size_tokens: _Optional[int] = ..., done: _Optional[bool] = ...) -> None: ...

@@ -94,6 +94,11 @@ class StoreServiceStub:
                 request_serializer=kvstore_dot_v1_dot_store__pb2.GetInlineRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_store__pb2.GetInlineResponse.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_stream(
+                '/kvstore.v1.StoreService/Snapshot',
+                request_serializer=kvstore_dot_v1_dot_store__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_store__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
 
 
 class StoreServiceServicer:
@@ -171,6 +176,12 @@ class StoreServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +244,11 @@ def add_StoreServiceServicer_to_server(servicer, server):
                     servicer.GetInline,
                     request_deserializer=kvstore_dot_v1_dot_store__pb2.GetInlineRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_store__pb2.GetInlineResponse.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=kvstore_dot_v1_dot_store__pb2.SnapshotRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_store__pb2.SnapshotChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +575,33 @@ class StoreService:
             '/kvstore.v1.StoreService/GetInline',
             kvstore_dot_v1_dot_store__pb2.GetInlineRequest.SerializeToString,
             kvstore_dot_v1_dot_store__pb2.GetInlineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.StoreService/Snapshot',
+            kvstore_dot_v1_dot_store__pb2.SnapshotRequest.SerializeToString,
+            kvstore_dot_v1_dot_store__pb2.SnapshotChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -351,6 +351,40 @@ def test_live_metrics_pass_promtool_and_cover_the_dashboard(tmp_path: Path) -> N
         url = f"http://{daemon.metrics_address}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
     assert "kvstore_store_blocks_total" in text
+    # the indexer's /metrics (its freshness row on the dashboard)
+    from kvstore.indexer.config import IndexerConfig
+    from kvstore.indexer.metrics import serve_metrics
+    from kvstore.indexer.service import Indexer
+    from kvstore.indexer.subscriber import SourceSpec
+
+    # one source (never reachable): the per-source series carry a sample
+    ix = Indexer(IndexerConfig(sources=[SourceSpec(node="probe", endpoint="tcp://127.0.0.1:1")]))
+    ix.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ix.subscriber.source_status():
+            assert time.monotonic() < deadline, "the indexer never took its source up"
+            time.sleep(0.02)
+        server, port = serve_metrics(ix, "127.0.0.1:0")
+        try:
+            url = f"http://127.0.0.1:{port}/metrics"
+            indexer_text = urllib.request.urlopen(url, timeout=10).read().decode()
+        finally:
+            server.shutdown()
+    finally:
+        ix.close()
+    assert "kvstore_indexer_up" in indexer_text
+    lint = subprocess.run(
+        ["promtool", "check", "metrics"],
+        input=indexer_text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), (
+        lint.stdout + lint.stderr
+    )
+    text += indexer_text
     metrics_file = tmp_path / "metrics.txt"
     metrics_file.write_text(text)
     lint = subprocess.run(

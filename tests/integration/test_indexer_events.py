@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvstore.errors import ConfigError
 from kvstore.events.publisher import ZmqEventPublisher
 from kvstore.events.wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch
 from kvstore.indexer.backend import NodeScore
@@ -261,7 +262,16 @@ def test_publisher_restart_resets_sequence_and_resyncs(make_indexer, publishers)
     wait_for(lambda: ix.subscriber.stats.batches >= 22)
     endpoint, replay = first.endpoint, first.replay_endpoint
     first.close()
-    second = publishers("a", endpoint, replay)  # same address, counter from 0
+    # same address, counter from 0; ZMQ releases a closed socket's port from
+    # its I/O thread, so the rebind may need a moment (bounded)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            second = publishers("a", endpoint, replay)
+            break
+        except ConfigError:
+            assert time.monotonic() < deadline, "the old publisher's port never came free"
+            time.sleep(0.05)
     second.blocks_stored(NS(), H(1), "GPU", None, None)
     wait_for(
         lambda: ix.score("m", np.array(H(1, 2, 3), dtype=np.uint64)) == [NodeScore("a", 1, 1, 0, 0)]

@@ -174,7 +174,8 @@ def test_register_list_unregister_and_ttl(stack):
         src = indexer_pb2.EventSource(
             node="node-b", endpoint=other.endpoint, replay_endpoint=other.replay_endpoint
         )
-        stub.RegisterNode(indexer_pb2.RegisterNodeRequest(source=src, ttl_s=0))
+        token = stub.RegisterNode(indexer_pb2.RegisterNodeRequest(source=src, ttl_s=0)).owner_token
+        assert token  # the first registrant owns the name
         other.blocks_stored(NS(), [7, 8], "DISK", None, None)
         wait_for(
             lambda: (
@@ -185,7 +186,12 @@ def test_register_list_unregister_and_ttl(stack):
         by_node = {n.source.node: n for n in listed.sources}
         assert by_node["node-b"].registered and not by_node["node-a"].registered
         assert "node-b" in listed.indexed_nodes
-        resp = stub.UnregisterNode(indexer_pb2.UnregisterNodeRequest(node="node-b"))
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UnregisterNode(indexer_pb2.UnregisterNodeRequest(node="node-b"))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        resp = stub.UnregisterNode(
+            indexer_pb2.UnregisterNodeRequest(node="node-b", owner_token=token)
+        )
         assert resp.removed_sources == 1
         wait_for(lambda: ix.score("llama", np.array([7, 8], dtype=np.uint64)) == [])
         with pytest.raises(grpc.RpcError) as e:

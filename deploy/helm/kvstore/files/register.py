@@ -8,11 +8,20 @@ leaves the index by itself; on SIGTERM it is withdrawn at once.
 Env: NODE_ID (the daemon's node_id), POD_IP (the address peers reach the
 daemon at), INDEXER_ADDRESS (host:port; every address the host resolves to
 is registered with, so each replica behind a headless Service follows the
-node), EVENTS_PORT, REPLAY_PORT, TTL_S.
+node), EVENTS_PORT, REPLAY_PORT, TTL_S; optional: GRPC_PORT (the daemon's
+TCP gRPC port: the indexer then rebuilds this node from the daemon's
+snapshots after lost events), KVSTORE_SECRET (the cluster secret, when the
+indexer requires it).
+
+The node name belongs to this sidecar: it picks an owner token at start and
+presents it on every renewal and on the withdrawal, so nobody else can take
+over or remove this node's registration (and a restarted indexer gives the
+name back to the same token).
 """
 
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -48,6 +57,11 @@ def main() -> int:
             endpoint=_endpoint("tcp://", host, int(os.environ["EVENTS_PORT"])),
             replay_endpoint=_endpoint("tcp://", host, int(os.environ["REPLAY_PORT"])),
             kind="daemon",
+            snapshot_address=(
+                _endpoint("", host, int(os.environ["GRPC_PORT"]))
+                if os.environ.get("GRPC_PORT")
+                else ""
+            ),
         )
     except (KeyError, ValueError) as exc:
         print(f"register: bad environment: {exc!r}", file=sys.stderr)
@@ -59,7 +73,10 @@ def main() -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    request = indexer_pb2.RegisterNodeRequest(source=source, ttl_s=ttl_s)
+    token = secrets.token_hex(16)
+    secret = os.environ.get("KVSTORE_SECRET", "")
+    metadata = (("x-kvstore-cluster-secret", secret),) if secret else None
+    request = indexer_pb2.RegisterNodeRequest(source=source, ttl_s=ttl_s, owner_token=token)
     known: dict[str, bool] = {}  # indexer address -> registered at the last attempt
     while not stop.is_set():
         try:
@@ -71,7 +88,7 @@ def main() -> int:
             with grpc.insecure_channel(address) as channel:
                 stub = indexer_pb2_grpc.IndexerServiceStub(channel)
                 try:
-                    stub.RegisterNode(request, timeout=CALL_TIMEOUT_S)
+                    stub.RegisterNode(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
                     ok = True
                 except grpc.RpcError as exc:
                     ok = False
@@ -94,8 +111,11 @@ def main() -> int:
             stub = indexer_pb2_grpc.IndexerServiceStub(channel)
             try:
                 stub.UnregisterNode(
-                    indexer_pb2.UnregisterNodeRequest(node=node, endpoint=source.endpoint),
+                    indexer_pb2.UnregisterNodeRequest(
+                        node=node, endpoint=source.endpoint, owner_token=token
+                    ),
                     timeout=CALL_TIMEOUT_S,
+                    metadata=metadata,
                 )
                 log.info("unregistered %s from %s", node, address)
             except grpc.RpcError as exc:
