@@ -64,7 +64,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path")
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "region_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class HelloResponse(_message.Message):
     GPU_POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     GPU_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     GPU_REGION_PATH_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     region_path: str
@@ -89,7 +90,8 @@ class HelloResponse(_message.Message):
     gpu_pool_bytes: int
     gpu_ipc_handle: bytes
     gpu_region_path: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ...) -> None: ...
+    region_id: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class DeclareNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -118,16 +120,18 @@ class PrepareStoreRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareStoreResponse(_message.Message):
-    __slots__ = ("lease_id", "statuses", "offsets", "tier")
+    __slots__ = ("lease_id", "statuses", "offsets", "tier", "region_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     statuses: bytes
     offsets: bytes
     tier: Tier
-    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    region_id: int
+    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
     __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids")
@@ -194,18 +198,20 @@ class PrepareLoadRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
-    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier")
+    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier", "region_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     found_blocks: int
     offsets: bytes
     checksums: bytes
     tier: Tier
-    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    region_id: int
+    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)
