@@ -94,14 +94,15 @@ class FilePolicy:
         wrong_group = self.gid >= 0 and st.st_gid != self.gid and stat.S_IMODE(st.st_mode) & 0o070
         return not extra and not wrong_group
 
-    def open(self, path: str, flags: int, mode: int, *, what: str) -> int:
+    def open(self, path: str, flags: int, mode: int, *, what: str, check_mode: bool = True) -> int:
         """Open (creating when ``flags`` has O_CREAT) a file only this daemon's user owns.
 
         Never follows a symlink at ``path`` (ConfigError); other open failures
         are the caller's OSError to word. A file created here gets ``mode``
         and the group. A file that existed must be ours (ConfigError otherwise)
         and writable by no one else; its mode is narrowed to ``mode`` (files of
-        older versions were 0644).
+        older versions were 0644). ``check_mode=False`` leaves an existing file's
+        mode to the caller (the region replaces one more open than ours).
         """
         created = False
         try:
@@ -125,6 +126,7 @@ class FilePolicy:
             else:
                 st = os.fstat(fd)
                 check_owned(st, path, what)
+            if not created and check_mode:
                 if stat.S_IMODE(st.st_mode) & 0o022 & ~mode:
                     raise ConfigError(
                         f"{what}: {path} is writable by other users (mode "

@@ -143,7 +143,9 @@ class Region:
         for _ in range(MAX_OPEN_ATTEMPTS):
             existed = os.path.lexists(path)
             try:
-                fd = self.files.open(path, os.O_RDWR | os.O_CREAT, mode, what="dram.path")
+                fd = self.files.open(
+                    path, os.O_RDWR | os.O_CREAT, mode, what="dram.path", check_mode=False
+                )
             except FileNotFoundError:
                 if existed:
                     continue  # unlinked between our look and our open
