@@ -13,8 +13,8 @@ offsets point into (``region_id``, new at each daemon start): a client that
 outlived a daemon restart re-maps the new region before it touches a slot
 (keeping its mapping when a warm restart kept the same file), never writes or
 reads through the stale one. A namespace the daemon dropped (Clear, or idle
-and empty) is declared again, once, by the call that finds it gone. A client that cannot map the region (another host) uses the
-*Inline calls instead. Lower-level two-phase calls (prepare_store /
+and empty) is declared again, once, by the call that finds it gone. A client
+that cannot map the region (another host) uses the *Inline calls instead. Lower-level two-phase calls (prepare_store /
 commit_store, prepare_load / release) let connectors copy straight between the
 region and their own buffers.
 
