@@ -3,6 +3,7 @@ the warm-restart manifest's trust rules, and the namespace/lease bounds in-proce
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
 import stat
@@ -88,7 +89,7 @@ def test_region_more_open_than_ours_is_replaced_empty(tmp_path):
 
 def test_region_of_a_group(tmp_path):
     _need_root()
-    policy = FilePolicy.from_group("nogroup")
+    policy = FilePolicy.from_group(grp.getgrgid(OTHER_UID).gr_name)  # "nogroup" on Debian
     region = _region(tmp_path / "r.dram", files=policy)
     try:
         st = os.stat(region.path)
