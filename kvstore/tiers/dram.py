@@ -181,6 +181,9 @@ class Region:
                 os.unlink(path)
                 os.close(fd)
                 continue
+            # Exactly our mode and group (a file_group set since the last run widens
+            # a private region to the group; nothing else could have mapped it).
+            self.files.apply(fd, mode)
             # An empty file (just created, or created and never sized) holds nothing to adopt.
             return fd, st.st_size > 0
         raise ConfigError(f"dram.path: {path} keeps being replaced; is another daemon starting?")

@@ -90,8 +90,10 @@ def test_region_more_open_than_ours_is_replaced_empty(tmp_path):
 def test_region_of_a_group(tmp_path):
     _need_root()
     policy = FilePolicy.from_group(grp.getgrgid(OTHER_UID).gr_name)  # "nogroup" on Debian
+    _region(tmp_path / "r.dram").close(unlink=False)  # private, before a group was set
     region = _region(tmp_path / "r.dram", files=policy)
     try:
+        assert region.reused  # it was private: nobody else could have mapped it
         st = os.stat(region.path)
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == policy.gid
     finally:
