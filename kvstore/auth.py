@@ -2,13 +2,15 @@
 
 Local clients reach the daemon over its Unix socket, guarded by the socket
 file's mode (0660): they are trusted. Anything over TCP may come from another
-host, so once a cluster secret is configured (``peer.secret``), every call to
-the store and fetch services over TCP must carry it in the
-``x-kvstore-cluster-secret`` header, or it gets PERMISSION_DENIED: a stranger
-on the network can neither read blocks (``GetInline``) nor make the daemon
-pull from an address of its choosing (``FetchFromPeer``). Health and
-reflection stay open (kubelet probes); ``PeerService`` checks the secret on
-every call itself, whatever the transport.
+host or another local user, so no data call is ever served over TCP without
+the cluster secret (``peer.secret``), carried in the
+``x-kvstore-cluster-secret`` header: a stranger can neither read blocks
+(``GetInline``) nor make the daemon pull from an address of its choosing
+(``FetchFromPeer``). With a secret configured, every store and fetch call over
+TCP must carry it; without one, TCP serves only ``Hello`` and ``Stats``
+(tools, ``kvstore status``) and refuses the rest with PERMISSION_DENIED.
+Health and reflection stay open (kubelet probes); ``PeerService`` checks the
+secret on every call itself, whatever the transport. See docs/security.md.
 """
 
 from __future__ import annotations
@@ -20,11 +22,19 @@ from typing import Any
 import grpc
 
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
+# Sent by kvstore.client.Client (random per instance): whose leases a call counts against.
+CLIENT_ID_METADATA_KEY = "x-kvstore-client-id"
 OPEN_SERVICES = (
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
     "kvstore.v1.PeerService",
+)
+MAX_CACHED_METHODS = 256  # more than every method of every service the daemon registers
+# Without a cluster secret, the only calls TCP serves: they read no block and
+# change nothing.
+OPEN_WITHOUT_SECRET = frozenset(
+    {"/kvstore.v1.StoreService/Hello", "/kvstore.v1.StoreService/Stats"}
 )
 
 
@@ -44,23 +54,47 @@ def is_network_peer(peer: str) -> bool:
 
 
 class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
+    """TCP calls need the secret; with none configured ("") TCP gets Hello and Stats only."""
+
     def __init__(self, secret: str) -> None:
-        assert secret, "an empty secret would let everyone in"
         self._secret = secret.encode()
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
     ) -> Any:
         handler = await continuation(handler_call_details)
-        service = handler_call_details.method.lstrip("/").rsplit("/", 1)[0]
-        if handler is None or service in OPEN_SERVICES:
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        # One wrapped handler per method, not one per call (building it per call
+        # cost ~4% of a one-block Lookup); only registered methods get this far.
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(handler, method)
+        if len(self._wrapped) < MAX_CACHED_METHODS:
+            self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        service = method.lstrip("/").rsplit("/", 1)[0]
+        if service in OPEN_SERVICES:
             return handler
         secret = self._secret
+        if not secret and method in OPEN_WITHOUT_SECRET:
+            return handler
 
         async def check(context: grpc.aio.ServicerContext) -> None:
-            if is_network_peer(context.peer()) and not secret_matches(
-                context.invocation_metadata(), secret
-            ):
+            if not is_network_peer(context.peer()):
+                return
+            if not secret:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "data calls over TCP need the cluster secret, and this daemon has none: "
+                    "use the Unix socket, or set peer.secret (clients: KVSTORE_SECRET)",
+                )
+            elif not secret_matches(context.invocation_metadata(), secret):
                 await context.abort(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"calls over TCP need the cluster secret ({SECRET_METADATA_KEY})",

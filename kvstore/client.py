@@ -8,8 +8,13 @@
 
 The client maps the daemon's DRAM region once (the path comes from Hello) and
 copies block bytes itself with batched gathers/scatters, so bytes never cross
-gRPC on one node. A client that cannot map the region (another host) uses the
-*Inline calls instead. Lower-level two-phase calls (prepare_store /
+gRPC on one node. Every PrepareStore/PrepareLoad answer names the region its
+offsets point into (``region_id``, new at each daemon start): a client that
+outlived a daemon restart re-maps the new region before it touches a slot
+(keeping its mapping when a warm restart kept the same file), never writes or
+reads through the stale one. A namespace the daemon dropped (Clear, or idle
+and empty) is declared again, once, by the call that finds it gone. A client
+that cannot map the region (another host) uses the *Inline calls instead. Lower-level two-phase calls (prepare_store /
 commit_store, prepare_load / release) let connectors copy straight between the
 region and their own buffers.
 
@@ -42,7 +47,7 @@ import msgspec
 import numpy as np
 
 from kvstore import errors
-from kvstore.auth import SECRET_METADATA_KEY
+from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
@@ -187,20 +192,41 @@ def _tier_value(tier: str) -> Any:
     return pb.Tier.Value("TIER_" + tier.upper())
 
 
-def _map_file(path: str, nbytes: int) -> tuple[mmap.mmap | None, np.ndarray | None]:
-    """Map a daemon's shared-memory file; (None, None) when this process cannot
-    (another host, no access): the client then uses the inline calls."""
+FileIdentity = tuple[int, int]  # (st_dev, st_ino): unique among live files
+
+
+def _map_file(
+    path: str, nbytes: int, keep: FileIdentity | None = None
+) -> tuple[mmap.mmap | None, np.ndarray | None, FileIdentity | None]:
+    """Map a daemon's shared-memory file; (None, None, None) when this process cannot
+    (another host, no access): the client then uses the inline calls.
+
+    When the file at ``path`` is the one already mapped (identity ``keep``:
+    a warm restart kept it), nothing is mapped: (None, None, keep).
+    """
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
-        return None, None
+        return None, None, None
     try:
-        if os.fstat(fd).st_size < nbytes:
-            return None, None
+        st = os.fstat(fd)
+        ident = (st.st_dev, st.st_ino)
+        if ident == keep:
+            return None, None, keep
+        if st.st_size < nbytes:
+            return None, None, None
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
-    return mapping, np.frombuffer(mapping, dtype=np.uint8)
+    return mapping, np.frombuffer(mapping, dtype=np.uint8), ident
+
+
+def _unmap(mapping: mmap.mmap | None) -> None:
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:
+            pass  # views still alive: unmapped when the last one goes
 
 
 class Client:
@@ -221,7 +247,9 @@ class Client:
         self._clock = clock  # monotonic, the daemon's rate: lease deadlines
         # Needed over TCP when the daemon has a cluster secret (see kvstore.auth).
         secret = secret if secret is not None else os.environ.get("KVSTORE_SECRET", "")
-        self._metadata = ((SECRET_METADATA_KEY, secret),) if secret else None
+        # The id the daemon counts this client's leases against (limits.max_leases_per_client).
+        client_id = ((CLIENT_ID_METADATA_KEY, os.urandom(8).hex()),)
+        self._metadata = (((SECRET_METADATA_KEY, secret),) if secret else ()) + client_id
         self._channel = grpc.insecure_channel(
             self.address,
             options=[
@@ -236,13 +264,37 @@ class Client:
         self._gpu_mmap: mmap.mmap | None = None
         self._gpu_pool: Any = None
         self._releaser: _Releaser | None = None
+        self._map_region = map_region
+        self._region_identity: FileIdentity | None = None
         self.info = self._call(self._stub.Hello, pb.HelloRequest())
         if map_region:
-            self._mmap, self.region = _map_file(self.info.region_path, self.info.region_bytes)
+            self._mmap, self.region, self._region_identity = _map_file(
+                self.info.region_path, self.info.region_bytes
+            )
 
     # ------------------------------------------------------------ plumbing
 
-    def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+    def _call(
+        self,
+        method: Any,
+        request: Any,
+        timeout_s: float | None = None,
+        *,
+        ns: Namespace | None = None,
+    ) -> Any:
+        """One call; with ``ns``, a namespace the daemon dropped (or lost in a restart)
+        is declared again and the call retried once."""
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            err = error_from_rpc(exc)
+        if ns is None or not isinstance(err, errors.NamespaceNotFound):
+            raise err from None
+        again = self.declare_namespace(ns.spec)
+        if again.namespace_id != ns.namespace_id:
+            raise errors.StateConflict(
+                f"namespace {ns.namespace_id} came back as {again.namespace_id}: another daemon version?"
+            )
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
@@ -258,6 +310,63 @@ class Client:
     def expired(self, handle: LoadHandle | StoreHandle) -> bool:
         """Whether the lease's time is up by this client's clock (stop copying)."""
         return self._clock() > handle.deadline_s
+
+    @property
+    def region_id(self) -> int:
+        """The daemon region this client's mapping and offsets belong to (0: unknown)."""
+        return int(self.info.region_id)
+
+    def _follow_region(self, region_id: int) -> None:
+        """Make the mapped spaces those of the daemon that answered with ``region_id``.
+
+        A different id means the daemon restarted since this client's Hello:
+        its offsets point into a new region (or the same file kept by a warm
+        restart). Ask Hello again and re-map; raise Unavailable if the daemon
+        changed once more meanwhile (the answer's offsets belong to no daemon
+        this client can reach).
+        """
+        if not region_id or region_id == self.info.region_id:
+            return
+        info = self._call(self._stub.Hello, pb.HelloRequest())
+        if info.region_id != region_id:
+            raise errors.Unavailable("the daemon restarted during the call; retry it")
+        self.info = info
+        # The GPU pool went with the old daemon too: mapped again on next use.
+        self._gpu_pool = None
+        _unmap(self._gpu_mmap)
+        self._gpu_mmap = None
+        if not self._map_region:
+            return
+        same_size = self.region is not None and len(self.region) == info.region_bytes
+        mapping, region, ident = _map_file(
+            info.region_path, info.region_bytes, keep=self._region_identity if same_size else None
+        )
+        if ident is not None and ident == self._region_identity and region is None:
+            return  # a warm restart kept the file this client maps
+        old, self._mmap, self.region = self._mmap, mapping, region
+        self._region_identity = ident
+        _unmap(old)
+
+    def _follow_for(self, region_id: int, lease_id: int) -> None:
+        """_follow_region for a just-prepared lease: released if its space is unreachable."""
+        try:
+            self._follow_region(region_id)
+        except BaseException:
+            self.release(lease_id, wait=False)
+            raise
+
+    def _space_of(self, lease_id: int, tier: str) -> Any:
+        """The space a lease's offsets point into (after _follow_for), or release and raise."""
+        try:
+            space = self._space(tier)
+            if space is None:
+                raise errors.Unavailable(
+                    "the restarted daemon's region cannot be mapped in this process"
+                )
+        except BaseException:
+            self.release(lease_id, wait=False)
+            raise
+        return space
 
     @property
     def has_gpu_tier(self) -> bool:
@@ -276,7 +385,7 @@ class Client:
             handle = msgspec.msgpack.decode(self.info.gpu_ipc_handle, type=GpuPoolHandle)
             self._gpu_pool = open_handle(handle)
         else:
-            self._gpu_mmap, self._gpu_pool = _map_file(
+            self._gpu_mmap, self._gpu_pool, _ = _map_file(
                 self.info.gpu_region_path, self.info.gpu_pool_bytes
             )
             if self._gpu_pool is None:
@@ -327,11 +436,7 @@ class Client:
         self.region = None
         self._gpu_pool = None
         for mapping in (self._mmap, self._gpu_mmap):
-            if mapping is not None:
-                try:
-                    mapping.close()
-                except BufferError:
-                    pass  # views still alive: unmapped at process exit
+            _unmap(mapping)
         self._mmap = self._gpu_mmap = None
         self._channel.close()
 
@@ -384,6 +489,7 @@ class Client:
                 peer_timeout_s=peer_timeout_s,
             ),
             timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
+            ns=ns,
         )
         return LookupResult(
             reply.prefix_blocks, {_tier_name(t.tier): t.blocks for t in reply.by_tier}
@@ -408,7 +514,9 @@ class Client:
                 lease_ttl_s=lease_ttl_s,
                 tier=_tier_value(tier),
             ),
+            ns=ns,
         )
+        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
         return StoreHandle(
             reply.lease_id,
             ns,
@@ -470,7 +578,9 @@ class Client:
                 tier=_tier_value(tier),
             ),
             timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
+            ns=ns,
         )
+        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
         return LoadHandle(
             reply.lease_id,
             ns,
@@ -512,12 +622,15 @@ class Client:
         reply = self._call(
             self._stub.Delete,
             pb.DeleteRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+            ns=ns,
         )
         return reply.deleted, reply.busy
 
     def clear(self, ns: Namespace) -> int:
         return int(
-            self._call(self._stub.Clear, pb.ClearRequest(namespace_id=ns.namespace_id)).removed
+            self._call(
+                self._stub.Clear, pb.ClearRequest(namespace_id=ns.namespace_id), ns=ns
+            ).removed
         )
 
     def stats(self) -> Any:
@@ -573,6 +686,7 @@ class Client:
                     block_hashes=pack_hashes(hashes),
                     data=data.tobytes(),
                 ),
+                ns=ns,
             )
             return PutResult(reply.stored, reply.skipped, reply.no_room)
         space = self._space(tier)
@@ -580,6 +694,7 @@ class Client:
             return self._put_torch(ns, hashes, blocks, tier, space)
         data = _as_rows(blocks, n, ns.block_bytes)
         handle = self.prepare_store(ns, hashes, tier=tier)
+        space = self._space_of(handle.lease_id, tier)  # re-mapped if the daemon restarted
         idx = handle.allocated
         if len(idx):
             try:
@@ -628,6 +743,7 @@ class Client:
             reply = self._call(
                 self._stub.GetInline,
                 pb.GetInlineRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
+                ns=ns,
             )
             data = np.frombuffer(reply.data, dtype=np.uint8).reshape(
                 reply.found_blocks, ns.block_bytes
@@ -639,6 +755,7 @@ class Client:
         if n * ns.block_bytes > 2 * PIPELINE_CHUNK_BYTES:
             return self._get_pipelined(ns, hashes, out, tier, space)
         handle = self.prepare_load(ns, hashes, tier=tier)
+        space = self._space_of(handle.lease_id, tier)  # re-mapped if the daemon restarted
         try:
             if out is None:
                 out = np.empty((handle.found, ns.block_bytes), dtype=np.uint8)
@@ -702,6 +819,12 @@ class Client:
                     reply = future.result()
                 except grpc.RpcError as exc:
                     raise error_from_rpc(exc) from None
+                if reply.region_id and reply.region_id != self.info.region_id:
+                    if i:  # earlier chunks were copied from another daemon's region
+                        self.release(reply.lease_id, wait=False)
+                        raise errors.Unavailable("the daemon restarted during a get; retry it")
+                    self._follow_for(reply.region_id, reply.lease_id)
+                    space = self._space_of(reply.lease_id, tier)
                 complete = reply.found_blocks == e - s
                 if complete and i + 1 < len(chunks):
                     pending = send(i + 1)  # in flight while this chunk is copied
@@ -748,8 +871,9 @@ class Client:
             if _is_cuda(blocks)
             else torch.from_numpy(_as_rows(blocks, n, ns.block_bytes))
         )
-        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
         handle = self.prepare_store(ns, hashes, tier=tier)
+        space = self._space_of(handle.lease_id, tier)  # re-mapped if the daemon restarted
+        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
         idx = handle.allocated
         offs = handle.offsets[idx]
         late = False
@@ -783,11 +907,12 @@ class Client:
         """Region or GPU pool -> out with torch: one copy per run of neighbouring slots."""
         import torch
 
-        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
         if _is_cuda(out) and not out.is_contiguous():
             # reshape would copy it, and the blocks would land in the copy, not in `out`
             raise errors.InvalidRequest("a CUDA `out` tensor must be contiguous")
         handle = self.prepare_load(ns, hashes, tier=tier)
+        space = self._space_of(handle.lease_id, tier)  # re-mapped if the daemon restarted
+        space_t = space if isinstance(space, torch.Tensor) else torch.from_numpy(space)
         result: Any = None
         try:
             if out is None:

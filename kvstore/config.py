@@ -47,6 +47,9 @@ class ServerConfig(_Section):
     """On SIGTERM: how long in-flight calls may take before the daemon exits."""
     max_concurrent_rpcs: int = 1024
     """Calls beyond this are refused with RESOURCE_EXHAUSTED instead of queueing."""
+    file_group: str = ""
+    """Group whose members may map the DRAM region (it becomes 0660, of this group). "" =
+    the daemon's user only (0600). Manifest, disk and lock files are always 0600."""
 
 
 class DramConfig(_Section):
@@ -85,7 +88,17 @@ class LimitsConfig(_Section):
     max_blocks_per_request: int = 65536
     """Requests naming more blocks are refused (INVALID_ARGUMENT)."""
     max_namespaces: int = 4096
-    """Declaring more namespaces than this is refused (RESOURCE_EXHAUSTED)."""
+    """Declaring more namespaces than this is refused (RESOURCE_EXHAUSTED), unless an empty
+    one can be dropped (see namespace_idle_s)."""
+    namespace_idle_s: float = 300.0
+    """An empty namespace (no block in any tier, no lease) unused this long is dropped when a
+    declare finds max_namespaces reached; a Clear that empties a namespace drops it at once.
+    Clients re-declare a dropped namespace on their next call."""
+    max_leases_per_client: int = 8192
+    """Live leases one client (kvstore.client.Client id, else the connection) may hold;
+    more are refused with RESOURCE_EXHAUSTED until it releases some."""
+    max_leases: int = 65536
+    """Live leases of all clients together (bounds daemon memory whatever the client ids)."""
     namespace_quota_bytes: int = 0
     """Per-namespace cap in the DRAM tier; 0 = none."""
 
@@ -399,6 +412,15 @@ def validate(config: Config) -> None:
         problems.append("leases.quarantine_s must be >= 0")
     if config.limits.max_blocks_per_request <= 0:
         problems.append("limits.max_blocks_per_request must be > 0")
+    elif config.server.max_message_bytes < config.limits.max_blocks_per_request * 8 + 64 * KiB:
+        problems.append(
+            "server.max_message_bytes must hold a request of limits.max_blocks_per_request "
+            f"hashes: at least {config.limits.max_blocks_per_request * 8 + 64 * KiB} bytes"
+        )
+    if config.limits.namespace_idle_s < 0:
+        problems.append("limits.namespace_idle_s must be >= 0")
+    if config.limits.max_leases_per_client <= 0 or config.limits.max_leases <= 0:
+        problems.append("limits.max_leases_per_client and limits.max_leases must be > 0")
     if config.gpu.device and (
         config.gpu.chunk_bytes <= 0 or config.gpu.capacity_bytes < config.gpu.chunk_bytes
     ):

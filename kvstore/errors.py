@@ -93,3 +93,15 @@ class DataCorruption(KVStoreError):
 
 class BackendError(KVStoreError):
     """A dependency (NIXL, the filesystem, Redis) failed unexpectedly."""
+
+
+CLIP_CHARS = 64
+
+
+def clip(value: str, max_chars: int = CLIP_CHARS) -> str:
+    """How a client-supplied string enters an error message: repr(value), cut to
+    max_chars with its full length said, so a 10 KB identifier cannot overflow
+    the status trailer (the caller would see RESOURCE_EXHAUSTED instead)."""
+    if len(value) <= max_chars:
+        return repr(value)
+    return f"{value[:max_chars]!r}... ({len(value)} characters)"

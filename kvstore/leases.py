@@ -54,6 +54,7 @@ class Lease:
     blocks: list[Block]
     expires_at_s: float
     owner: str = ""
+    client: str | None = None  # the client it counts against (None: the daemon's own)
     by_hash: dict[int, Block] = field(default_factory=dict)
 
 
@@ -94,6 +95,8 @@ class LeaseTable:
         # is release order): (release at, lease).
         self._quarantine: deque[tuple[float, Lease]] = deque()
         self._quarantined: dict[int, Lease] = {}
+        # Live leases per client, so one client's leak is bounded (manager checks).
+        self._by_client: dict[str, int] = {}
 
     def add(
         self,
@@ -102,12 +105,15 @@ class LeaseTable:
         blocks: list[Block],
         expires_at_s: float,
         owner: str = "",
+        client: str | None = None,
     ) -> Lease:
-        lease = Lease(self._ids.next(), kind, namespace, blocks, expires_at_s, owner)
+        lease = Lease(self._ids.next(), kind, namespace, blocks, expires_at_s, owner, client)
         if kind is LeaseKind.STORE:
             lease.by_hash = {b.block_hash: b for b in blocks}
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (expires_at_s, lease.lease_id))
+        if client is not None:
+            self._by_client[client] = self._by_client.get(client, 0) + 1
         return lease
 
     def get(self, lease_id: int, owner: str = "") -> Lease | None:
@@ -125,10 +131,24 @@ class LeaseTable:
         if lease is None:
             return None
         del self._leases[lease_id]
+        self._forget_client(lease)
         if len(self._expiry) > 2 * len(self._leases) + _HEAP_SLACK:
             self._expiry = [(le.expires_at_s, le.lease_id) for le in self._leases.values()]
             heapq.heapify(self._expiry)
         return lease
+
+    def held_by(self, client: str) -> int:
+        """Live leases of one client."""
+        return self._by_client.get(client, 0)
+
+    def _forget_client(self, lease: Lease) -> None:
+        if lease.client is None:
+            return
+        left = self._by_client[lease.client] - 1
+        if left:
+            self._by_client[lease.client] = left
+        else:
+            del self._by_client[lease.client]  # bounded by live clients, not every client ever
 
     def pop_expired(self, now_s: float, max_count: int) -> list[Lease]:
         """Remove and return up to max_count leases whose time has come."""
@@ -138,6 +158,7 @@ class LeaseTable:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at_s <= now_s:
                 del self._leases[lease_id]
+                self._forget_client(lease)
                 out.append(lease)
         return out
 

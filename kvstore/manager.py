@@ -43,7 +43,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from operator import attrgetter
@@ -58,6 +58,7 @@ from kvstore.errors import (
     LeaseNotFound,
     NamespaceNotFound,
     StateConflict,
+    clip,
 )
 from kvstore.events.sink import EventSink, NullSink
 from kvstore.eviction import make_policy
@@ -179,8 +180,18 @@ class Stats:
 
 
 class BlockManager:
-    def __init__(self, config: Config, region: Region, sink: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        region: Region,
+        sink: EventSink | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self._clock = clock  # namespace idle times (see _reclaim_namespace)
+        # Last call naming each namespace: an empty one idle long enough may be dropped.
+        self._ns_used_s: dict[str, float] = {}
         self.node_id = config.node_id
         self.region = region
         self.sink: EventSink = sink or NullSink()
@@ -219,14 +230,19 @@ class BlockManager:
         ns_id = spec.namespace_id()
         ns = self.namespaces.get(ns_id)
         if ns is not None:
+            self._ns_used_s[ns_id] = self._clock()
             return ns
-        if len(self.namespaces) >= self.config.limits.max_namespaces:
+        if len(self.namespaces) >= self.config.limits.max_namespaces and not (
+            self._reclaim_namespace()
+        ):
             raise CapacityExhausted(
-                f"namespace limit reached ({self.config.limits.max_namespaces}); "
-                "raise limits.max_namespaces"
+                f"namespace limit reached ({self.config.limits.max_namespaces}) and no "
+                f"namespace is empty and idle for limits.namespace_idle_s="
+                f"{self.config.limits.namespace_idle_s:g}; raise limits.max_namespaces"
             )
         ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
         self.namespaces[ns_id] = ns
+        self._ns_used_s[ns_id] = self._clock()
         if self.disk is not None:
             adopted = self.disk.attach(ns)
             if adopted:
@@ -236,8 +252,57 @@ class BlockManager:
     def namespace(self, ns_id: str) -> Namespace:
         ns = self.namespaces.get(ns_id)
         if ns is None:
-            raise NamespaceNotFound(f"unknown namespace {ns_id!r}: declare it first")
+            raise NamespaceNotFound(f"unknown namespace {clip(ns_id)}: declare it first")
+        self._ns_used_s[ns_id] = self._clock()
         return ns
+
+    @staticmethod
+    def _is_empty(ns: Namespace) -> bool:
+        """No block in any tier and nothing reserved: no lease or pin can name it."""
+        return not ns.blocks and not ns.pending
+
+    def _drop_namespace(self, ns: Namespace) -> None:
+        assert self._is_empty(ns), "dropping a namespace that holds blocks"
+        del self.namespaces[ns.namespace_id]
+        self._ns_used_s.pop(ns.namespace_id, None)
+
+    def _reclaim_namespace(self) -> bool:
+        """Drop the least recently used empty namespace idle for namespace_idle_s; False if none.
+
+        Bounded: one pass over at most max_namespaces entries, only when the
+        table is full. Its clients re-declare it (same spec, same id) on their
+        next call; kvstore.client.Client does so by itself.
+        """
+        idle_s = self.config.limits.namespace_idle_s
+        now_s = self._clock()
+        best: Namespace | None = None
+        best_used_s = now_s
+        for ns in self.namespaces.values():
+            used_s = self._ns_used_s.get(ns.namespace_id, float("-inf"))
+            if now_s - used_s >= idle_s and used_s <= best_used_s and self._is_empty(ns):
+                best, best_used_s = ns, used_s
+        if best is None:
+            return False
+        log.info(
+            "dropped an empty, idle namespace to make room",
+            extra={"fields": {"namespace_id": best.namespace_id, "idle_s": now_s - best_used_s}},
+        )
+        self._drop_namespace(best)
+        return True
+
+    def _check_lease_room(self, client: str | None) -> None:
+        limits = self.config.limits
+        if client is not None and self.leases.held_by(client) >= limits.max_leases_per_client:
+            raise CapacityExhausted(
+                f"this client holds {self.leases.held_by(client)} live leases "
+                f"(limits.max_leases_per_client={limits.max_leases_per_client}): release or "
+                "commit some first"
+            )
+        if len(self.leases) >= limits.max_leases:
+            raise CapacityExhausted(
+                f"the daemon holds {len(self.leases)} live leases (limits.max_leases="
+                f"{limits.max_leases}): retry when some are released or expire"
+            )
 
     def _check_count(self, n: int) -> None:
         limit = self.config.limits.max_blocks_per_request
@@ -272,15 +337,19 @@ class BlockManager:
         ttl_s: float = 0.0,
         tier: Tier = Tier.DRAM,
         owner: str = "",
+        *,
+        client: str | None = None,
     ) -> StorePlan:
         """Reserve slots in `tier` (DRAM, or GPU when this node has a GPU tier).
 
         ``owner``: who may commit or release the lease (the caller's identity, see
-        kvstore.leases); "" for in-process callers.
+        kvstore.leases); "" for in-process callers. ``client``: the client the lease
+        counts against (limits.max_leases_per_client).
         """
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
         gpu = self._gpu_for(tier)
+        self._check_lease_room(client)
         ttl_s = self._ttl(ttl_s)
         expires_at_s = time.monotonic() + ttl_s
         n = len(hashes)
@@ -339,7 +408,7 @@ class BlockManager:
                     )
                 )
             return StorePlan(0, statuses, offsets)
-        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s, owner)
+        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s, owner, client)
         return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
 
     def commit_store(
@@ -428,11 +497,14 @@ class BlockManager:
         ttl_s: float = 0.0,
         tier: Tier = Tier.DRAM,
         owner: str = "",
+        *,
+        client: str | None = None,
     ) -> LoadPlan:
         """Pin the longest prefix present in `tier` (see prepare_load_async for moves)."""
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
         self._gpu_for(tier)
+        self._check_lease_room(client)
         ttl_s = self._ttl(ttl_s)
         expires_at_s = time.monotonic() + ttl_s
         found: list[Block] = []
@@ -450,7 +522,7 @@ class BlockManager:
             self._pin(block)
             self._touch(block)
         self.counters.loaded_blocks += len(found)
-        lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner)
+        lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner, client)
         return LoadPlan(lease.lease_id, found, tier, ttl_s)
 
     async def prepare_load_async(
@@ -460,6 +532,8 @@ class BlockManager:
         ttl_s: float = 0.0,
         tier: Tier = Tier.DRAM,
         owner: str = "",
+        *,
+        client: str | None = None,
     ) -> LoadPlan:
         """prepare_load after moving the prefix into `tier`: disk blocks are promoted
         into DRAM, then DRAM blocks up into the GPU pool (or GPU blocks down to DRAM)."""
@@ -467,11 +541,12 @@ class BlockManager:
             ns = self.namespace(ns_id)
             self._check_count(len(hashes))
             self._gpu_for(tier)
+            self._check_lease_room(client)  # before any move: a refused load does no work
             if self.disk is not None:
                 await self.disk.promote(ns, list(hashes))
             if self.gpu is not None:
                 await self.gpu.move(ns, list(hashes), tier)
-        return self.prepare_load(ns_id, hashes, ttl_s, tier, owner)
+        return self.prepare_load(ns_id, hashes, ttl_s, tier, owner, client=client)
 
     def release(self, lease_ids: Sequence[int], owner: str = "") -> int:
         """End leases: unpin loads, abort stores. Unknown ids raise after the rest are released."""
@@ -567,7 +642,9 @@ class BlockManager:
 
         Reported as exact BlockRemoved events, not AllBlocksCleared: indexers
         key by model, so a clear would also forget the node's other tenants
-        and ranks of that model.
+        and ranks of that model. A namespace the clear leaves empty is dropped
+        (its slot under limits.max_namespaces is free again); its clients
+        re-declare it on their next call.
         """
         ns = self.namespace(ns_id)
         removed: dict[str, list[int]] = {}
@@ -582,6 +659,8 @@ class BlockManager:
                 removed.setdefault(medium, []).append(block.block_hash)
         for medium, hashes in removed.items():
             self.sink.blocks_removed(ns, hashes, medium)
+        if self._is_empty(ns):
+            self._drop_namespace(ns)
         return count
 
     # ------------------------------------------------------------ internals
@@ -880,7 +959,7 @@ class BlockManager:
             namespaces=[ns.spec for ns in namespaces],
             blocks=blocks,
         )
-        path = warm.save(manifest)
+        path = warm.save(manifest, self.region.files)
         self.region.keep_on_close = True
         log.info(
             "wrote warm-restart manifest", extra={"fields": {"path": path, "blocks": len(blocks)}}
@@ -892,6 +971,13 @@ class BlockManager:
         )
         if manifest is None:
             return
+        if not self.region.reused:
+            # The region file is new (or was replaced as untrusted): a manifest
+            # beside it describes bytes that are not there, or was planted.
+            log.warning(
+                "warm-restart manifest ignored: region %s was created anew", self.region.path
+            )
+            return
         namespaces: list[Namespace | None] = []
         for spec in manifest.namespaces:
             try:
@@ -902,6 +988,7 @@ class BlockManager:
             ns_id = spec.namespace_id()
             ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
             self.namespaces[ns_id] = ns
+            self._ns_used_s[ns_id] = self._clock()
             namespaces.append(ns)
         region = self.region.array
         candidates = []

@@ -130,7 +130,10 @@ class DaemonProcess:
             if self.proc.poll() is not None:
                 break
         rc = self.proc.poll()
-        self.kill()  # removes a region it may have created
+        # A daemon that exited by itself removed the region it created; the path
+        # may be another daemon's (a refused second daemon on one region), so only
+        # one we had to kill gets its region removed here.
+        self.kill(keep_region=rc is not None)
         raise Unavailable(
             f"daemon {self.name} did not become ready (rc={rc}); log tail:\n{self.log_tail()}"
         )

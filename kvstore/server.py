@@ -28,6 +28,7 @@ from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
+from kvstore.files import FilePolicy
 from kvstore.manager import BlockManager
 from kvstore.metrics import (
     ManagerCollector,
@@ -36,6 +37,7 @@ from kvstore.metrics import (
     RpcMetrics,
     serve_metrics,
 )
+from kvstore.rpc_guard import ParseGuardInterceptor
 from kvstore.sdnotify import SdNotifier
 from kvstore.service import StoreService
 from kvstore.tiers.dram import Region
@@ -99,6 +101,7 @@ class Daemon:
             cfg.dram.capacity_bytes,
             prefault=cfg.dram.prefault,
             huge_pages=cfg.dram.huge_pages,
+            files=FilePolicy.from_group(cfg.server.file_group),
         )
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
@@ -124,10 +127,11 @@ class Daemon:
             ("grpc.so_reuseport", 0),
         ]
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            MetricsInterceptor(RpcMetrics(self.registry))
+            MetricsInterceptor(RpcMetrics(self.registry)),
+            ParseGuardInterceptor(),
         ]
-        if cfg.peer.secret:
-            interceptors.append(TcpSecretInterceptor(cfg.peer.secret))
+        # Always: without a secret it keeps every data call off TCP (kvstore/auth.py).
+        interceptors.append(TcpSecretInterceptor(cfg.peer.secret))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=options,

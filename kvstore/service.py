@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from kvstore import __version__, errors
+from kvstore.auth import CLIENT_ID_METADATA_KEY
 from kvstore.events.sink import SequencedSink
 from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
@@ -51,12 +52,23 @@ def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+# Status details travel in an HTTP/2 trailer: one that outgrows the peer's
+# header limit turns the answer into RESOURCE_EXHAUSTED. Messages clip what
+# they echo (errors.clip); this bounds the rest.
+MAX_DETAILS_CHARS = 1024
+
+
+def details_of(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 3] + "..."
+
+
 async def call(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
     """Run fn; turn a kvstore error into the matching status (and abort the call)."""
     try:
         return fn()
     except errors.KVStoreError as exc:
-        await context.abort(status_for(exc), str(exc))
+        await context.abort(status_for(exc), details_of(exc))
         raise AssertionError("unreachable") from exc
 
 
@@ -64,14 +76,21 @@ async def call_async(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitab
     try:
         return await fn()
     except errors.KVStoreError as exc:
-        await context.abort(status_for(exc), str(exc))
+        await context.abort(status_for(exc), details_of(exc))
         raise AssertionError("unreachable") from exc
 
 
-def unpack_u64(data: bytes, what: str = "block_hashes") -> list[int]:
+def unpack_u64(data: bytes, what: str = "block_hashes", max_count: int | None = None) -> list[int]:
+    """Packed uint64 -> list; the count is checked first, so an oversize request
+    costs no unpacking (8 M hashes would be ~1.6 GB of Python ints)."""
     if len(data) % 8:
         raise errors.InvalidRequest(
             f"{what} must be packed uint64 (a multiple of 8 bytes), got {len(data)} bytes"
+        )
+    if max_count is not None and len(data) // 8 > max_count:
+        raise errors.InvalidRequest(
+            f"{len(data) // 8} blocks in one request exceeds "
+            f"limits.max_blocks_per_request={max_count}"
         )
     return np.frombuffer(data, dtype="<u8").tolist()
 
@@ -191,6 +210,19 @@ def held_by_tier(manager: BlockManager, model: str) -> dict[str, tuple[int, dict
 PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
 
 
+MAX_CLIENT_ID_CHARS = 64
+
+
+def client_key(context: grpc.aio.ServicerContext) -> str:
+    """Whose leases a call counts against: the id a Client sends (random per Client),
+    else the gRPC peer. Self-declared: it bounds a leaking client, not a hostile one
+    (the daemon-wide lease cap does that; see docs/security.md)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_METADATA_KEY and isinstance(value, str):
+            return "id:" + value[:MAX_CLIENT_ID_CHARS]
+    return "peer:" + context.peer()
+
+
 class StoreService(pb_grpc.StoreServiceServicer):
     def __init__(
         self,
@@ -207,6 +239,10 @@ class StoreService(pb_grpc.StoreServiceServicer):
         self.peer_counters = peer_counters
         # the daemon's bound addresses (and peer transport), for Hello
         self.addresses = addresses or dict
+        self.max_blocks = self.config.limits.max_blocks_per_request
+
+    def _hashes(self, data: bytes) -> list[int]:
+        return unpack_u64(data, "block_hashes", self.max_blocks)
 
     async def _fill_from_hint(self, request: Any, hashes: list[int]) -> None:
         if not request.peer_hint:
@@ -245,6 +281,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
             default_lease_ttl_s=self.config.leases.default_ttl_s,
             max_block_bytes=self.config.dram.chunk_bytes,
             max_blocks_per_request=self.config.limits.max_blocks_per_request,
+            region_id=region.region_id,
         )
 
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -268,11 +305,18 @@ class StoreService(pb_grpc.StoreServiceServicer):
         )
 
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        client = client_key(context)
+
         def run() -> Any:
-            hashes = unpack_u64(request.block_hashes)
+            hashes = self._hashes(request.block_hashes)
             tier = tier_from_pb(request.tier)
             plan = self.manager.prepare_store(
-                request.namespace_id, hashes, request.lease_ttl_s, tier, caller_of(context)
+                request.namespace_id,
+                hashes,
+                request.lease_ttl_s,
+                tier,
+                caller_of(context),
+                client=client,
             )
             return pb.PrepareStoreResponse(
                 lease_id=plan.lease_id,
@@ -280,13 +324,14 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 offsets=pack_u64(plan.offsets),
                 tier=int(tier),  # type: ignore[arg-type]
                 lease_ttl_s=plan.ttl_s,
+                region_id=self.manager.region.region_id,
             )
 
         return await call(context, run)
 
     async def CommitStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def run() -> Any:
-            hashes = unpack_u64(request.block_hashes) if request.block_hashes else None
+            hashes = self._hashes(request.block_hashes) if request.block_hashes else None
             tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
             parent = request.parent_block_hash if request.has_parent_block_hash else None
             n = self.manager.commit_store(
@@ -311,19 +356,21 @@ class StoreService(pb_grpc.StoreServiceServicer):
         if not request.peer_hint:  # the hot path: no await
             return await call(
                 context,
-                lambda: self._lookup(request.namespace_id, unpack_u64(request.block_hashes)),
+                lambda: self._lookup(request.namespace_id, self._hashes(request.block_hashes)),
             )
 
         async def pull_then_look() -> Any:
-            hashes = unpack_u64(request.block_hashes)
+            hashes = self._hashes(request.block_hashes)
             await self._fill_from_hint(request, hashes)
             return self._lookup(request.namespace_id, hashes)
 
         return await call_async(context, pull_then_look)
 
     async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        client = client_key(context)
+
         async def run() -> Any:
-            hashes = unpack_u64(request.block_hashes)
+            hashes = self._hashes(request.block_hashes)
             await self._fill_from_hint(request, hashes)
             plan = await self.manager.prepare_load_async(
                 request.namespace_id,
@@ -331,6 +378,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 request.lease_ttl_s,
                 tier_from_pb(request.tier),
                 caller_of(context),
+                client=client,
             )
             return pb.PrepareLoadResponse(
                 lease_id=plan.lease_id,
@@ -339,19 +387,29 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 checksums=pack_u64([b.checksum for b in plan.blocks]),
                 tier=int(plan.tier),  # type: ignore[arg-type]
                 lease_ttl_s=plan.ttl_s,
+                region_id=self.manager.region.region_id,
             )
 
         return await call_async(context, run)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         owner = caller_of(context)
-        n = await call(context, lambda: self.manager.release(list(request.lease_ids), owner))
+
+        def run() -> int:
+            if len(request.lease_ids) > self.max_blocks:
+                raise errors.InvalidRequest(
+                    f"{len(request.lease_ids)} lease ids in one request exceeds "
+                    f"limits.max_blocks_per_request={self.max_blocks}"
+                )
+            return self.manager.release(list(request.lease_ids), owner)
+
+        n = await call(context, run)
         return pb.ReleaseResponse(released=n)
 
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         deleted, busy = await call(
             context,
-            lambda: self.manager.delete(request.namespace_id, unpack_u64(request.block_hashes)),
+            lambda: self.manager.delete(request.namespace_id, self._hashes(request.block_hashes)),
         )
         return pb.DeleteResponse(deleted=deleted, busy=busy)
 
@@ -395,7 +453,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def PutInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def run() -> Any:
             m = self.manager
-            hashes = unpack_u64(request.block_hashes)
+            hashes = self._hashes(request.block_hashes)
             ns = m.namespace(request.namespace_id)
             expected = len(hashes) * ns.block_bytes
             if len(request.data) != expected:
@@ -428,7 +486,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def GetInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
             m = self.manager
-            hashes = unpack_u64(request.block_hashes)
+            hashes = self._hashes(request.block_hashes)
             ns = m.namespace(request.namespace_id)
             limit = self.config.server.max_message_bytes - 1024
             if len(hashes) * ns.block_bytes > limit:

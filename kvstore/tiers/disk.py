@@ -65,6 +65,7 @@ from kvstore.errors import (
     KVStoreError,
     StateConflict,
 )
+from kvstore.files import FilePolicy
 from kvstore.tiers.dram import SlabAllocator
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 DATA_FILE = "blocks.dat"
 JOURNAL_FILE = "journal.log"
 LOCK_FILE = "lock"
+_FILES = FilePolicy()  # disk files are the daemon's alone (0600), whatever the group
 
 ALIGN_BYTES = 4096  # O_DIRECT alignment that every Linux block device accepts
 
@@ -201,7 +203,9 @@ class DiskTier:
         if not os.path.isdir(path):
             raise ConfigError(f"disk tier path {path} is not a directory")
         try:
-            self._lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd = _FILES.open(
+                os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600, what="disk tier"
+            )
         except OSError as exc:
             raise ConfigError(f"disk tier path {path} is not writable: {exc.strerror}") from None
         try:
@@ -220,9 +224,10 @@ class DiskTier:
         data_path = os.path.join(self.path, DATA_FILE)
         journal_path = os.path.join(self.path, JOURNAL_FILE)
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+        # Private (tenants' KV bytes and hashes), never through a symlink, ours only.
         try:
-            self._data_fd = os.open(data_path, flags, 0o644)
-            self._journal_fd = os.open(journal_path, flags, 0o644)
+            self._data_fd = _FILES.open(data_path, flags, 0o600, what="disk tier")
+            self._journal_fd = _FILES.open(journal_path, flags, 0o600, what="disk tier")
         except OSError as exc:
             raise ConfigError(
                 f"disk tier path {self.path} is not writable: {exc.strerror}"
@@ -707,7 +712,11 @@ class DiskTier:
         final = os.path.join(self.path, JOURNAL_FILE)
         tmp = final + ".tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a crash's leftover; never written through (O_EXCL)
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
             try:
                 done = 0
                 while done < len(blob):

@@ -14,9 +14,12 @@ shared pool, so namespaces with different block sizes share the region.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
+import secrets
+import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.errors import ConfigError
+from kvstore.files import FilePolicy
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +35,7 @@ SLOT_ALIGN_BYTES = 64
 PAGE_BYTES = 4096
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 HUGETLBFS_DIR = Path("/dev/hugepages")
+MAX_OPEN_ATTEMPTS = 8
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -75,18 +80,35 @@ def _free_huge_pages_bytes() -> int:
 
 
 class Region:
-    """A shared-memory file of fixed size, mapped MAP_SHARED."""
+    """A shared-memory file of fixed size, mapped MAP_SHARED and locked by one daemon.
 
-    def __init__(self, path: str, capacity_bytes: int, *, prefault: bool, huge_pages: str) -> None:
+    The file is flock()ed for the daemon's life, so a second daemon with the
+    same path stops at start instead of serving the first one's bytes. An
+    existing file is reused (a warm restart may then adopt its blocks,
+    ``reused``) only when this user owns it and nobody else could have mapped
+    it; one with wider permissions is replaced by a new, empty file, and one
+    another user owns is refused (see kvstore/files.py).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        *,
+        prefault: bool,
+        huge_pages: str,
+        files: FilePolicy | None = None,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.path = self._choose_path(path, capacity_bytes, huge_pages)
+        self.files = files or FilePolicy()
         parent = Path(self.path).parent
         if not parent.is_dir():
             raise ConfigError(f"dram.path: directory {parent} does not exist")
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as exc:
-            raise ConfigError(f"dram.path: cannot open {self.path}: {exc.strerror}") from None
+        fd, self.reused = self._open_locked()
+        # New at every start (warm restarts included), never 0: clients compare it
+        # with the one in each PrepareStore/PrepareLoad answer (see kvstore/client.py).
+        self.region_id = secrets.randbits(63) + 1
         try:
             os.ftruncate(fd, capacity_bytes)
             if prefault:
@@ -101,8 +123,11 @@ class Region:
                     ) from None
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
             self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Held open (and locked) until close(): the lock is the claim on the path.
+        self._fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base_address = self.array.ctypes.data
         # Run first thing in close(), while the bytes are still mapped (the
@@ -110,6 +135,58 @@ class Region:
         # keep_on_close keeps the file for the next daemon.
         self.close_hooks: list[Callable[[], None]] = []
         self.keep_on_close = False
+
+    def _open_locked(self) -> tuple[int, bool]:
+        """The region's fd, flock()ed, and whether the file existed (and is trusted)."""
+        path, mode = self.path, self.files.shared_mode
+        # Bounded: each retry means another process unlinked the path meanwhile.
+        for _ in range(MAX_OPEN_ATTEMPTS):
+            existed = os.path.lexists(path)
+            try:
+                fd = self.files.open(
+                    path, os.O_RDWR | os.O_CREAT, mode, what="dram.path", check_mode=False
+                )
+            except FileNotFoundError:
+                if existed:
+                    continue  # unlinked between our look and our open
+                raise ConfigError(f"dram.path: cannot open {path}: not found") from None
+            except OSError as exc:
+                raise ConfigError(f"dram.path: cannot open {path}: {exc.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise ConfigError(
+                    f"dram.path: {path} is locked by another running daemon; give each "
+                    "daemon on a node its own node_id (the default region is "
+                    "/dev/shm/kvstore-<node_id>.dram) or its own dram.path"
+                ) from None
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                # A stopping daemon unlinks its region while holding the lock: we
+                # locked a file that is no longer the one at the path.
+                os.close(fd)
+                continue
+            if not self.files.trusted(st, mode):
+                log.warning(
+                    "dram.path %s had mode %04o (others could map it): its contents are "
+                    "not trusted; starting with a new, empty region",
+                    path,
+                    stat.S_IMODE(st.st_mode),
+                )
+                os.unlink(path)
+                os.close(fd)
+                continue
+            # Exactly our mode and group (a file_group set since the last run widens
+            # a private region to the group; nothing else could have mapped it).
+            self.files.apply(fd, mode)
+            # An empty file (just created, or created and never sized) holds nothing to adopt.
+            return fd, st.st_size > 0
+        raise ConfigError(f"dram.path: {path} keeps being replaced; is another daemon starting?")
 
     @staticmethod
     def _choose_path(path: str, capacity_bytes: int, huge_pages: str) -> str:
@@ -162,6 +239,10 @@ class Region:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+        # Unlinked (or kept) while still locked; closing the fd drops the lock.
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass(slots=True)

@@ -5,7 +5,9 @@ On a graceful stop the daemon keeps its shared-memory region file and writes
 block its key, slot offset and xxh3-64 checksum, coldest first. A daemon
 started with the same region path, size and chunk size reads the manifest,
 deletes it at once (a later crash must never trust a stale one), verifies each
-block's bytes against its checksum and serves those that match.
+block's bytes against its checksum and serves those that match. Both files
+must be this daemon user's own and private (kvstore/files.py): a manifest or a
+region another user could have written is never adopted.
 
 After ``kill -9`` there is no manifest: the region's bytes are ignored and the
 DRAM tier starts empty (the disk tier has its own journal).
@@ -16,9 +18,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
+import tempfile
 
 import msgspec
 
+from kvstore.errors import ConfigError
+from kvstore.files import FilePolicy, check_owned
 from kvstore.namespace import NamespaceSpec
 
 log = logging.getLogger(__name__)
@@ -47,29 +53,61 @@ def manifest_path(region_path: str) -> str:
     return region_path + MANIFEST_SUFFIX
 
 
-def save(manifest: WarmManifest) -> str:
-    """Write the manifest atomically (temp file, fsync, rename); its path."""
+def save(manifest: WarmManifest, files: FilePolicy | None = None) -> str:
+    """Write the manifest atomically (new private temp file, fsync, rename); its path."""
+    files = files or FilePolicy()
     path = manifest_path(manifest.region_path)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(msgspec.msgpack.encode(manifest))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    directory, name = os.path.split(path)
+    # mkstemp: O_EXCL with a random name, so nothing planted is written through.
+    fd, tmp = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=directory or ".")
+    try:
+        files.apply(fd, files.private_mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.msgpack.encode(manifest))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path
 
 
 def take(region_path: str, capacity_bytes: int, chunk_bytes: int) -> WarmManifest | None:
-    """Read and delete the manifest of this region; None if absent or for another layout."""
+    """Read and delete the manifest of this region; None if absent, untrusted or for
+    another layout.
+
+    Only a regular file this daemon's user owns and no one else may write is
+    read: a manifest another local user planted would make the daemon serve
+    bytes for hashes nobody stored.
+    """
     path = manifest_path(region_path)
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        log.error("warm-restart manifest %s not read (%s); DRAM tier starts empty", path, exc)
+        _discard(path)
+        return None
+    try:
+        st = os.fstat(fd)
+        try:
+            check_owned(st, path, "warm-restart manifest")
+            if stat.S_IMODE(st.st_mode) & 0o022:
+                raise ConfigError(
+                    f"warm-restart manifest: {path} is writable by other users "
+                    f"(mode {stat.S_IMODE(st.st_mode):04o})"
+                )
+        except ConfigError as exc:
+            log.error("%s; DRAM tier starts empty", exc)
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            blob = f.read()
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        os.close(fd)
+        _discard(path)
     try:
         manifest = msgspec.msgpack.decode(blob, type=WarmManifest)
     except msgspec.DecodeError as exc:
@@ -84,3 +122,10 @@ def take(region_path: str, capacity_bytes: int, chunk_bytes: int) -> WarmManifes
         log.warning("warm-restart manifest %s is for another region layout; ignored", path)
         return None
     return manifest
+
+
+def _discard(path: str) -> None:
+    """A later crash must never trust a stale manifest; one we may not remove is
+    refused again next time (and replaced by our own at the next drain)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)

@@ -64,7 +64,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "socket_path", "tcp_address", "metrics_address", "events_publish_address", "events_replay_address", "peer_transport")
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "socket_path", "tcp_address", "metrics_address", "events_publish_address", "events_replay_address", "peer_transport", "region_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class HelloResponse(_message.Message):
     EVENTS_PUBLISH_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_REPLAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     region_path: str
@@ -101,7 +102,8 @@ class HelloResponse(_message.Message):
     events_publish_address: str
     events_replay_address: str
     peer_transport: str
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., socket_path: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., events_publish_address: _Optional[str] = ..., events_replay_address: _Optional[str] = ..., peer_transport: _Optional[str] = ...) -> None: ...
+    region_id: int
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., socket_path: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., events_publish_address: _Optional[str] = ..., events_replay_address: _Optional[str] = ..., peer_transport: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class DeclareNamespaceRequest(_message.Message):
     __slots__ = ("spec",)
@@ -132,18 +134,20 @@ class PrepareStoreRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareStoreResponse(_message.Message):
-    __slots__ = ("lease_id", "statuses", "offsets", "tier", "lease_ttl_s")
+    __slots__ = ("lease_id", "statuses", "offsets", "tier", "lease_ttl_s", "region_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     statuses: bytes
     offsets: bytes
     tier: Tier
     lease_ttl_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    region_id: int
+    def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
     __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids")
@@ -210,20 +214,22 @@ class PrepareLoadRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., lease_ttl_s: _Optional[float] = ..., peer_hint: _Optional[str] = ..., peer_timeout_s: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class PrepareLoadResponse(_message.Message):
-    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier", "lease_ttl_s")
+    __slots__ = ("lease_id", "found_blocks", "offsets", "checksums", "tier", "lease_ttl_s", "region_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     found_blocks: int
     offsets: bytes
     checksums: bytes
     tier: Tier
     lease_ttl_s: float
-    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    region_id: int
+    def __init__(self, lease_id: _Optional[int] = ..., found_blocks: _Optional[int] = ..., offsets: _Optional[bytes] = ..., checksums: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -43,6 +43,7 @@ def test_health_stays_open_for_probes(guarded):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_no_secret_configured_means_no_check(daemon):
+def test_no_secret_configured_still_answers_stats_over_tcp(daemon):
+    # Data calls are refused then (tests/integration/test_trust.py); tools keep Stats.
     with Client(daemon.tcp_address, map_region=False) as c:
         assert c.stats().node_id == daemon.name

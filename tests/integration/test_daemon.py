@@ -56,8 +56,13 @@ def test_torch_tensors_and_out_buffers(daemon):
         assert torch.equal(out, t)
 
 
-def test_tcp_and_inline_paths_agree(daemon):
-    with Client(daemon.tcp_address) as tcp, Client(daemon.address, map_region=False) as inline:
+def test_tcp_and_inline_paths_agree(daemon_factory):
+    # Data calls over TCP need the cluster secret (docs/security.md).
+    daemon = daemon_factory(settings={"peer.secret": "tcp-test-secret"})
+    with (
+        Client(daemon.tcp_address, secret="tcp-test-secret") as tcp,
+        Client(daemon.address, map_region=False) as inline,
+    ):
         assert tcp.mapped and not inline.mapped
         ns = tcp.declare_namespace(make_spec(4096))
         data = blocks_for(range(4), 4096)
