@@ -112,11 +112,13 @@ def test_put_whose_copy_outlived_its_lease_changes_no_committed_bytes(tiny, monk
         assert a.put(ns, [1, 2, 3, 4], late).stored + a.stats().evicted_blocks >= 4
 
 
-def test_lease_ids_cannot_be_guessed_or_used_by_another_client(daemon):
+def test_lease_ids_cannot_be_guessed_or_used_by_another_client(daemon_factory):
     """Issue 13 defect 5: ids were sequential, so a client could commit another's store
     lease before it wrote (readers then got zeros) or release its load lease."""
+    # Data calls over TCP need the cluster secret (docs/security.md).
+    daemon = daemon_factory(settings={"peer.secret": "lease-test-secret"})
     with (
-        Client(daemon.tcp_address, map_region=True) as a,
+        Client(daemon.tcp_address, secret="lease-test-secret", map_region=True) as a,
         Client(daemon.address) as b,
     ):
         ns = a.declare_namespace(make_spec(BLOCK))

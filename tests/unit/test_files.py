@@ -210,20 +210,20 @@ def test_a_namespace_holding_a_block_is_never_reclaimed(manager):
     m.declare_namespace(make_spec(4096, tenant="b"))
 
 
-def test_lease_bounds_per_owner_and_in_all(manager):
+def test_lease_bounds_per_client_and_in_all(manager):
     m, _ = manager(**{"limits.max_leases_per_client": 2, "limits.max_leases": 3})
     ns = m.declare_namespace(make_spec(4096))
     plan = m.prepare_store(ns.namespace_id, [1])
     m.commit_store(plan.lease_id)
-    a1 = m.prepare_load(ns.namespace_id, [1], owner="a")
-    m.prepare_load(ns.namespace_id, [1], owner="a")
+    a1 = m.prepare_load(ns.namespace_id, [1], client="a")
+    m.prepare_load(ns.namespace_id, [1], client="a")
     with pytest.raises(CapacityExhausted, match="max_leases_per_client=2"):
-        m.prepare_load(ns.namespace_id, [1], owner="a")
-    m.prepare_load(ns.namespace_id, [1], owner="b")
+        m.prepare_load(ns.namespace_id, [1], client="a")
+    m.prepare_load(ns.namespace_id, [1], client="b")
     with pytest.raises(CapacityExhausted, match="max_leases=3"):
-        m.prepare_load(ns.namespace_id, [1], owner="c")
+        m.prepare_load(ns.namespace_id, [1], client="c")
     m.release([a1.lease_id])
-    m.prepare_load(ns.namespace_id, [1], owner="a")
-    assert m.expire_leases(now_s=1e12) == 3  # expiry forgets owners too
+    m.prepare_load(ns.namespace_id, [1], client="a")
+    assert m.expire_leases(now_s=1e12) == 3  # expiry forgets clients too
     assert m.leases.held_by("a") == 0
     np.testing.assert_equal(len(m.leases), 0)
