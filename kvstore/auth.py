@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from kvstore import errors
+
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
 OPEN_SERVICES = (
     "grpc.health.v1.Health",
@@ -61,9 +63,11 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
             if is_network_peer(context.peer()) and not secret_matches(
                 context.invocation_metadata(), secret
             ):
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"calls over TCP need the cluster secret ({SECRET_METADATA_KEY})",
+                await errors.abort(
+                    context,
+                    errors.PermissionDenied(
+                        f"calls over TCP need the cluster secret ({SECRET_METADATA_KEY})"
+                    ),
                 )
 
         if handler.unary_unary is not None:
