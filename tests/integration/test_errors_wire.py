@@ -275,3 +275,95 @@ def test_grpcs_own_errors_map_by_status(aio_server, tmp_path):
     # peers and the indexer client read an unclassified failure as "gone"
     odd = errors.error_from_rpc(info.value, "peer x", unclassified=errors.Unavailable)
     assert type(odd) is errors.Unavailable and str(odd).startswith("peer x: ")
+
+
+# ------------------------------------------------------------------ the real servicers
+
+
+def _reason_sent(exc: grpc.RpcError) -> str | None:
+    return dict(exc.trailing_metadata() or ()).get(errors.REASON_METADATA_KEY)
+
+
+def test_the_indexer_sends_capacity_as_resource_exhausted_with_its_reason():
+    from kvstore.indexer.config import IndexerConfig
+    from kvstore.indexer.service import Indexer, serve
+    from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+
+    ix = Indexer(IndexerConfig(address="127.0.0.1:0", sources=[], max_registered_sources=1))
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = indexer_pb2_grpc.IndexerServiceStub(channel)
+
+            def register(node: str) -> None:
+                source = indexer_pb2.EventSource(node=node, endpoint="tcp://127.0.0.1:9")
+                stub.RegisterNode(indexer_pb2.RegisterNodeRequest(source=source), timeout=10)
+
+            register("r1")
+            with pytest.raises(grpc.RpcError) as full:
+                register("r2")
+            with pytest.raises(grpc.RpcError) as unknown:
+                stub.UnregisterNode(indexer_pb2.UnregisterNodeRequest(node="nobody"), timeout=10)
+    finally:
+        server.stop(0)
+        ix.close()
+    assert full.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert _reason_sent(full.value) == "capacity_exhausted"
+    assert type(errors.error_from_rpc(full.value)) is errors.CapacityExhausted
+    assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
+    assert type(errors.error_from_rpc(unknown.value)) is errors.NotFound
+
+
+def test_the_daemon_and_its_peer_service_send_reasons(daemon_factory):
+    from kvstore.client import Client
+    from kvstore.transfer.grpc_stream import error_from_rpc as peer_error
+    from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2, store_pb2_grpc
+
+    secret = "s3cret-for-tests"
+    d = daemon_factory(
+        "reasons",
+        settings={
+            "peer.enabled": "true",
+            "peer.secret": secret,
+            "peer.transport": "grpc_stream",  # no NIXL needed to fail calls
+        },
+    )
+    md = (("x-kvstore-cluster-secret", secret),)
+    with grpc.insecure_channel(d.tcp_address) as channel:
+        peer = peer_pb2_grpc.PeerServiceStub(channel)
+        cases = [  # (call, the class the client must rebuild from the reason sent)
+            (
+                lambda: peer.GetAgentMetadata(peer_pb2.GetAgentMetadataRequest(), timeout=10),
+                errors.PermissionDenied,
+            ),
+            (
+                lambda: peer.PinForPull(peer_pb2.PinForPullRequest(), metadata=md, timeout=10),
+                errors.InvalidRequest,
+            ),
+            (
+                lambda: next(
+                    iter(
+                        peer.StreamBlocks(
+                            peer_pb2.StreamBlocksRequest(lease_id=12345), metadata=md, timeout=10
+                        )
+                    )
+                ),
+                errors.LeaseNotFound,
+            ),
+            (  # the TCP secret check in front of the store service
+                lambda: store_pb2_grpc.StoreServiceStub(channel).Hello(
+                    store_pb2.HelloRequest(), timeout=10
+                ),
+                errors.PermissionDenied,
+            ),
+        ]
+        for call, cls in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert _reason_sent(info.value) == cls.reason, cls
+            assert type(peer_error(info.value, "peer")) is cls
+    with Client(d.address) as c, pytest.raises(errors.LeaseNotFound) as lease:
+        c.release(987654)
+    assert type(lease.value) is errors.LeaseNotFound
+    assert lease.value.status_code is grpc.StatusCode.NOT_FOUND
