@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from kvstore import errors
+
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
 # Sent by kvstore.client.Client (random per instance): whose leases a call counts against.
 CLIENT_ID_METADATA_KEY = "x-kvstore-client-id"
@@ -89,15 +91,19 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
             if not is_network_peer(context.peer()):
                 return
             if not secret:
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    "data calls over TCP need the cluster secret, and this daemon has none: "
-                    "use the Unix socket, or set peer.secret (clients: KVSTORE_SECRET)",
+                await errors.abort(
+                    context,
+                    errors.PermissionDenied(
+                        "data calls over TCP need the cluster secret, and this daemon has none: "
+                        "use the Unix socket, or set peer.secret (clients: KVSTORE_SECRET)"
+                    ),
                 )
             elif not secret_matches(context.invocation_metadata(), secret):
-                await context.abort(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"calls over TCP need the cluster secret ({SECRET_METADATA_KEY})",
+                await errors.abort(
+                    context,
+                    errors.PermissionDenied(
+                        f"calls over TCP need the cluster secret ({SECRET_METADATA_KEY})"
+                    ),
                 )
 
         if handler.unary_unary is not None:

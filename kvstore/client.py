@@ -18,7 +18,8 @@ that cannot map the region (another host) uses the *Inline calls instead. Lower-
 commit_store, prepare_load / release) let connectors copy straight between the
 region and their own buffers.
 
-Errors come back as kvstore.errors classes, mapped from gRPC status codes.
+Errors come back as the exact kvstore.errors class the daemon raised (rebuilt
+from the reason code it sends: ``errors.error_from_rpc``).
 
 Leases are fenced by the client's own clock: a handle's ``deadline_s`` is the
 lease's granted lifetime counted from before the request was sent, less a
@@ -72,41 +73,6 @@ LEASE_MARGIN_S = 0.25
 # machines glibc copies only big pieces with non-temporal stores, and 8-64 MiB
 # pieces of a long run copied ~40% slower than one memcpy (load ~7, 2 cores).
 COPY_CHUNK_BYTES = 256 * 1024 * 1024
-
-ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.KVStoreError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequest,
-    grpc.StatusCode.NOT_FOUND: errors.NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: errors.StateConflict,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: errors.CapacityExhausted,
-    grpc.StatusCode.PERMISSION_DENIED: errors.PermissionDenied,
-    grpc.StatusCode.UNAVAILABLE: errors.Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: errors.DeadlineExceeded,
-    grpc.StatusCode.DATA_LOSS: errors.DataCorruption,
-    grpc.StatusCode.INTERNAL: errors.BackendError,
-}
-
-# Finer classes recognised from the daemon's message, so callers can catch them.
-_NOT_FOUND_BY_PREFIX = (
-    ("unknown namespace", errors.NamespaceNotFound),
-    ("lease expired", errors.LeaseExpired),
-    ("lease", errors.LeaseNotFound),
-)
-
-
-def error_from_rpc(exc: grpc.RpcError) -> errors.KVStoreError:
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    cls = ERROR_BY_STATUS.get(code, errors.KVStoreError)
-    if cls is errors.NotFound:
-        for prefix, sub in _NOT_FOUND_BY_PREFIX:
-            if (details or "").startswith(prefix):
-                cls = sub
-                break
-    if cls is errors.InvalidRequest and "bytes of" in (details or "") and "need" in (details or ""):
-        cls = errors.BlockSizeMismatch
-    err = cls(f"{code.name}: {details}")
-    err.status_code = code  # type: ignore[attr-defined]
-    return err
 
 
 def normalise_address(address: str) -> str:
@@ -287,7 +253,7 @@ class Client:
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
-            err = error_from_rpc(exc)
+            err = errors.error_from_rpc(exc)
         if ns is None or not isinstance(err, errors.NamespaceNotFound):
             raise err from None
         again = self.declare_namespace(ns.spec)
@@ -298,7 +264,7 @@ class Client:
         try:
             return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise errors.error_from_rpc(exc) from None
 
     def _deadline(self, sent_s: float, granted_ttl_s: float, asked_ttl_s: float) -> float:
         """This side's deadline of a lease asked for at ``sent_s`` (before the request)."""
@@ -818,7 +784,7 @@ class Client:
                 try:
                     reply = future.result()
                 except grpc.RpcError as exc:
-                    raise error_from_rpc(exc) from None
+                    raise errors.error_from_rpc(exc) from None
                 if reply.region_id and reply.region_id != self.info.region_id:
                     if i:  # earlier chunks were copied from another daemon's region
                         self.release(reply.lease_id, wait=False)

@@ -87,9 +87,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
         if not secret_matches(context.invocation_metadata(), self._secret):
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED, "wrong or missing cluster secret"
-            )
+            await errors.abort(context, errors.PermissionDenied("wrong or missing cluster secret"))
 
     def _drop_expired_pins(self) -> None:
         now = time.monotonic()
@@ -115,15 +113,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         await self._auth(context)
         self._drop_expired_pins()
         if len(self._pins) >= MAX_PEER_PINS:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "too many outstanding peer pins"
-            )
+            await errors.abort(context, errors.CapacityExhausted("too many outstanding peer pins"))
         if not request.HasField("spec"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+            await errors.abort(context, errors.InvalidRequest("spec is required"))
         ttl_s = request.lease_ttl_s or DEFAULT_PIN_TTL_S
         if not 0 < ttl_s <= MAX_PIN_TTL_S:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]"
+            await errors.abort(
+                context, errors.InvalidRequest(f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]")
             )
 
         async def pin() -> Any:
@@ -179,14 +175,16 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._drop_expired_pins()
         pin = self._pins.get(request.lease_id)
         if pin is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live peer pin {request.lease_id}")
+            await errors.abort(
+                context, errors.LeaseNotFound(f"no live peer pin {request.lease_id}")
+            )
             return
         offsets = (
             np.frombuffer(request.offsets, dtype="<u8") if len(request.offsets) % 8 == 0 else None
         )
         if offsets is None or not set(offsets.tolist()) <= pin.offsets:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "offsets must be packed uint64 blocks of the pin"
+            await errors.abort(
+                context, errors.InvalidRequest("offsets must be packed uint64 blocks of the pin")
             )
             return
         chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
@@ -194,7 +192,9 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             if request.lease_id not in self._pins or time.monotonic() >= pin.expires_at_s:
                 # Past its pin a block may be evicted and its slot reused: stop here
                 # (the puller's checksums would catch it anyway).
-                await context.abort(grpc.StatusCode.NOT_FOUND, "pin released or expired mid-stream")
+                await errors.abort(
+                    context, errors.LeaseNotFound("pin released or expired mid-stream")
+                )
                 return
             yield peer_pb2.BlockChunk(data=chunk)
 
@@ -337,6 +337,11 @@ class PeerNode:
         try:
             await self.puller.pull(ns_id, hashes, address, timeout_s)
         except (errors.Unavailable, errors.BackendError, errors.DataCorruption) as exc:
+            log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
+        except errors.CapacityExhausted as exc:
+            if exc.status_code is None:
+                raise  # no room on this daemon: the caller hears of it, as before
+            # The peer is out of pins (its answer, over gRPC): as good as busy.
             log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
 
     @property

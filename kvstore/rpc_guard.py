@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from kvstore import errors
+
 log = logging.getLogger(__name__)
 
 MAX_CACHED_METHODS = 256  # more than every method of every service the daemon registers
@@ -107,9 +109,11 @@ class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
                 request.nbytes,
                 request.error,
             )
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request to {method} does not parse as {type_name} ({request.nbytes} bytes)",
+            await errors.abort(
+                context,
+                errors.InvalidRequest(
+                    f"request to {method} does not parse as {type_name} ({request.nbytes} bytes)"
+                ),
             )
 
         if handler.unary_unary is not None:

@@ -1,6 +1,6 @@
 """gRPC StoreService: translates protobuf <-> manager calls.
 
-The only module that maps kvstore errors to gRPC status codes. Packed fields
+Errors leave through ``errors.abort`` (status and reason from the class). Packed fields
 (hashes, offsets, token ids) are decoded with numpy in one call each, never
 element by element.
 """
@@ -30,54 +30,20 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Order matters: subclasses before their bases.
-STATUS_BY_ERROR: list[tuple[type[errors.KVStoreError], grpc.StatusCode]] = [
-    (errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
-    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
-    (errors.StateConflict, grpc.StatusCode.FAILED_PRECONDITION),
-    (errors.CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (errors.DataCorruption, grpc.StatusCode.DATA_LOSS),
-    (errors.BackendError, grpc.StatusCode.INTERNAL),
-]
-
-
-def status_for(exc: errors.KVStoreError) -> grpc.StatusCode:
-    for cls, code in STATUS_BY_ERROR:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.UNKNOWN
-
-
-# Status details travel in an HTTP/2 trailer: one that outgrows the peer's
-# header limit turns the answer into RESOURCE_EXHAUSTED. Messages clip what
-# they echo (errors.clip); this bounds the rest.
-MAX_DETAILS_CHARS = 1024
-
-
-def details_of(exc: Exception) -> str:
-    text = str(exc)
-    return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 3] + "..."
-
 
 async def call(context: grpc.aio.ServicerContext, fn: Callable[[], T]) -> T:
     """Run fn; turn a kvstore error into the matching status (and abort the call)."""
     try:
         return fn()
     except errors.KVStoreError as exc:
-        await context.abort(status_for(exc), details_of(exc))
-        raise AssertionError("unreachable") from exc
+        await errors.abort(context, exc)
 
 
 async def call_async(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitable[T]]) -> T:
     try:
         return await fn()
     except errors.KVStoreError as exc:
-        await context.abort(status_for(exc), details_of(exc))
-        raise AssertionError("unreachable") from exc
+        await errors.abort(context, exc)
 
 
 def unpack_u64(data: bytes, what: str = "block_hashes", max_count: int | None = None) -> list[int]:
@@ -286,7 +252,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
 
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.HasField("spec"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "spec is required")
+            await errors.abort(context, errors.InvalidRequest("spec is required"))
         known = len(self.manager.namespaces)
         ns = await call(context, lambda: self.manager.declare_namespace(spec_from_pb(request.spec)))
         siblings = sibling_layouts(self.manager, ns.spec)
@@ -508,8 +474,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def Snapshot(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         sink = self.manager.sink
         if not isinstance(sink, SequencedSink):
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "KV events are off: no sequence to snapshot at"
+            await errors.abort(
+                context, errors.StateConflict("KV events are off: no sequence to snapshot at")
             )
             return
         per_msg = request.max_hashes_per_message or SNAPSHOT_MAX_HASHES_PER_MESSAGE
@@ -522,11 +488,14 @@ class StoreService(pb_grpc.StoreServiceServicer):
         try:
             next_seq = await asyncio.wait_for(asyncio.wrap_future(mark), SNAPSHOT_MARK_TIMEOUT_S)
         except errors.KVStoreError as exc:
-            await context.abort(status_for(exc), str(exc))
+            await errors.abort(context, exc)
         except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"the KV event sender did not reach the snapshot within {SNAPSHOT_MARK_TIMEOUT_S}s",
+            await errors.abort(
+                context,
+                errors.Unavailable(
+                    f"the KV event sender did not reach the snapshot within "
+                    f"{SNAPSHOT_MARK_TIMEOUT_S}s"
+                ),
             )
         for model, (block_size, tiers) in held.items():
             for tier, hashes in tiers.items():

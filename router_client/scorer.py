@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.errors import DeadlineExceeded, InvalidRequest, Unavailable
+from kvstore.errors import InvalidRequest, KVStoreError, Unavailable, error_from_rpc
 from kvstore.hashing import BlockHasher
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 from router_client.policy import (
@@ -71,15 +71,11 @@ def score_result(resp: indexer_pb2.ScoreResponse) -> ScoreResult:
     )
 
 
-def score_error(e: grpc.RpcError) -> Exception:
-    """The kvstore error for a failed Score call."""
-    code = e.code() if hasattr(e, "code") else None
-    detail = e.details() if hasattr(e, "details") else str(e)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(f"indexer did not answer in time: {detail}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(detail)
-    return Unavailable(f"indexer: {code}: {detail}")
+def score_error(e: grpc.RpcError) -> KVStoreError:
+    """The kvstore error for a failed Score call: the class the indexer raised
+    (``errors.error_from_rpc``); a status no class is sent with reads as the
+    indexer being unavailable."""
+    return error_from_rpc(e, "indexer", unclassified=Unavailable)
 
 
 class AsyncIndexClient:
@@ -102,7 +98,7 @@ class AsyncIndexClient:
         candidates: Sequence[str] = (),
         deadline_s: float | None = None,
     ) -> ScoreResult:
-        """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
+        """Raises the indexer's error (``DeadlineExceeded``, ``Unavailable``...)."""
         req = score_request(model, block_hashes, candidates)
         try:
             resp = await self._stub.Score(req, timeout=deadline_s or self.deadline_s)
@@ -212,7 +208,7 @@ class RouterClient:
         candidates: Sequence[str] = (),
         deadline_s: float | None = None,
     ) -> ScoreResult:
-        """Raises ``DeadlineExceeded`` / ``Unavailable`` / ``InvalidRequest``."""
+        """Raises the indexer's error (``DeadlineExceeded``, ``Unavailable``...)."""
         req = score_request(model, block_hashes, candidates)
         try:
             resp = self._stub.Score(req, timeout=deadline_s or self.deadline_s)
@@ -258,7 +254,7 @@ class RouterClient:
         t0 = time.monotonic()
         try:
             result = self.scores(model, hashed.hashes, candidates)
-        except (Unavailable, InvalidRequest) as e:
+        except KVStoreError as e:  # any indexer trouble: route without it
             d = choose(
                 ScoreResult(request_blocks=int(hashed.hashes.size), hits=[]),
                 candidates,

@@ -1,9 +1,10 @@
 """The indexer process: index + subscriber + registrations, served over gRPC.
 
 ``Indexer`` is the domain object (usable embedded, without gRPC);
-``IndexerServicer`` is the only place that maps kvstore errors to gRPC status
-codes. A Score for a model the index has never seen is an empty answer, not
-an error: routers ask before any engine has stored anything.
+``IndexerServicer`` fails calls through ``errors.abort_sync`` (status and
+reason from the error's class: capacity is RESOURCE_EXHAUSTED, never INTERNAL).
+A Score for a model the index has never seen is an empty answer, not an
+error: routers ask before any engine has stored anything.
 
 Health: the gRPC health status (and the systemd watchdog, see ``cli``) follow
 ``Indexer.health()``: NOT_SERVING while the ingestion thread is dead or
@@ -38,7 +39,6 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.auth import secret_matches
 from kvstore.errors import (
-    BackendError,
     CapacityExhausted,
     ConfigError,
     InvalidRequest,
@@ -46,6 +46,7 @@ from kvstore.errors import (
     NotFound,
     PermissionDenied,
     Unavailable,
+    abort_sync,
 )
 from kvstore.hashing import BlockHasher
 from kvstore.indexer.backend import IndexBackend, NodeScore
@@ -367,22 +368,6 @@ def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
     )
 
 
-_STATUS: list[tuple[type[KVStoreError], grpc.StatusCode]] = [
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (CapacityExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (BackendError, grpc.StatusCode.INTERNAL),
-]
-
-
-def _abort(context: grpc.ServicerContext, e: KVStoreError) -> None:
-    code = next((c for cls, c in _STATUS if isinstance(e, cls)), grpc.StatusCode.INTERNAL)
-    context.abort(code, str(e))
-
-
 class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
     def __init__(self, indexer: Indexer) -> None:
         self._ix = indexer
@@ -405,8 +390,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                 hashes = self._ix.parse_hashes(request.block_hashes)
             scores = self._ix.score(request.model, hashes, list(request.candidate_nodes))
         except KVStoreError as e:
-            _abort(context, e)
-            raise AssertionError("unreachable") from e
+            abort_sync(context, e)
         return indexer_pb2.ScoreResponse(
             scores=[
                 indexer_pb2.NodeScore(
@@ -433,8 +417,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                 _spec_from_pb(request.source), request.ttl_s, request.owner_token
             )
         except KVStoreError as e:
-            _abort(context, e)
-            raise AssertionError("unreachable") from e
+            abort_sync(context, e)
         return indexer_pb2.RegisterNodeResponse(owner_token=token)
 
     def UnregisterNode(self, request, context):
@@ -442,8 +425,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             self._check_secret(context)
             n = self._ix.unregister(request.node, request.endpoint, request.owner_token)
         except KVStoreError as e:
-            _abort(context, e)
-            raise AssertionError("unreachable") from e
+            abort_sync(context, e)
         return indexer_pb2.UnregisterNodeResponse(removed_sources=n)
 
     def Models(self, request, context):
@@ -453,8 +435,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             try:
                 indexed = self._ix.index.models()
             except KVStoreError as e:
-                _abort(context, e)
-                raise AssertionError("unreachable") from e
+                abort_sync(context, e)
         return indexer_pb2.ModelsResponse(
             models=[
                 indexer_pb2.ModelInfo(
@@ -473,8 +454,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             with self._ix.lock:
                 indexed = self._ix.index.nodes()
         except KVStoreError as e:
-            _abort(context, e)
-            raise AssertionError("unreachable") from e
+            abort_sync(context, e)
         status = self._ix.source_status()
         infos = []
         for s, reg, exp in self._ix.sources():

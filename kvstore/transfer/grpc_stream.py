@@ -16,15 +16,9 @@ from collections.abc import Iterator, Sequence
 import grpc
 import numpy as np
 
+from kvstore import errors
 from kvstore.auth import SECRET_METADATA_KEY
-from kvstore.errors import (
-    DeadlineExceeded,
-    InvalidRequest,
-    KVStoreError,
-    LeaseNotFound,
-    PermissionDenied,
-    Unavailable,
-)
+from kvstore.errors import InvalidRequest, KVStoreError, Unavailable
 from kvstore.transfer.base import KIND_GRPC_STREAM, PeerChannels, PeerLink, ReadBatch
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
@@ -35,19 +29,10 @@ MAX_CHUNK_BYTES = 16 << 20
 
 
 def error_from_rpc(exc: grpc.RpcError, what: str) -> KVStoreError:
-    """Map a peer's status code back onto the one error hierarchy."""
-    code = exc.code() if hasattr(exc, "code") else None
-    detail = exc.details() if hasattr(exc, "details") else str(exc)
-    message = f"{what}: {detail}"
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        return PermissionDenied(message)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineExceeded(message)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return LeaseNotFound(message)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return InvalidRequest(message)
-    return Unavailable(message)
+    """A peer's failed call as the class it raised (``errors.error_from_rpc``). A
+    status no class is sent with (a peer that failed oddly) reads as the peer
+    being unavailable: the puller drops its cached info and the hint is skipped."""
+    return errors.error_from_rpc(exc, what, unclassified=Unavailable)
 
 
 def iter_chunks(
