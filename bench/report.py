@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from bench import _common
+from bench.causes import CAUSES
 
 
 def _plt():
@@ -241,11 +242,9 @@ def _transports(t: dict[str, int]) -> str:
     return out + (" **(NOT NIXL: fallback)**" if set(t) - {"nixl"} else "")
 
 
-# Causes in report order; the labels come with the results (bench.agentic.CAUSES).
+# Causes in report order, with their labels (bench.causes.CAUSES).
 def _recompute_breakdown(strategies: dict[str, Any]) -> list[str]:
     """Each strategy's recomputed tokens by cause, as shares of all input tokens."""
-    from bench.agentic import CAUSES
-
     have = [s for s in strategies.values() if "recompute_causes" in s]
     if not have:
         return []
