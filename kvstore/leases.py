@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvstore.manager import Block
-    from kvstore.namespace import Namespace
+    from kvstore.namespace import Block, Namespace
 
 _MASK32 = 0xFFFFFFFF
 # Rebuild the expiry heap once its stale entries (released leases) outnumber

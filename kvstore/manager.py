@@ -38,7 +38,6 @@ block) and frees its slots at the last unpin.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import logging
 import time
@@ -64,7 +63,7 @@ from kvstore.events.sink import EventSink, NullSink
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.leases import Lease, LeaseKind, LeaseTable
-from kvstore.namespace import Namespace, NamespaceSpec
+from kvstore.namespace import Block, BlockState, Namespace, NamespaceSpec
 from kvstore.tiers import Tier, warm
 from kvstore.tiers.disk import checksum_of
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
@@ -85,38 +84,6 @@ _TIER_OF = attrgetter("tier")
 
 # Bound on the work one reaper pass does, so a burst of expiries cannot stall the loop.
 MAX_EXPIRED_PER_PASS = 4096
-
-
-class BlockState(enum.Enum):
-    PENDING = 0
-    COMMITTED = 1
-
-
-@dataclass(eq=False, slots=True)
-class Block:
-    """One block's location and state. Identity-hashed: the policy key."""
-
-    namespace: Namespace
-    block_hash: int
-    tier: Tier
-    offset: int
-    state: BlockState = BlockState.PENDING
-    pins: int = 0
-    # Holds among the pins: keep-alive only, the block may move between tiers.
-    holds: int = 0
-    checksum: int = 0  # xxh3-64 once computed (disk/peer paths); 0 = not yet
-    # Deleted while pinned: out of the index already, its slots go at last unpin.
-    doomed: bool = False
-    # Bumped whenever the DRAM copy's slot changes, so work that read the DRAM
-    # copy at one place can tell on completion that it is still the same copy.
-    dram_generation: int = 0
-    # Slot of the block's copy in the disk tier; -1 = none. A block may be in
-    # DRAM only (offset >= 0), on disk only (tier DISK, offset -1), or both
-    # ("clean": its DRAM copy can be dropped for free).
-    disk_slot: int = -1
-    # Offset of the block in the GPU pool; -1 = none. A block is in GPU or in
-    # DRAM, never both (tier GPU: offset -1); it may have a disk copy too.
-    gpu_offset: int = -1
 
 
 @dataclass(slots=True)

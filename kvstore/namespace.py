@@ -1,4 +1,5 @@
-"""Namespaces: a model shard's KV layout plus a tenant, which fixes block size.
+"""Namespaces: a model shard's KV layout plus a tenant, which fixes block size;
+and the blocks a namespace holds (``Block``: where each one's copies are).
 
 A namespace id is derived from its spec (a fingerprint), so the same engine
 configuration gets the same id on every node and after every restart, and two
@@ -7,6 +8,7 @@ tenants (vLLM ``cache_salt``) never share an id, hence never share a block.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -14,11 +16,10 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvstore.errors import InvalidRequest
+from kvstore.tiers import Tier
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
-
-    from kvstore.manager import Block
 
 MAX_NAME_CHARS = 256
 # A layout may end in ";hash=<fingerprint>": what the client's block hashes are
@@ -122,3 +123,35 @@ class Namespace:
                 break
             prefix.append(block)
         return prefix
+
+
+class BlockState(enum.Enum):
+    PENDING = 0
+    COMMITTED = 1
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One block's location and state. Identity-hashed: the policy key."""
+
+    namespace: Namespace
+    block_hash: int
+    tier: Tier
+    offset: int
+    state: BlockState = BlockState.PENDING
+    pins: int = 0
+    # Holds among the pins: keep-alive only, the block may move between tiers.
+    holds: int = 0
+    checksum: int = 0  # xxh3-64 once computed (disk/peer paths); 0 = not yet
+    # Deleted while pinned: out of the index already, its slots go at last unpin.
+    doomed: bool = False
+    # Bumped whenever the DRAM copy's slot changes, so work that read the DRAM
+    # copy at one place can tell on completion that it is still the same copy.
+    dram_generation: int = 0
+    # Slot of the block's copy in the disk tier; -1 = none. A block may be in
+    # DRAM only (offset >= 0), on disk only (tier DISK, offset -1), or both
+    # ("clean": its DRAM copy can be dropped for free).
+    disk_slot: int = -1
+    # Offset of the block in the GPU pool; -1 = none. A block is in GPU or in
+    # DRAM, never both (tier GPU: offset -1); it may have a disk copy too.
+    gpu_offset: int = -1

@@ -46,8 +46,8 @@ from kvstore.tiers.gpu import GpuPoolHandle, GpuTier, pin_host_memory
 
 if TYPE_CHECKING:
     from kvstore.config import GpuConfig
-    from kvstore.manager import Block, BlockManager
-    from kvstore.namespace import Namespace
+    from kvstore.manager import BlockManager
+    from kvstore.namespace import Block, Namespace
 
 log = logging.getLogger(__name__)
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, cast
 from kvstore.errors import CapacityExhausted, ConfigError, DataCorruption, KVStoreError
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
+from kvstore.namespace import Block, BlockState, Namespace
 from kvstore.tiers import Tier
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 
@@ -50,8 +51,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from kvstore.config import DiskConfig
-    from kvstore.manager import Block, BlockManager
-    from kvstore.namespace import Namespace
+    from kvstore.manager import BlockManager
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ class DiskLayer:
         entries = self.parked.pop(ns.namespace_id, None)
         if not entries:
             return []
-        from kvstore.manager import Block, BlockState
-
         adopted = []
         for h, entry in entries.items():
             if entry.nbytes != ns.block_bytes:
