@@ -1,0 +1,114 @@
+"""The connector under vLLM's engine modes: async scheduling, speculative decoding.
+
+Real vLLM CPU engines (tests/integration/vllm_model.py) on real daemons. One
+engine per mode, each running several steps, and every output compared with an
+engine without the connector.
+
+Async scheduling is vLLM's default on a GPU; the CPU platform turns it off,
+and the runner turns it back on (``async_scheduling`` in the spec) so the
+scheduler plans a decode step while its input token is still a placeholder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client import Client
+from tests.integration import vllm_model as vm
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed"),
+    pytest.mark.timeout(600),
+]
+
+BS = vm.BLOCK_SIZE
+PROMPT = vm.prompt_ids(5, 40)  # 1 full block of prompt ...
+DECODE_TOKENS = 100  # ... and 3 more completed by generated tokens (140 // 32 = 4)
+NEXT_TURN = vm.prompt_ids(6, 20)
+NEXT_TURN_TOKENS = 8
+
+
+def _turns() -> list[dict[str, Any]]:
+    """Turn 1 generates; turn 2 sends turn 1 + its answer + more, with vLLM's own
+    prefix cache emptied, so its hit can only come from the daemon."""
+    return [
+        {"prompts": [{"ids": PROMPT}], "max_tokens": DECODE_TOKENS},
+        {
+            "prompts": [{"ids": NEXT_TURN, "follow_up": True}],
+            "max_tokens": NEXT_TURN_TOKENS,
+            "reset_prefix_cache": True,
+        },
+    ]
+
+
+def _spec(model_dir: Path, address: str | None, **extra: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model_dir": str(model_dir), "steps": _turns(), **extra}
+    if address is not None:
+        spec["kv_transfer_config"] = vm.kv_transfer_config(address)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm_engines")
+
+
+@pytest.fixture(scope="module")
+def model_dir(workdir) -> Path:
+    return vm.make_tiny_llama(workdir / "model")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, workdir) -> dict[str, Any]:
+    return vm.run_once(workdir, "reference", _spec(model_dir, None))
+
+
+def _run_mode(model_dir: Path, workdir: Path, name: str, **extra: Any) -> dict[str, Any]:
+    from kvstore.process import DaemonProcess
+
+    daemon = DaemonProcess(workdir / f"d_{name}", tcp=False, dram_bytes=64 << 20)
+    daemon.start()
+    try:
+        out = vm.run_once(workdir, name, _spec(model_dir, daemon.address, **extra))
+        with Client(daemon.address, map_region=False) as c:
+            out["stored_blocks"] = c.stats().stored_blocks
+    finally:
+        daemon.stop()
+        daemon.remove_region()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sync_run(model_dir, workdir) -> dict[str, Any]:
+    return _run_mode(model_dir, workdir, "sync")
+
+
+@pytest.fixture(scope="module")
+def async_run(model_dir, workdir) -> dict[str, Any]:
+    return _run_mode(model_dir, workdir, "async", async_scheduling=True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_decode_blocks_are_saved_and_reused_next_turn(mode, request, reference):
+    """Every block the generated tokens complete is stored, in both scheduling modes
+    (async used to store the prompt's block only: the block a placeholder token
+    completes had no hash when its step was planned, and the next step started past
+    it), and the next turn loads them all."""
+    run = request.getfixturevalue(f"{mode}_run")
+    first, second = run["steps"]
+    full_blocks = (len(PROMPT) + DECODE_TOKENS - 1) // BS  # the last token's KV is never computed
+    assert full_blocks == 4
+    assert first["connector"]["worker_saved_blocks"] == full_blocks, run["kvstore_log"]
+    # Turn 2 also stores its own new blocks; turn 1's four are all there.
+    assert run["stored_blocks"] >= full_blocks
+    turn2_len = len(second["prompt_ids"][0])
+    assert turn2_len == len(PROMPT) + DECODE_TOKENS + len(NEXT_TURN)
+    assert second["connector"]["worker_loaded_blocks"] == full_blocks
+    assert second["connector"]["worker_load_failed_blocks"] == 0
+    assert second["num_cached_tokens"] == [full_blocks * BS]
+    assert [s["tokens"] for s in run["steps"]] == [s["tokens"] for s in reference["steps"]]
