@@ -43,11 +43,28 @@ def _turns() -> list[dict[str, Any]]:
             "max_tokens": NEXT_TURN_TOKENS,
             "reset_prefix_cache": True,
         },
+        # Sleep mode's hooks (vLLM 0.33 calls them; called directly here), twice
+        # each (idempotent): unregistered, the connector must not touch the cache
+        # (hits are recomputed) ...
+        {
+            "prompts": [{"ids": NEXT_TURN, "follow_up": True}],
+            "max_tokens": NEXT_TURN_TOKENS,
+            "reset_prefix_cache": True,
+            "connector_calls": ["unregister_kv_caches", "unregister_kv_caches"],
+        },
+        # ... and restored, it maps the cache again and hits.
+        {
+            "prompts": [{"ids": [], "repeat_step": 2}],
+            "max_tokens": NEXT_TURN_TOKENS,
+            "reset_prefix_cache": True,
+            "connector_calls": ["restore_kv_caches", "restore_kv_caches"],
+        },
     ]
 
 
-def _spec(model_dir: Path, address: str | None, **extra: Any) -> dict[str, Any]:
-    spec: dict[str, Any] = {"model_dir": str(model_dir), "steps": _turns(), **extra}
+def _spec(model_dir: Path, address: str | None, num_steps: int = 4, **extra: Any) -> dict[str, Any]:
+    steps = _turns()[:num_steps]
+    spec: dict[str, Any] = {"model_dir": str(model_dir), "steps": steps, **extra}
     if address is not None:
         spec["kv_transfer_config"] = vm.kv_transfer_config(address)
     return spec
@@ -68,13 +85,16 @@ def reference(model_dir, workdir) -> dict[str, Any]:
     return vm.run_once(workdir, "reference", _spec(model_dir, None))
 
 
-def _run_mode(model_dir: Path, workdir: Path, name: str, **extra: Any) -> dict[str, Any]:
+def _run_mode(
+    model_dir: Path, workdir: Path, name: str, num_steps: int = 4, **extra: Any
+) -> dict[str, Any]:
     from kvstore.process import DaemonProcess
 
     daemon = DaemonProcess(workdir / f"d_{name}", tcp=False, dram_bytes=64 << 20)
     daemon.start()
     try:
-        out = vm.run_once(workdir, name, _spec(model_dir, daemon.address, **extra))
+        spec = _spec(model_dir, daemon.address, num_steps, **extra)
+        out = vm.run_once(workdir, name, spec)
         with Client(daemon.address, map_region=False) as c:
             out["stored_blocks"] = c.stats().stored_blocks
     finally:
@@ -90,7 +110,10 @@ def sync_run(model_dir, workdir) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def async_run(model_dir, workdir) -> dict[str, Any]:
-    return _run_mode(model_dir, workdir, "async", async_scheduling=True)
+    # Two turns only: the sleep-mode steps report failed loads, and vLLM 0.32 with
+    # async scheduling forced on the CPU build crashes on that recompute path
+    # (IndexError in the embedding: a placeholder token id reaches the model).
+    return _run_mode(model_dir, workdir, "async", num_steps=2, async_scheduling=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -100,7 +123,7 @@ def test_decode_blocks_are_saved_and_reused_next_turn(mode, request, reference):
     completes had no hash when its step was planned, and the next step started past
     it), and the next turn loads them all."""
     run = request.getfixturevalue(f"{mode}_run")
-    first, second = run["steps"]
+    first, second = run["steps"][:2]
     full_blocks = (len(PROMPT) + DECODE_TOKENS - 1) // BS  # the last token's KV is never computed
     assert full_blocks == 4
     assert first["connector"]["worker_saved_blocks"] == full_blocks, run["kvstore_log"]
@@ -111,4 +134,29 @@ def test_decode_blocks_are_saved_and_reused_next_turn(mode, request, reference):
     assert second["connector"]["worker_loaded_blocks"] == full_blocks
     assert second["connector"]["worker_load_failed_blocks"] == 0
     assert second["num_cached_tokens"] == [full_blocks * BS]
-    assert [s["tokens"] for s in run["steps"]] == [s["tokens"] for s in reference["steps"]]
+    assert [s["tokens"] for s in run["steps"]] == [
+        s["tokens"] for s in reference["steps"][: len(run["steps"])]
+    ]
+
+
+def test_sleep_mode_hooks_drop_the_cache_and_restore_hits(sync_run, reference):
+    run = sync_run
+    turn2, asleep, awake = run["steps"][1:]
+    turn3_len = len(asleep["prompt_ids"][0])
+    assert awake["prompt_ids"] == asleep["prompt_ids"]
+    stored = (len(turn2["prompt_ids"][0]) + NEXT_TURN_TOKENS - 1) // BS  # by turns 1 and 2
+    hit_blocks = min(stored, (turn3_len - 1) // BS)
+    assert hit_blocks == 5
+    # Unregistered: the daemon still answers the lookup, but nothing is copied into
+    # vLLM's cache; every planned load is reported failed and vLLM computes it.
+    assert asleep["kv_caches_registered"] is False
+    assert asleep["connector"]["worker_loaded_blocks"] == 0
+    assert asleep["connector"]["worker_load_failed_blocks"] == hit_blocks
+    assert asleep["connector"]["worker_saved_blocks"] == 0
+    # Restored: mapped again, the same prompt hits.
+    assert awake["kv_caches_registered"] is True
+    assert awake["connector"]["worker_loaded_blocks"] == hit_blocks
+    assert awake["connector"]["worker_load_failed_blocks"] == 0
+    assert awake["num_cached_tokens"] == [hit_blocks * BS]
+    assert asleep["tokens"] == awake["tokens"] == reference["steps"][2]["tokens"]
+    assert reference["steps"][3]["tokens"] == reference["steps"][2]["tokens"]

@@ -268,7 +268,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             _wait_for(step["wait_for"], step.get("wait_timeout_s", 120.0))
         time.sleep(step.get("delay_s", 0.0))
         registered = None
-        if step.get("connector_calls"):
+        if step.get("connector_calls") and spec.get("kv_transfer_config"):
             # Hooks vLLM calls around sleep mode (0.33+), called here directly on
             # the worker's connector: 0.32 has no caller for them.
             from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -290,6 +290,8 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                 # A next turn: the previous step's prompt i and its answer, then ids.
                 prev = results[-1]
                 ids = [*prev["prompt_ids"][i], *prev["tokens"][i], *ids]
+            elif p.get("repeat_step") is not None:
+                ids = list(results[p["repeat_step"]]["prompt_ids"][i])
             prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if p.get("cache_salt"):
                 prompt["cache_salt"] = p["cache_salt"]
