@@ -62,6 +62,42 @@ def _turns() -> list[dict[str, Any]]:
     ]
 
 
+# Speculative decoding: vLLM's ngram proposer (no draft model; runs on the CPU
+# build). Periodic prompts give it n-grams to match; distinct per prompt (token
+# 5), so no two requests share a block and each stored block is one hash. With
+# this model and these prompts (fixed seeds, greedy) some drafts are accepted and
+# most rejected; the test asserts both happen, so a change there fails loudly.
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+_PERIOD = vm.prompt_ids(9, 24)
+SPEC_PROMPTS = [
+    [*p[:5], 400 + i, *p[6:]] for i, p in enumerate((_PERIOD * 4)[: 90 + 7 * i] for i in range(3))
+]
+SPEC_TOKENS = 40
+
+
+def _spec_steps(first: int) -> list[dict[str, Any]]:
+    """Generate; the same prompts again (vLLM's cache emptied: hits from the daemon);
+    then each prompt + its answer + more, which covers every block stored."""
+    return [
+        {"prompts": [{"ids": p} for p in SPEC_PROMPTS], "max_tokens": SPEC_TOKENS},
+        {
+            "prompts": [{"ids": [], "repeat_step": first} for _ in SPEC_PROMPTS],
+            "max_tokens": SPEC_TOKENS,
+            "reset_prefix_cache": True,
+        },
+        {
+            "prompts": [{"ids": [3, 4, 5], "follow_up": True} for _ in SPEC_PROMPTS],
+            "max_tokens": 4,
+            "reset_prefix_cache": True,
+        },
+    ]
+
+
 def _spec(model_dir: Path, address: str | None, num_steps: int = 4, **extra: Any) -> dict[str, Any]:
     steps = _turns()[:num_steps]
     spec: dict[str, Any] = {"model_dir": str(model_dir), "steps": steps, **extra}
@@ -82,7 +118,10 @@ def model_dir(workdir) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir, workdir) -> dict[str, Any]:
-    return vm.run_once(workdir, "reference", _spec(model_dir, None))
+    """No connector, no speculative decoding: the turns, then the spec-decoding steps."""
+    spec = _spec(model_dir, None)
+    spec["steps"] += _spec_steps(len(spec["steps"]))
+    return vm.run_once(workdir, "reference", spec)
 
 
 def _run_mode(
@@ -90,10 +129,14 @@ def _run_mode(
 ) -> dict[str, Any]:
     from kvstore.process import DaemonProcess
 
+    steps = extra.pop("steps", None)
+
     daemon = DaemonProcess(workdir / f"d_{name}", tcp=False, dram_bytes=64 << 20)
     daemon.start()
     try:
         spec = _spec(model_dir, daemon.address, num_steps, **extra)
+        if steps is not None:
+            spec["steps"] = steps
         out = vm.run_once(workdir, name, spec)
         with Client(daemon.address, map_region=False) as c:
             out["stored_blocks"] = c.stats().stored_blocks
@@ -160,3 +203,39 @@ def test_sleep_mode_hooks_drop_the_cache_and_restore_hits(sync_run, reference):
     assert awake["num_cached_tokens"] == [hit_blocks * BS]
     assert asleep["tokens"] == awake["tokens"] == reference["steps"][2]["tokens"]
     assert reference["steps"][3]["tokens"] == reference["steps"][2]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def spec_decode_run(model_dir, workdir) -> dict[str, Any]:
+    return _run_mode(
+        model_dir, workdir, "spec_decode", steps=_spec_steps(0), speculative_config=NGRAM
+    )
+
+
+def test_ngram_speculative_decoding_hits_same_tokens_and_stores_only_readable_blocks(
+    spec_decode_run, reference
+):
+    run = spec_decode_run
+    gen, again, follow = run["steps"]
+    ref = reference["steps"][-3:]
+    # Speculation ran, with drafts both accepted and rejected (the KV of a rejected
+    # draft token is computed and must never be stored under an accepted hash).
+    c = gen["connector"]
+    assert c["spec_decode_num_drafts"] > 0
+    assert 0 < c["spec_decode_num_accepted_tokens"] < c["spec_decode_num_draft_tokens"]
+    # Token-identical to an engine with neither the connector nor speculation.
+    assert [s["tokens"] for s in run["steps"]] == [s["tokens"] for s in ref]
+    # Stores: every full block of each prompt + its accepted tokens, once.
+    blocks = [(len(p) + SPEC_TOKENS - 1) // BS for p in SPEC_PROMPTS]
+    assert gen["connector"]["worker_saved_blocks"] == sum(blocks) == run["stored_blocks"]
+    # Restored prefixes hit (the prompts again, vLLM's own cache emptied).
+    hits = [(len(p) - 1) // BS for p in SPEC_PROMPTS]
+    assert again["num_cached_tokens"] == [h * BS for h in hits]
+    assert again["connector"]["worker_loaded_blocks"] == sum(hits)
+    assert again["connector"]["worker_saved_blocks"] == 0
+    # Every stored block is read: each prompt + its answer loads all its blocks
+    # (distinct hashes: no block is shared), as many as were stored.
+    assert follow["num_cached_tokens"] == [b * BS for b in blocks]
+    assert follow["connector"]["worker_loaded_blocks"] == run["stored_blocks"]
+    for step in run["steps"]:
+        assert step["connector"]["worker_load_failed_blocks"] == 0

@@ -214,6 +214,19 @@ def _connector_counters(llm: Any) -> dict[str, int]:
     return counters
 
 
+def _spec_counters(llm: Any, spec: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's speculative-decoding counters (drafts proposed, accepted), when on."""
+    if not spec.get("speculative_config"):
+        return {}
+    from vllm.v1.metrics.reader import Counter
+
+    return {
+        m.name.removeprefix("vllm:"): int(m.value)
+        for m in llm.get_metrics()
+        if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode")
+    }
+
+
 def _force_async_scheduling() -> None:
     """Keep ``async_scheduling=True`` on the CPU build, as on a default GPU vLLM.
 
@@ -254,6 +267,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
+        kwargs["disable_log_stats"] = False  # for the spec_decode counters
     if spec.get("async_scheduling"):
         _force_async_scheduling()
         kwargs["async_scheduling"] = True
@@ -302,11 +316,11 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                 step.get("kill_after_s", 0.05), os.kill, (step["kill_pid"], signal.SIGKILL)
             )
             killer.start()
-        before = _connector_counters(llm)
+        before = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         t = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
         elapsed_s = time.monotonic() - t
-        after = _connector_counters(llm)
+        after = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         results.append(
             {
                 "prompt_ids": [p["prompt_token_ids"] for p in prompts],
