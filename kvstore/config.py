@@ -336,7 +336,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_ADDRESS",
         "KVSTORE_SECRET",
         "KVSTORE_VLLM_PYTHON",
-        "KVSTORE_VLLM_ANY_VERSION",
+        "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
     }
 )

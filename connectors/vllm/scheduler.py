@@ -14,7 +14,9 @@ Works on vLLM's ``Request`` (``request_id``, ``block_hashes``, ``num_tokens``,
 never held back waiting for the cache.
 
 What is saved: each step, the full blocks a request completes in it
-(``[computed_before // B, computed_after // B)``), and on a request's first
+(``[computed_before // B, computed_after // B)``) that vLLM has hashed, plus
+those of earlier steps that had no hash yet (async scheduling: the token that
+fills a block is a placeholder when the step is planned), and on a request's first
 step every full block it holds, including vLLM's local prefix-cache hits: the
 daemon skips blocks it already has, and a daemon that restarted empty gets the
 engine's hot prefixes back. A load that fails drops that request's saves for
@@ -88,6 +90,11 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     lookup_start: int = 0  # first block asked for in the last lookup
     pending_load: tuple[int, int] | None = None  # (first block, count) to load next step
+    # Blocks [0, save_cursor) have been planned for saving. Under async scheduling
+    # a block's KV can be computed before its hash exists (the token that fills it
+    # is still a placeholder), so the cursor, not num_computed_tokens, says where
+    # the next save starts: such a block is saved on a later step, once hashed.
+    save_cursor: int = 0
 
 
 @dataclass(slots=True)
@@ -189,6 +196,7 @@ class SchedulerSide:
             tracked.block_ids = list(req.block_ids)
             self._plan_load(tracked, plan)
             after = req.num_computed_tokens + num_scheduled_tokens.get(req.req_id, 0)
+            tracked.save_cursor = 0
             self._plan_save(tracked, 0, after, plan)
         for run in running:
             tracked = self._requests.get(run.req_id)
@@ -200,7 +208,13 @@ class SchedulerSide:
                 tracked.block_ids.extend(run.new_block_ids)
             self._plan_load(tracked, plan)
             after = run.num_computed_tokens + num_scheduled_tokens.get(run.req_id, 0)
-            first = 0 if run.resumed else run.num_computed_tokens // self.block_size
+            if run.resumed:
+                first = 0
+            else:
+                # Never past vLLM's computed blocks: after a failed load vLLM rewinds
+                # num_computed_tokens and recomputes (and this saves) from there.
+                first = min(tracked.save_cursor, run.num_computed_tokens // self.block_size)
+            tracked.save_cursor = first
             self._plan_save(tracked, first, after, plan)
         return plan
 
@@ -310,6 +324,7 @@ class SchedulerSide:
             last = min(last, request.num_prompt_tokens // bs)
         if last <= first:
             return
+        tracked.save_cursor = last
         tokens = np.asarray(request.all_token_ids[first * bs : last * bs], dtype=np.int32)
         plan.saves.append(
             SaveSpec(

@@ -1,6 +1,7 @@
 """Worker side of the connector: copy the step's blocks in and out of the daemon.
 
-    register(kv_caches, num_blocks)   learn vLLM's cache layout (once)
+    register(kv_caches, num_blocks)   learn vLLM's cache layout (again after
+                                      unregister(): sleep mode)
     start_step(plan)                  before the forward: pin and load hits
                                       (one PrepareLoad per request), reserve
                                       slots for saves (one PrepareStore per request)
@@ -133,11 +134,26 @@ class WorkerSide:
             # same batched index_select/index_copy_ runs there (device to device).
             self.copier = BlockCopier(kv)
 
+    def unregister(self) -> None:
+        """Forget vLLM's KV cache (sleep mode unmaps it): no pointer into it is kept."""
+        self.kv = None
+        self.copier = None
+
+    @property
+    def registered(self) -> bool:
+        return self.copier is not None
+
     # ------------------------------------------------------------ per step
 
     def start_step(self, plan: StepPlan) -> None:
         """Loads (complete or queued) and save reservations, before the forward."""
         self._step = _Step()
+        if self.copier is None and plan.loads:
+            # No KV cache to load into (unregistered for sleep mode): vLLM must
+            # compute those blocks, not read whatever its cache holds.
+            failed = {int(b) for spec in plan.loads for b in spec.block_ids.tolist()}
+            self.counters.load_failed_blocks += len(failed)
+            self._load_errors |= failed
         if self.copier is None or not plan:
             return
         failed_reqs, failed_ids = self._load(plan)

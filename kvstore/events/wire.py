@@ -1,4 +1,5 @@
-"""KV events on the wire, in vLLM's exact format (``vllm/distributed/kv_events.py``, 0.32).
+"""KV events on the wire, in vLLM's exact format (``vllm/distributed/kv_events.py``, 0.32 and 0.33; tests/unit/test_vllm_interface.py
+compares the fields with 0.33's).
 
 llm-d's indexer, ours and vLLM's own tooling decode the same bytes, so these
 Structs repeat vLLM's field names, order, options and tags exactly: a batch is
@@ -53,6 +54,9 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
+    # vLLM 0.33: the tokens past each block its hash also covers (lookahead
+    # hashing); None (omitted on the wire) when the engine hashes blocks alone.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

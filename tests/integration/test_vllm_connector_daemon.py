@@ -188,6 +188,33 @@ def test_decode_saves_the_completed_block_with_its_parent(daemon):
     assert not plan.saves
 
 
+def test_async_scheduling_saves_a_block_once_its_placeholder_token_is_known(daemon):
+    """Async scheduling plans the step that computes a block's last position while
+    that token is still a placeholder: the block has no hash yet. It is saved on
+    the next step, which starts past it (the old code never saved it)."""
+    eng = Engine(daemon.address, seed=6)
+    prompt, generated = _tokens(6, 2 * BS + 10), _tokens(7, 6)
+    req = Req("a", list(prompt))
+    eng.prefill(req, [0, 1, 2])
+    # Step computing position 47 (block 2's last): token 47 is a placeholder, so
+    # the request holds 47 tokens and 2 block hashes.
+    req.all_token_ids = [*prompt, *generated[:5]]
+    req.rehash()
+    assert len(req.block_hashes) == 2
+    plan = eng.step(running=[RunningRequest("a", None, False, 3 * BS - 1)], scheduled={"a": 1})
+    assert not plan.saves
+    # Next step: token 47 is known (block 2 hashed); vLLM has computed 48 tokens.
+    req.all_token_ids = [*prompt, *generated]
+    req.rehash()
+    plan = eng.step(running=[RunningRequest("a", None, False, 3 * BS)], scheduled={"a": 1})
+    (save,) = plan.saves
+    assert save.block_ids.tolist() == [2]
+    assert save.parent_block_hash == req.int_hashes()[1]
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
+    # Saved once: the step after plans nothing.
+    assert not eng.step(running=[RunningRequest("a", None, False, 3 * BS + 1)], scheduled={"a": 1})
+
+
 def test_resumed_request_takes_its_new_blocks(daemon):
     eng = Engine(daemon.address, seed=5)
     req = Req("p", _tokens(5, 3 * BS))

@@ -214,6 +214,39 @@ def _connector_counters(llm: Any) -> dict[str, int]:
     return counters
 
 
+def _spec_counters(llm: Any, spec: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's speculative-decoding counters (drafts proposed, accepted), when on."""
+    if not spec.get("speculative_config"):
+        return {}
+    from vllm.v1.metrics.reader import Counter
+
+    return {
+        m.name.removeprefix("vllm:"): int(m.value)
+        for m in llm.get_metrics()
+        if isinstance(m, Counter) and m.name.startswith("vllm:spec_decode")
+    }
+
+
+def _force_async_scheduling() -> None:
+    """Keep ``async_scheduling=True`` on the CPU build, as on a default GPU vLLM.
+
+    vLLM's CPU platform hook turns async scheduling off ("not required on CPU")
+    after the engine arguments are read; the scheduler and model runner paths it
+    selects are the platform-independent ones, so re-enabling it after the hook
+    runs the GPU default's scheduling on the CPU.
+    """
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    hook = platform_cls.check_and_update_config  # bound to the class
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        hook(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+
+
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Run the steps of ``spec`` in one vLLM engine; results per step and prompt."""
     from vllm import LLM, SamplingParams
@@ -232,13 +265,32 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("speculative_config"):
+        kwargs["speculative_config"] = spec["speculative_config"]
+        kwargs["disable_log_stats"] = False  # for the spec_decode counters
+    if spec.get("async_scheduling"):
+        _force_async_scheduling()
+        kwargs["async_scheduling"] = True
     llm = LLM(**kwargs)
+    if spec.get("async_scheduling"):
+        sched_config = llm.llm_engine.vllm_config.scheduler_config
+        assert sched_config.async_scheduling, "async scheduling did not stay on"
     startup_s = time.monotonic() - t0
     results = []
     for step in spec["steps"]:
         if step.get("wait_for"):
             _wait_for(step["wait_for"], step.get("wait_timeout_s", 120.0))
         time.sleep(step.get("delay_s", 0.0))
+        registered = None
+        if step.get("connector_calls") and spec.get("kv_transfer_config"):
+            # Hooks vLLM calls around sleep mode (0.33+), called here directly on
+            # the worker's connector: 0.32 has no caller for them.
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            group = get_kv_transfer_group()
+            for name in step["connector_calls"]:
+                getattr(group, name)()
+            registered = group.kv_caches_registered
         if step.get("reset_prefix_cache"):
             # Forget vLLM's own prefix cache: the next hit can only come from the connector.
             llm.reset_prefix_cache()
@@ -246,8 +298,15 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
             temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True
         )
         prompts = []
-        for p in step["prompts"]:
-            prompt: dict[str, Any] = {"prompt_token_ids": p["ids"]}
+        for i, p in enumerate(step["prompts"]):
+            ids = list(p["ids"])
+            if p.get("follow_up"):
+                # A next turn: the previous step's prompt i and its answer, then ids.
+                prev = results[-1]
+                ids = [*prev["prompt_ids"][i], *prev["tokens"][i], *ids]
+            elif p.get("repeat_step") is not None:
+                ids = list(results[p["repeat_step"]]["prompt_ids"][i])
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if p.get("cache_salt"):
                 prompt["cache_salt"] = p["cache_salt"]
             prompts.append(prompt)
@@ -257,17 +316,19 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
                 step.get("kill_after_s", 0.05), os.kill, (step["kill_pid"], signal.SIGKILL)
             )
             killer.start()
-        before = _connector_counters(llm)
+        before = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         t = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
         elapsed_s = time.monotonic() - t
-        after = _connector_counters(llm)
+        after = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         results.append(
             {
+                "prompt_ids": [p["prompt_token_ids"] for p in prompts],
                 "tokens": [list(o.outputs[0].token_ids) for o in outs],
                 "num_cached_tokens": [o.num_cached_tokens for o in outs],
                 "connector": {k: after[k] - before.get(k, 0) for k in after},
                 "elapsed_s": elapsed_s,
+                "kv_caches_registered": registered,
             }
         )
         if step.get("done_file"):

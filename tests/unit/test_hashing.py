@@ -9,9 +9,11 @@ shows; the ``vllm`` tests compare against vLLM's own functions.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -192,6 +194,46 @@ def test_bad_input_is_rejected_precisely():
 def test_max_blocks_bounds_work():
     h = BlockHasher(16)
     assert len(h.hash_tokens(np.zeros(16 * 100, dtype=np.int64), max_blocks=3)) == 3
+
+
+# --- vLLM 0.33's lookahead hashes ---------------------------------------------------
+
+_LOOKAHEAD_VECTORS = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "vllm" / "lookahead_vectors.json"
+)
+
+
+def test_lookahead_hashes_match_vllm_033_vectors():
+    """Vectors from vLLM 0.33's own get_request_block_hasher(num_hash_lookahead_tokens)
+    over real Requests (scripts/vllm_lookahead_vectors.py): sha256 and sha256_cbor,
+    L = 0, 1, 3, with and without a cache salt, lengths that leave the last block
+    with all, part or none of its lookahead tokens."""
+    fx = json.loads(_LOOKAHEAD_VECTORS.read_text())
+    assert len(fx["cases"]) == 36
+    for case in fx["cases"]:
+        # vLLM's default NONE_HASH seed (the vectors were made without PYTHONHASHSEED).
+        hasher = BlockHasher(case["block_size"], case["algo"], none_hash_seed="vllm-none-hash")
+        ours = hasher.hash_tokens(
+            fx["tokens"][: case["num_tokens"]],
+            cache_salt=case["cache_salt"],
+            lookahead_tokens=case["lookahead_tokens"],
+        )
+        assert [h.hex() for h in ours] == case["hashes"], case
+
+
+def test_lookahead_hashes_differ_and_wait_for_their_tokens():
+    h = BlockHasher(16)
+    toks = list(range(2, 2 + 16 * 3))
+    legacy = h.hash_tokens(toks)
+    ahead = h.hash_tokens(toks, lookahead_tokens=1)
+    assert len(legacy) == 3 and len(ahead) == 2  # block 3 has no next token yet
+    assert not set(legacy) & set(ahead)
+    # A block's lookahead hash depends on the tokens after it, its legacy one does not.
+    other = h.hash_tokens([*toks[:16], 999, *toks[17:]], lookahead_tokens=1)
+    assert other[0] != ahead[0] and h.hash_tokens([*toks[:16], 999])[0] == legacy[0]
+    for bad in (-1, 1.5):
+        with pytest.raises(InvalidRequest, match="lookahead_tokens"):
+            h.hash_tokens(toks, lookahead_tokens=bad)  # type: ignore[arg-type]
 
 
 # --- against vLLM itself ---------------------------------------------------------
