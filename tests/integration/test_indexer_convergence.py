@@ -36,6 +36,10 @@ BLOCK_BYTES = 4096
 CONVERGE_BOUND_S = 30.0
 
 
+# The daemons' cluster secret: the indexer presents it on its Snapshot calls.
+SECRET = "convergence-secret"
+
+
 class FaultyProxy:
     """SUB from a daemon's PUB, PUB to the indexer; drops / reorders on command."""
 
@@ -168,6 +172,8 @@ def cluster(daemon_factory) -> Iterator[list[Node]]:
             "events.replay_address": f"tcp://127.0.0.1:{free_port()}",
             "events.buffer_batches": 8,  # small: most gaps outlive the replay buffer
             "server.tcp_address": f"127.0.0.1:{free_port()}",
+            # Snapshot is a data call over TCP: it needs the cluster secret.
+            "peer.secret": SECRET,
         }
         d = daemon_factory(name, settings=s)
         nodes.append(Node(d, s, FaultyProxy(str(s["events.publish_address"]), seed=i)))
@@ -182,6 +188,7 @@ def _indexer_config(nodes: list[Node], **kw: object) -> IndexerConfig:
         tail_check_s=0.5,
         snapshot_interval_s=0.0,
         node_gone_s=3600.0,
+        cluster_secret=SECRET,
         **kw,  # type: ignore[arg-type]
     )
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.client import Client
 from kvstore.events.publisher import ZmqEventPublisher
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -44,13 +45,19 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "") 
     raise AssertionError(f"{what or 'condition'} not reached within {timeout_s:.1f}s")
 
 
+# Snapshot is a data call over TCP, so it needs the cluster secret: the daemons
+# here have this one, and the indexers present it unless a test says otherwise.
+SECRET = "s3cret"
+
+
 def daemon_settings(**extra: object) -> dict[str, object]:
-    """Fixed ports (port 0 is not reported for events yet), so a restart keeps them."""
+    """Fixed ports, so a restart keeps them."""
     return {
         "events.enabled": True,
         "events.publish_address": f"tcp://127.0.0.1:{free_port()}",
         "events.replay_address": f"tcp://127.0.0.1:{free_port()}",
         "server.tcp_address": f"127.0.0.1:{free_port()}",
+        "peer.secret": SECRET,
         **extra,
     }
 
@@ -82,6 +89,7 @@ def indexers() -> Iterator[Callable[..., Indexer]]:
     made: list[Indexer] = []
 
     def make(sources: list[SourceSpec], **kw: object) -> Indexer:
+        kw.setdefault("cluster_secret", SECRET)
         ix = Indexer(IndexerConfig(sources=sources, **kw))  # type: ignore[arg-type]
         ix.start()
         made.append(ix)
@@ -458,7 +466,9 @@ def test_snapshot_rpc_is_consistent_with_the_event_stream(daemon_factory):
     with grpc.insecure_channel(str(s["server.tcp_address"])) as ch:
         chunks = list(
             store_pb2_grpc.StoreServiceStub(ch).Snapshot(
-                store_pb2.SnapshotRequest(max_hashes_per_message=4), timeout=10
+                store_pb2.SnapshotRequest(max_hashes_per_message=4),
+                timeout=10,
+                metadata=((SECRET_METADATA_KEY, SECRET),),
             )
         )
     assert chunks[-1].done and all(not c.done for c in chunks[:-1])
@@ -487,7 +497,7 @@ def test_staleness_shows_on_metrics_and_kvstore_status(daemon_factory, tmp_path)
     d = daemon_factory("node-a", settings=s)
     put_one_by_one(d, chain(2))
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    env = {**os.environ, "PYTHONPATH": root}
+    env = {**os.environ, "PYTHONPATH": root, "KVSTORE_SECRET": SECRET}
     src = (
         f"node=node-a,endpoint={s['events.publish_address']},"
         f"replay_endpoint={s['events.replay_address']},snapshot_address={s['server.tcp_address']}"
