@@ -621,3 +621,38 @@ def test_models_report_first_blocks_hashed_with_another_seed(daemon_factory, ind
         assert got == {"same": (1, 0), "seeded": (1, 1)}
     finally:
         server.stop(0)
+
+
+# --- supervision: a dead ingestion thread ---------------------------------------------
+
+
+class _ThreadKilled(BaseException):
+    """What no handler in the thread catches (as SystemExit or a C extension's
+    fatal error would): the thread dies."""
+
+
+def test_a_dead_ingestion_thread_is_restarted_and_catches_up(daemon_factory, indexers):
+    """Supervision: a thread that dies is restarted (counted, logged), follows every
+    source its predecessor followed, and catches up through a snapshot."""
+    s = daemon_settings()
+    d = daemon_factory("node-a", settings=s)
+    first, later = chain(4), chain(6, seed=3)
+    put_one_by_one(d, first)
+    ix = indexers([source_for("node-a", s)])
+    wait_for(lambda: prefix(ix, "tiny", first, "node-a") == 4, what="first chain")
+    sub = ix.subscriber
+    turn = sub._turn  # fault injection: the next turn kills the thread
+    killed = []
+
+    def die_once(poller):  # type: ignore[no-untyped-def]
+        if not killed:
+            killed.append(True)
+            raise _ThreadKilled()
+        return turn(poller)
+
+    sub._turn = die_once  # type: ignore[method-assign]
+    wait_for(lambda: sub.stats.thread_restarts == 1, what="the thread restarted")
+    put_one_by_one(d, later)  # stored after the death: the new thread must see them
+    wait_for(lambda: prefix(ix, "tiny", later, "node-a") == 6, what="ingestion resumed")
+    assert prefix(ix, "tiny", first, "node-a") == 4
+    assert sub.alive and ix.health()[0], ix.health()
