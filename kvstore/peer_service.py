@@ -338,10 +338,11 @@ class PeerNode:
             await self.puller.pull(ns_id, hashes, address, timeout_s)
         except (errors.Unavailable, errors.BackendError, errors.DataCorruption) as exc:
             log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
-        except errors.CapacityExhausted as exc:
+        except (errors.CapacityExhausted, errors.PermissionDenied) as exc:
             if exc.status_code is None:
                 raise  # no room on this daemon: the caller hears of it, as before
-            # The peer is out of pins (its answer, over gRPC): as good as busy.
+            # The peer's own answer over gRPC: out of pins (as good as busy), or it
+            # refused our secret (a misconfigured peer: loud, but the hint is advice).
             log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
 
     @property

@@ -503,6 +503,15 @@ def test_peer_hint_failures_leave_the_local_answer(peer_daemon, daemon_factory) 
         assert time.monotonic() - t < 3.0  # bounded, and the answer is the local prefix
         with pytest.raises(InvalidRequest, match="unknown peer"):
             cb.lookup(ns, [1, 2, 3], peer_hint="no-such-node")
+    # A hinted peer that refuses our secret (misconfigured): the local answer too.
+    other = peer_daemon("node-other", secret="another-secret")
+    put(other, [1, 2, 3], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        assert cb.lookup(ns, [1, 2, 3], peer_hint=other.tcp_address).prefix_blocks == 2
+        h = cb.prepare_load(ns, [1, 2, 3], peer_hint=other.tcp_address)
+        assert h.found == 2
+        cb.release(h)
     plain = daemon_factory("plain")  # peer transfer off
     with Client(plain.address) as c:
         ns = c.declare_namespace(make_spec(block))
