@@ -62,38 +62,43 @@ class _Unparsed:
         self.nbytes = nbytes
 
 
-class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
-    """Unparseable requests get INVALID_ARGUMENT instead of UNKNOWN plus a traceback."""
+class _Guard:
+    """What both interceptors share: the guarded deserializer of one method, the
+    refusal's message, and one wrapped handler per method."""
 
-    def __init__(self, parse_log: RateLimitedLog | None = None) -> None:
+    def __init__(self, parse_log: RateLimitedLog | None) -> None:
         self.parse_log = parse_log or RateLimitedLog(log)
         self._wrapped: dict[str, tuple[Any, Any]] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
+    def wrapped(self, handler: Any, method: str) -> Any:
         # One wrapped handler per method, not one per call (building it per call
         # cost ~4% of a one-block Lookup); only registered methods get this far.
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(handler, method)
+        wrapped = handler if handler.request_deserializer is None else self._wrap(handler, method)
         if len(self._wrapped) < MAX_CACHED_METHODS:
             self._wrapped[method] = (handler, wrapped)
         return wrapped
 
-    def _wrap(self, handler: Any, method: str) -> Any:
-        if handler.request_deserializer is None:
-            return handler
+    def _refusal(self, request: _Unparsed, method: str, type_name: str) -> errors.InvalidRequest:
+        self.parse_log.warning(
+            "refused a request to %s that does not parse as %s (%d bytes): %s",
+            method,
+            type_name,
+            request.nbytes,
+            request.error,
+        )
+        return errors.InvalidRequest(
+            f"request to {method} does not parse as {type_name} ({request.nbytes} bytes)"
+        )
+
+    @staticmethod
+    def _parsers(handler: Any) -> tuple[Callable[[bytes], Any], str]:
         parse = handler.request_deserializer
         message_class = getattr(parse, "__self__", None)
         descriptor = getattr(message_class, "DESCRIPTOR", None)
         type_name = getattr(descriptor, "full_name", "the request message")
-        parse_log = self.parse_log
 
         def guarded_parse(data: bytes) -> Any:
             try:
@@ -101,20 +106,18 @@ class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
             except Exception as exc:  # any failure to parse is the caller's bytes
                 return _Unparsed(exc, len(data))
 
+        return guarded_parse, type_name
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        raise NotImplementedError
+
+
+class _AsyncGuard(_Guard):
+    def _wrap(self, handler: Any, method: str) -> Any:
+        guarded_parse, type_name = self._parsers(handler)
+
         async def refuse(request: _Unparsed, context: grpc.aio.ServicerContext) -> None:
-            parse_log.warning(
-                "refused a request to %s that does not parse as %s (%d bytes): %s",
-                method,
-                type_name,
-                request.nbytes,
-                request.error,
-            )
-            await errors.abort(
-                context,
-                errors.InvalidRequest(
-                    f"request to {method} does not parse as {type_name} ({request.nbytes} bytes)"
-                ),
-            )
+            await errors.abort(context, self._refusal(request, method, type_name))
 
         if handler.unary_unary is not None:
             behaviour = handler.unary_unary
@@ -145,3 +148,54 @@ class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+class _SyncGuard(_Guard):
+    def _wrap(self, handler: Any, method: str) -> Any:
+        if handler.unary_unary is None:
+            return handler
+        guarded_parse, type_name = self._parsers(handler)
+        behaviour = handler.unary_unary
+
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Unparsed):
+                errors.abort_sync(context, self._refusal(request, method, type_name))
+            return behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary,
+            request_deserializer=guarded_parse,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class ParseGuardInterceptor(grpc.aio.ServerInterceptor):
+    """Unparseable requests get INVALID_ARGUMENT instead of UNKNOWN plus a traceback."""
+
+    def __init__(self, parse_log: RateLimitedLog | None = None) -> None:
+        self._guard = _AsyncGuard(parse_log)
+        self.parse_log = self._guard.parse_log
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._guard.wrapped(handler, handler_call_details.method)
+
+
+class SyncParseGuardInterceptor(grpc.ServerInterceptor):
+    """ParseGuardInterceptor for a thread-pool ``grpc.server`` (the indexer's)."""
+
+    def __init__(self, parse_log: RateLimitedLog | None = None) -> None:
+        self._guard = _SyncGuard(parse_log)
+        self.parse_log = self._guard.parse_log
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        return self._guard.wrapped(handler, handler_call_details.method)

@@ -54,6 +54,7 @@ from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.seedcheck import SeedVerdict
 from kvstore.indexer.subscriber import SourceSpec, SourceStatus, Subscriber
+from kvstore.rpc_guard import SyncParseGuardInterceptor
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -493,6 +494,8 @@ def serve(indexer: Indexer, address: str) -> tuple[grpc.Server, int]:
             ("grpc.max_receive_message_length", max_msg),
             ("grpc.max_send_message_length", 64 << 20),
         ],
+        # bytes that are not the method's message: INVALID_ARGUMENT, not INTERNAL
+        interceptors=[SyncParseGuardInterceptor()],
     )
     indexer_pb2_grpc.add_IndexerServiceServicer_to_server(IndexerServicer(indexer), server)
     health_servicer = health.HealthServicer()

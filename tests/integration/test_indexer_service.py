@@ -310,3 +310,19 @@ def test_bad_config_exits_2(tmp_path):
         timeout=60,
     )
     assert printed.returncode == 0 and '"endpoint": "tcp://127.0.0.1:5557"' in printed.stdout
+
+
+def test_unparseable_requests_get_invalid_argument(stack, caplog):
+    """Bytes that are not the method's message: INVALID_ARGUMENT naming the type (it
+    was INTERNAL, with a traceback per call), rate-limited in the log; still serving."""
+    _pub, _ix, stub, channel = stack
+    for method in ("Score", "RegisterNode", "ListNodes"):
+        call = channel.unary_unary(f"/kvstore.v1.IndexerService/{method}")
+        for _ in range(10):
+            with pytest.raises(grpc.RpcError) as info:
+                call(b"\xff" * 64, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+            assert "does not parse as kvstore.v1." in info.value.details()
+    assert stub.ListNodes(indexer_pb2.ListNodesRequest(), timeout=5).sources
+    refusals = [r for r in caplog.records if "does not parse" in r.getMessage()]
+    assert 1 <= len(refusals) <= 2  # 30 refusals, one or two lines
