@@ -187,6 +187,15 @@ class RouterConfig(_Section):
     OpenAI server, "http://host:port" or "unix:/path/to.sock"."""
     indexer: str = ""
     """host:port of the indexer's gRPC Score. "" = no cache signal (load decides)."""
+    backends_from_indexer: bool = False
+    """Also route to the nodes the indexer lists (ListNodes) with an engine_url on a
+    source (configured --source ...,engine_url=... or RegisterNode). The static backends
+    win for a node in both. Needs indexer."""
+    backends_refresh_s: float = 5.0
+    """How often the indexer's node list is read (each read bounded by connect_timeout_s;
+    a failed read keeps the last list)."""
+    max_backends: int = 256
+    """Most backends taken from the indexer (beyond, the rest by node id are left out, logged)."""
     daemons: dict[str, str] = msgspec.field(default_factory=dict)
     """Node id -> that node's daemon gRPC address (host:port or unix:path). A node whose
     daemon's health is not SERVING (draining for a restart, down) leaves the candidates
@@ -445,8 +454,12 @@ def validate(config: Config) -> None:
         problems.append("router: queue_max and low_max_wait_s must be > 0")
     if bool(r.prefill) != bool(r.decode):
         problems.append("router: prefill and decode go together (both lists, or neither)")
+    if r.backends_from_indexer and not r.indexer:
+        problems.append("router.backends_from_indexer needs router.indexer")
+    if r.backends_refresh_s <= 0 or r.max_backends <= 0:
+        problems.append("router: backends_refresh_s and max_backends must be > 0")
     for node in [*r.prefill, *r.decode]:
-        if node not in r.backends:
+        if node not in r.backends and not r.backends_from_indexer:
             problems.append(f"router: prefill/decode node {node!r} is not in router.backends")
     if set(r.prefill) & set(r.decode):
         problems.append("router: a node cannot be both prefill and decode")

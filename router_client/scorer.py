@@ -106,6 +106,21 @@ class AsyncIndexClient:
             raise score_error(e) from None
         return score_result(resp)
 
+    async def engines(self, deadline_s: float) -> dict[str, str]:
+        """Node -> engine URL of the indexer's sources that name one (ListNodes).
+
+        A node with several sources naming different URLs keeps the first by
+        endpoint order (the indexer lists them sorted). Raises the indexer's error."""
+        try:
+            resp = await self._stub.ListNodes(indexer_pb2.ListNodesRequest(), timeout=deadline_s)
+        except grpc.RpcError as e:
+            raise score_error(e) from None
+        out: dict[str, str] = {}
+        for info in resp.sources:
+            if info.source.engine_url:
+                out.setdefault(info.source.node, info.source.engine_url)
+        return out
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--source",
         action="append",
         default=[],
-        metavar="node=N,endpoint=tcp://H:P[,replay_endpoint=tcp://H:P][,kind=engine,model=M]",
+        metavar="node=N,endpoint=tcp://H:P[,replay_endpoint=tcp://H:P][,kind=engine,model=M]"
+        "[,engine_url=http://H:P]",
         help="an event stream to follow (repeatable; adds to the config file's sources)",
     )
     parser.add_argument(

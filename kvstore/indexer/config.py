@@ -123,7 +123,7 @@ def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
 
 def parse_source(text: str) -> SourceSpec:
     """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,snapshot_address=h:p]
-    [,kind=engine,model=M]``."""
+    [,kind=engine,model=M][,engine_url=http://h:p]``."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")

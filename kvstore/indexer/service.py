@@ -366,6 +366,7 @@ def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
         kind=src.kind or "daemon",
         model=src.model,
         snapshot_address=src.snapshot_address,
+        engine_url=src.engine_url,
     )
 
 
@@ -469,6 +470,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                         kind=s.kind,
                         model=s.model,
                         snapshot_address=s.snapshot_address,
+                        engine_url=s.engine_url,
                     ),
                     registered=reg,
                     expires_in_s=exp,

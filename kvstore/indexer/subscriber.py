@@ -124,6 +124,9 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     snapshot_address: str = ""
     """A daemon's gRPC host:port for StoreService.Snapshot; "" = no snapshots
     (a lost batch the replay buffer no longer has is then lost for good)."""
+    engine_url: str = ""
+    """The node's engine OpenAI server (http://host:port or unix:PATH), listed by
+    ListNodes for routers that take their backends from the indexer; "" = none."""
 
     def check(self) -> None:
         if not self.node or "@" in self.node:
@@ -141,6 +144,11 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         addr = self.snapshot_address
         if addr and not addr.startswith("unix:") and ":" not in addr:
             raise ConfigError(f"snapshot_address must be host:port or unix:PATH; got {addr!r}")
+        url = self.engine_url
+        if url and not (
+            url.startswith(("http://", "https://")) or (url.startswith("unix:") and len(url) > 5)
+        ):
+            raise ConfigError(f"engine_url must be http(s)://host:port or unix:PATH; got {url!r}")
 
     @property
     def key(self) -> str:

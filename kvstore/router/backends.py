@@ -16,13 +16,14 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvstore.errors import KVStoreError
 from router_client.policy import NodeLoad
 
 log = logging.getLogger("kvstore.router")
@@ -122,8 +123,17 @@ def _base_and_connector(url: str) -> tuple[str, aiohttp.BaseConnector]:
     return url.rstrip("/"), aiohttp.TCPConnector(limit=0)
 
 
+Discover = Callable[[], Awaitable[dict[str, str]]]
+"""Node -> engine URL from a catalog (the indexer's ListNodes)."""
+
+
 class Fleet:
-    """Every configured engine; ``candidates(model)`` are the healthy ones serving it."""
+    """Every configured engine; ``candidates(model)`` are the healthy ones serving it.
+
+    With ``discover``, the engines it lists join too (re-read every ``refresh_s``,
+    at most ``max_discovered``): a node that leaves the list leaves the fleet; its
+    HTTP session is closed once its in-flight requests end. Static backends win
+    for a node in both."""
 
     def __init__(
         self,
@@ -142,27 +152,101 @@ class Fleet:
         self.capacity = capacity
         self.backends: dict[str, Backend] = {}
         self._task: asyncio.Task[None] | None = None
+        self._refresh_task: asyncio.Task[None] | None = None
+        self._discover: Discover | None = None
+        self.refresh_s = 5.0
+        self.max_discovered = 256
+        self._discovered: set[str] = set()
+        self._retired: list[Backend] = []
+        """Backends that left the list, kept until their in-flight requests end."""
 
-    async def start(self) -> None:
+    def _add(self, node: str, url: str) -> Backend:
+        base, conn = _base_and_connector(url)
+        b = self.backends[node] = Backend(
+            node=node,
+            url=url,
+            base=base,
+            session=aiohttp.ClientSession(connector=conn),
+            daemon=self._daemons.get(node, ""),
+        )
+        return b
+
+    async def start(
+        self, discover: Discover | None = None, *, refresh_s: float = 5.0, max_discovered: int = 256
+    ) -> None:
         for node in sorted(self._spec):
-            url = self._spec[node]
-            base, conn = _base_and_connector(url)
-            self.backends[node] = Backend(
-                node=node,
-                url=url,
-                base=base,
-                session=aiohttp.ClientSession(connector=conn),
-                daemon=self._daemons.get(node, ""),
-            )
+            self._add(node, self._spec[node])
+        self._discover, self.refresh_s, self.max_discovered = discover, refresh_s, max_discovered
+        if discover is not None:
+            await self.refresh()
         await self.scrape_all()
         self._task = asyncio.create_task(self._loop())
+        if discover is not None:
+            self._refresh_task = asyncio.create_task(self._refresh_loop())
+
+    async def refresh(self) -> None:
+        """Re-read the catalog: new nodes join (scraped at once), gone ones leave."""
+        assert self._discover is not None
+        try:
+            found = await self._discover()
+        except KVStoreError as e:  # keep the last list: the indexer may be restarting
+            log.warning("reading the backends from the indexer failed (list kept): %s", e)
+            return
+        wanted: dict[str, str] = {}
+        for node in sorted(found):
+            url = found[node]
+            if node in self._spec:
+                continue
+            if not url.startswith(("http://", "https://", "unix:")):
+                log.warning(
+                    "indexer lists node %s with engine_url %r: not a URL, ignored", node, url
+                )
+                continue
+            if len(wanted) >= self.max_discovered:
+                log.warning(
+                    "the indexer lists more than max_backends = %d engines: %d left out",
+                    self.max_discovered,
+                    len(found) - len(wanted),
+                )
+                break
+            wanted[node] = url
+        for node in sorted(self._discovered):
+            b = self.backends[node]
+            if wanted.get(node) != b.url:
+                log.info("backend %s (%s) left the indexer's list", node, b.url)
+                del self.backends[node]
+                self._discovered.discard(node)
+                self._retired.append(b)
+        fresh = []
+        for node, url in wanted.items():
+            if node not in self.backends:
+                log.info("backend %s (%s) joins from the indexer's list", node, url)
+                fresh.append(self._add(node, url))
+                self._discovered.add(node)
+        await asyncio.gather(*(self._scrape(b) for b in fresh))
+        still = []
+        for b in self._retired:
+            if b.inflight:
+                still.append(b)
+            else:
+                await b.session.close()
+        self._retired = still
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not stop the list from being re-read
+                log.exception("refreshing backends from the indexer failed")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for b in self.backends.values():
+        for t in (self._task, self._refresh_task):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+        for b in [*self.backends.values(), *self._retired]:
             await b.session.close()
         for ch in self._channels.values():
             await ch.close()

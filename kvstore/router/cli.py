@@ -33,8 +33,11 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         sys.stdout.write(to_toml(config))
         return 0
-    if not config.router.backends:
-        raise ConfigError("router.backends is empty: give at least one node id -> engine URL")
+    if not config.router.backends and not config.router.backends_from_indexer:
+        raise ConfigError(
+            "router.backends is empty: give at least one node id -> engine URL"
+            " (or router.backends_from_indexer = true)"
+        )
     setup_logging(config.log.level, config.log.format)
     from kvstore.router.proxy import serve
 

@@ -112,6 +112,8 @@ class Router:
         self.policy = Policy(load_weight=config.load_weight, peer_weight=config.peer_weight)
         self.strategy = make_strategy(config.strategy, policy=self.policy)
         self._index: AsyncIndexClient | None = None
+        self._catalog: AsyncIndexClient | None = None
+        """The indexer's ListNodes, with backends_from_indexer."""
         self._hashes: PrefixHashCache | None = None
         self._inflight = 0
         self.flow = FlowControl(
@@ -137,11 +139,22 @@ class Router:
     # -- lifecycle -------------------------------------------------------------
 
     async def _start(self, app: web.Application) -> None:
-        await self.fleet.start()
+        c = self.config
+        if c.backends_from_indexer:
+            catalog = self._catalog = AsyncIndexClient(c.indexer, deadline_s=c.connect_timeout_s)
+            await self.fleet.start(
+                lambda: catalog.engines(c.connect_timeout_s),
+                refresh_s=c.backends_refresh_s,
+                max_discovered=c.max_backends,
+            )
+        else:
+            await self.fleet.start()
         self._ensure_hasher()
 
     async def _stop(self, app: web.Application) -> None:
         await self.fleet.close()
+        if self._catalog is not None:
+            await self._catalog.close()
         if self._index is not None:
             await self._index.close()
 

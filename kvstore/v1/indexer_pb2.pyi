@@ -51,20 +51,22 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., request_blocks: _Optional[int] = ...) -> None: ...
 
 class EventSource(_message.Message):
-    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address")
+    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address", "engine_url")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     replay_endpoint: str
     kind: str
     model: str
     snapshot_address: str
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ...) -> None: ...
+    engine_url: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ..., engine_url: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("source", "ttl_s", "owner_token")

@@ -1,0 +1,301 @@
+"""`kvstore router` high availability and backends registered at the indexer.
+
+Real components: `kvstore serve` daemons publishing events (port 0, bound
+addresses read from their ready line), a real `redis-server`, `kvstore indexer`
+processes on it (`--backend redis`), `kvstore router` processes, HTTP clients.
+
+The engines are the minimal real HTTP engine of ``_engine_http`` (``/metrics``,
+``/v1/models``, ``/tokenize``, ``/v1/completions``), not vLLM: what is under test
+is the router's decision, which comes from the indexers' Score over Redis and the
+engines' load gauges, and its forwarding; no model is needed for either. The
+engine path itself is tested on vLLM CPU servers in test_router_vllm.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from kvstore.client import Client
+from kvstore.hashing import BlockHasher
+from kvstore.indexer.config import IndexerConfig
+from kvstore.indexer.service import Indexer, serve
+from kvstore.indexer.subscriber import SourceSpec
+from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+from tests.conftest import make_spec
+from tests.integration._engine_http import Engine
+from tests.integration._redis import redis_server  # noqa: F401  (pytest fixture)
+from tests.integration.test_router_vllm import Http, start_router, stop
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("aiohttp") is None, reason="aiohttp missing"),
+    pytest.mark.timeout(300),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+BS = 16
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def start_indexer(tmp: Path, name: str, args: list[str]) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "kvstore", "indexer", "--address", "127.0.0.1:0", *args]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with open(tmp / f"{name}.log", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if not line and proc.poll() is not None:
+            raise AssertionError(
+                f"indexer exited {proc.returncode}: {(tmp / f'{name}.log').read_text()}"
+            )
+        m = re.search(r"listening on ([\d.]+:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    raise AssertionError("indexer did not start")
+
+
+def completion(ids: list[int]) -> dict:
+    return {"model": "tiny", "prompt": ids, "max_tokens": 1}
+
+
+def healthy(r: Http) -> list[str]:
+    _, data = r.get("/health")
+    return sorted(json.loads(data)["healthy_backends"])
+
+
+def test_two_routers_on_two_indexers_over_one_redis_decide_alike_and_survive_a_kill(
+    daemon_factory,
+    redis_server,  # noqa: F811
+    tmp_path,
+):
+    """Two indexers follow the same two daemons into one Redis (one answers Score
+    from its mirror of Redis, the other reads Redis directly); a router on each,
+    taking its backends from its own indexer. Given the same state (the daemons'
+    blocks, the engines' load gauges), both choose the same engine for the same
+    request, for the reason expected. One router killed (SIGKILL) between a
+    client's requests: the client, retrying on connection refused, has every
+    later request served by the other."""
+    events = {
+        "events.enabled": True,
+        "events.publish_address": "tcp://127.0.0.1:0",
+        "events.replay_address": "tcp://127.0.0.1:0",
+    }
+    daemons = {n: daemon_factory(n, tcp=True, settings=events) for n in ("node-a", "node-b")}
+    engines = {n: Engine(n) for n in daemons}
+    procs: list[subprocess.Popen] = []
+    try:
+        sources = []
+        for n, d in daemons.items():
+            pub, rep = d.info["events_publish_address"], d.info["events_replay_address"]
+            assert not pub.endswith(":0") and not rep.endswith(":0")
+            sources += [
+                "--source",
+                f"node={n},endpoint={pub},replay_endpoint={rep},engine_url={engines[n].url}",
+            ]
+        direct = tmp_path / "direct.toml"
+        direct.write_text('[indexer]\nredis_read = "direct"\n')
+        redis_args = ["--backend", "redis", "--redis-url", redis_server.url, *sources]
+        ix1, addr1 = start_indexer(tmp_path, "indexer-1", redis_args)
+        procs.append(ix1)
+        ix2, addr2 = start_indexer(tmp_path, "indexer-2", ["--config", str(direct), *redis_args])
+        procs.append(ix2)
+        routers = []
+        for i, addr in enumerate((addr1, addr2)):
+            settings = {
+                "indexer": addr,
+                "backends_from_indexer": "true",
+                "backends_refresh_s": "0.2",
+                "scrape_interval_s": "0.1",
+                "decision_deadline_s": "5",  # a loaded 2-core box; a fallback fails the test
+            }
+            proc, r = start_router(tmp_path, f"router-{i}", settings)
+            procs.append(proc)
+            routers.append(r)
+        for r in routers:
+            wait_for(lambda r=r: healthy(r) == ["node-a", "node-b"], 30, "backends from indexer")
+
+        rng = np.random.default_rng(7)
+        tokens = [int(t) for t in rng.integers(0, 30_000, 24 * BS)]
+        hashes = BlockHasher(BS).hash_tokens_int(np.array(tokens))
+        blocks = np.zeros((24, 4096), dtype=np.uint8)
+        clients = {n: Client(d.address) for n, d in daemons.items()}
+        ns = {n: c.declare_namespace(make_spec(4096, model="tiny")) for n, c in clients.items()}
+        try:
+            assert clients["node-a"].put(ns["node-a"], hashes[:20], blocks[:20]).stored == 20
+            assert clients["node-b"].put(ns["node-b"], hashes[:8], blocks[:8]).stored == 8
+
+            def decide(ids: list[int]) -> list[tuple[str, str]]:
+                out = []
+                for r in routers:
+                    status, headers, body = r.post("/v1/completions", completion(ids))
+                    assert status == 200, body
+                    # forwarded where it says
+                    assert body["choices"][0]["text"] == headers["x-kvstore-backend"]
+                    out.append((headers["x-kvstore-backend"], headers["x-kvstore-route"]))
+                return out
+
+            # 1. node-a holds the longer prefix: both indexers see it in Redis.
+            wait_for(
+                lambda: decide(tokens) == [("node-a", "prefix")] * 2, 30, "both route by prefix"
+            )
+            # The index both read is Redis's: both nodes have ids there, and
+            # indexer-2 (redis_read = "direct") answers every Score from it.
+            r_ = redis.Redis.from_url(redis_server.url)
+            assert sorted(r_.hkeys("kvidx:nodes")) == [b"node-a", b"node-b"]
+            r_.close()
+            # 2. node-a loses most of it; node-b gets more: both follow.
+            clients["node-a"].delete(ns["node-a"], hashes[4:20])
+            assert clients["node-b"].put(ns["node-b"], hashes[8:16], blocks[8:16]).stored == 8
+            wait_for(lambda: decide(tokens) == [("node-b", "prefix")] * 2, 30, "both follow")
+            # 3. a prompt nobody holds, node-b's engine loaded: load decides, alike.
+            engines["node-b"].running = 6.0
+            fresh = [int(t) for t in rng.integers(0, 30_000, 6 * BS)]
+            wait_for(lambda: decide(fresh) == [("node-a", "load")] * 2, 30, "both by load")
+        finally:
+            for c in clients.values():
+                c.close()
+
+        # Failover: a client with both routers' addresses, retrying on refused.
+        served_before = sum(e.served() for e in engines.values())
+        paused, resume = threading.Event(), threading.Event()
+        results: list[int] = []
+        refused = [0]
+
+        def client() -> None:
+            for i in range(8):
+                if i == 3:
+                    paused.set()
+                    resume.wait(30)
+                ids = [int(t) for t in rng.integers(0, 30_000, 3 * BS)]
+                for r in routers:
+                    try:
+                        status, _, _ = r.post("/v1/completions", completion(ids))
+                    except ConnectionRefusedError:
+                        refused[0] += 1
+                        continue
+                    results.append(status)
+                    break
+                else:
+                    results.append(0)
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert paused.wait(60)
+        procs[2].kill()  # router-0, no graceful stop
+        procs[2].wait(10)
+        resume.set()
+        t.join(120)
+        assert results == [200] * 8, results
+        assert refused[0] == 5  # every request after the kill went to router-1 after one refusal
+        assert sum(e.served() for e in engines.values()) - served_before == 8
+    finally:
+        for p in procs:
+            stop(p)
+        for e in engines.values():
+            e.close()
+
+
+def test_router_takes_backends_registered_at_the_indexer(tmp_path):
+    """A node registered over the indexer's gRPC with an engine_url joins the
+    router's backends within a refresh, is routed to, and leaves when it
+    unregisters; a configured source's engine_url is listed too; the router's
+    static list wins for a node in both; a bad engine_url is refused at
+    registration."""
+    engines = {n: Engine(n) for n in ("node-a", "node-b", "node-c")}
+    ix = Indexer(
+        IndexerConfig(
+            sources=[
+                SourceSpec(
+                    node="node-a",
+                    endpoint="tcp://127.0.0.1:9",  # nothing publishes: a catalog entry only
+                    engine_url=engines["node-a"].url,
+                ),
+                SourceSpec(
+                    node="node-c", endpoint="tcp://127.0.0.1:9", engine_url="http://127.0.0.1:9"
+                ),
+            ]
+        )
+    )
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    proc = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = indexer_pb2_grpc.IndexerServiceStub(ch)
+            listed = {
+                i.source.node: i.source.engine_url
+                for i in stub.ListNodes(indexer_pb2.ListNodesRequest()).sources
+            }
+            assert listed == {"node-a": engines["node-a"].url, "node-c": "http://127.0.0.1:9"}
+            with pytest.raises(grpc.RpcError) as bad:
+                stub.RegisterNode(
+                    indexer_pb2.RegisterNodeRequest(
+                        source=indexer_pb2.EventSource(
+                            node="node-x", endpoint="tcp://127.0.0.1:9", engine_url="ftp://x"
+                        )
+                    )
+                )
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "engine_url" in (bad.value.details() or "")
+
+            settings = {
+                "indexer": f"127.0.0.1:{port}",
+                "backends_from_indexer": "true",
+                "backends_refresh_s": "0.2",
+                "scrape_interval_s": "0.1",
+                # static wins over the indexer's (unreachable) URL for node-c
+                "backends.node-c": engines["node-c"].url,
+                "strategy": "round-robin",
+            }
+            proc, r = start_router(tmp_path, "router", settings)
+            wait_for(lambda: healthy(r) == ["node-a", "node-c"], 30, "configured + static")
+
+            src = indexer_pb2.EventSource(
+                node="node-b", endpoint="tcp://127.0.0.1:9", engine_url=engines["node-b"].url
+            )
+            token = stub.RegisterNode(indexer_pb2.RegisterNodeRequest(source=src)).owner_token
+            wait_for(lambda: healthy(r) == ["node-a", "node-b", "node-c"], 30, "registered joins")
+            seen = set()
+            for _ in range(6):
+                status, headers, body = r.post("/v1/completions", completion([1, 2, 3]))
+                assert status == 200, body
+                assert body["choices"][0]["text"] == headers["x-kvstore-backend"]
+                seen.add(headers["x-kvstore-backend"])
+            assert seen == {"node-a", "node-b", "node-c"}
+            assert engines["node-b"].served() == 2
+
+            stub.UnregisterNode(indexer_pb2.UnregisterNodeRequest(node="node-b", owner_token=token))
+            wait_for(lambda: healthy(r) == ["node-a", "node-c"], 30, "unregistered leaves")
+            before = engines["node-b"].served()
+            for _ in range(4):
+                status, headers, _ = r.post("/v1/completions", completion([1, 2, 3]))
+                assert status == 200 and headers["x-kvstore-backend"] != "node-b"
+            assert engines["node-b"].served() == before
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.stop(0)
+        ix.close()
+        for e in engines.values():
+            e.close()
