@@ -168,10 +168,20 @@ def test_two_routers_on_two_indexers_over_one_redis_decide_alike_and_survive_a_k
             clients["node-a"].delete(ns["node-a"], hashes[4:20])
             assert clients["node-b"].put(ns["node-b"], hashes[8:16], blocks[8:16]).stored == 8
             wait_for(lambda: decide(tokens) == [("node-b", "prefix")] * 2, 30, "both follow")
-            # 3. a prompt nobody holds, node-b's engine loaded: load decides, alike.
-            engines["node-b"].running = 6.0
+            # 3. a prompt nobody holds, node-a's engine loaded: load decides, alike
+            # (node-a would win the tie on its name). Asked once, after both have
+            # scraped the load: a first answer is remembered (affinity).
+            engines["node-a"].running = 6.0
+            for r in routers:
+                wait_for(
+                    lambda r=r: (
+                        'engine_requests{backend="node-a"} 6.0' in r.get("/metrics")[1].decode()
+                    ),
+                    30,
+                    "load scraped",
+                )
             fresh = [int(t) for t in rng.integers(0, 30_000, 6 * BS)]
-            wait_for(lambda: decide(fresh) == [("node-a", "load")] * 2, 30, "both by load")
+            assert decide(fresh) == [("node-b", "load")] * 2
         finally:
             for c in clients.values():
                 c.close()
