@@ -500,10 +500,22 @@ class Client:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | np.ndarray | None = None,
+        chains: Sequence[tuple[int, int | None]] | None = None,
     ) -> int:
+        """Commit the lease's blocks (``hashes``; None = all of them).
+
+        ``chains``: ``(blocks, parent_block_hash)`` runs of ``hashes`` that are
+        each one sequence (one BlockStored event each, parent first), for a
+        commit holding several requests' blocks; ``token_ids`` follow ``hashes``.
+        """
         if not handle.lease_id:
             return 0
         request = pb.CommitStoreRequest(lease_id=handle.lease_id)
+        for count, parent in chains or ():
+            chain = request.chains.add(blocks=count)
+            if parent is not None:
+                chain.has_parent_block_hash = True
+                chain.parent_block_hash = parent
         if hashes is not None:
             request.block_hashes = pack_hashes(hashes)
         if parent_block_hash is not None:

@@ -385,8 +385,18 @@ class BlockManager:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | None = None,
+        chains: Sequence[tuple[int, int | None]] | None = None,
         owner: str = "",
     ) -> int:
+        """Make a store lease's blocks loadable; what is not committed is freed.
+
+        ``chains``: ``(blocks, parent_block_hash)`` runs splitting the committed
+        blocks (``hashes``' order, or the lease's when ``hashes`` is empty) into
+        sequences, one BlockStored event each, in order: a step's saves from
+        several requests committed in one call still reach consumers that
+        re-hash tokens (llm-d) as chains with their parents. ``token_ids`` then
+        follow that order.
+        """
         lease = self._lease(lease_id, LeaseKind.STORE, owner)
         ns = lease.namespace
         if hashes:
@@ -408,6 +418,10 @@ class BlockManager:
                 f"token_ids has {len(token_ids)} ids; expected {len(to_commit)} blocks x "
                 f"{ns.block_size_tokens} tokens"
             )
+        order: Sequence[int] = hashes if hashes else [b.block_hash for b in lease.blocks]
+        if chains is not None:
+            # checked before anything changes: a bad request loses nothing
+            _check_chains(chains, order, len(to_commit))
         self.leases.pop(lease_id, owner)
         committed_set = set(map(id, to_commit))
         # A lease's blocks are all in one tier: the one prepare_store was asked for.
@@ -425,7 +439,20 @@ class BlockManager:
             else:
                 self._free_pending(block)
         self.counters.stored_blocks += len(to_commit)
-        if to_commit:
+        if to_commit and chains:
+            bs = ns.block_size_tokens
+            start = 0
+            for count, parent in chains:
+                end = start + count
+                self.sink.blocks_stored(
+                    ns,
+                    order[start:end],
+                    tier.medium,
+                    parent,
+                    token_ids[start * bs : end * bs] if token_ids else None,
+                )
+                start = end
+        elif to_commit:
             self.sink.blocks_stored(
                 ns,
                 [b.block_hash for b in to_commit],
@@ -1014,3 +1041,20 @@ class BlockManager:
             await self.disk.close()
         if self.gpu is not None:
             await self.gpu.aclose()
+
+
+def _check_chains(
+    chains: Sequence[tuple[int, int | None]], order: Sequence[int], committed: int
+) -> None:
+    total = 0
+    for count, _ in chains:
+        if count <= 0:
+            raise InvalidRequest(f"every chain of a commit needs >= 1 block; got {count}")
+        total += count
+    if total != len(order):
+        raise InvalidRequest(f"the commit's chains hold {total} blocks; it commits {len(order)}")
+    if committed != len(order):
+        raise InvalidRequest(
+            f"a commit with chains lists {len(order)} hashes but {committed} distinct "
+            "blocks of the lease: each block once"
+        )

@@ -300,11 +300,16 @@ class StoreService(pb_grpc.StoreServiceServicer):
             hashes = self._hashes(request.block_hashes) if request.block_hashes else None
             tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
             parent = request.parent_block_hash if request.has_parent_block_hash else None
+            chains = [
+                (c.blocks, c.parent_block_hash if c.has_parent_block_hash else None)
+                for c in request.chains
+            ]
             n = self.manager.commit_store(
                 request.lease_id,
                 hashes,
                 parent_block_hash=parent,
                 token_ids=tokens,
+                chains=chains or None,
                 owner=caller_of(context),
             )
             return pb.CommitStoreResponse(committed=n)

@@ -132,6 +132,35 @@ def test_commit_rules(make_manager):
         m.commit_store(load.lease_id)
 
 
+def test_commit_with_chains_sends_one_event_per_chain_in_the_given_order(make_manager):
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))  # 16 tokens per block
+    plan = m.prepare_store(ns.namespace_id, [1, 2, 3, 4, 5])
+    toks = list(range(5 * 16))
+    bad = [
+        ([(2, None), (2, 1)], "hold 4 blocks"),  # the chains miss a block
+        ([(0, None), (5, None)], ">= 1 block"),
+    ]
+    for chains, msg in bad:
+        with pytest.raises(InvalidRequest, match=msg):
+            m.commit_store(plan.lease_id, [3, 4, 1, 2, 5], token_ids=toks, chains=chains)
+    with pytest.raises(InvalidRequest, match="each block once"):
+        m.commit_store(plan.lease_id, [1, 1, 2], chains=[(3, None)])
+    assert m.sink_record.events == []  # the refused commits changed nothing
+    # the caller's order, not the lease's: parents first
+    assert (
+        m.commit_store(
+            plan.lease_id, [3, 4, 1, 2, 5], token_ids=toks, chains=[(2, 9), (2, None), (1, 2)]
+        )
+        == 5
+    )
+    assert m.sink_record.events == [
+        ("stored", [3, 4], "CPU", 9, toks[:32]),
+        ("stored", [1, 2], "CPU", None, toks[32:64]),
+        ("stored", [5], "CPU", 2, toks[64:]),
+    ]
+
+
 def test_unknown_namespace_and_limits(make_manager):
     m = make_manager(limits__max_blocks_per_request=4)
     with pytest.raises(NamespaceNotFound):
