@@ -438,3 +438,36 @@ def test_positional_events_from_older_engines_reach_the_index(make_indexer):
         assert st.unknown_events == 1 and st.malformed == 0 and st.resyncs == 0
     finally:
         raw.close()
+
+
+def test_topic_ids_name_each_engine_in_the_topic(publishers):
+    """events.topic_ids: llm-d names an engine by its topic (its serving address:port)."""
+    for bad in (["a@b"], ["x:1", "x:1"], [""]):
+        with pytest.raises(ConfigError, match="topic"):
+            publishers("a", topic_ids=bad)
+    pub = publishers("a", topic_ids=["10.0.0.5:8000", "10.0.0.6:8000"])
+    pub.blocks_stored(NS(), H(1, 2), "CPU", None, list(range(32)))
+    wait_for(lambda: pub.published_batches >= 4)  # 2 start-of-life clears + 2 stores
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.append((topic, [type(e).__name__ for e in KVEventBatch_dec.decode(payload).events]))
+    finally:
+        dealer.close()
+    assert got == [
+        (b"kv@10.0.0.5:8000@", ["AllBlocksCleared"]),
+        (b"kv@10.0.0.6:8000@", ["AllBlocksCleared"]),
+        (b"kv@10.0.0.5:8000@m", ["BlockStored"]),
+        (b"kv@10.0.0.6:8000@m", ["BlockStored"]),
+    ]
+
+
+KVEventBatch_dec = msgspec.msgpack.Decoder(KVEventBatch)
