@@ -400,46 +400,13 @@ def test_a_forward_that_outlives_its_store_leases_changes_no_other_block(daemon_
 POD_ID = "10.0.0.5:8000"  # the engine's serving address:port, llm-d's pod id
 
 
-class _EventTap:
-    """A raw ZMQ SUB on a daemon's PUB, as llm-d's precise-prefix scorer has one."""
-
-    def __init__(self, daemon, endpoint: str, prefix: bytes) -> None:
-        import zmq
-
-        self.sub = zmq.Context.instance().socket(zmq.SUB)
-        self.sub.setsockopt(zmq.SUBSCRIBE, prefix)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.connect(endpoint)
-        self.frames: list[list[bytes]] = []
-        # PUB/SUB joins late: store probe blocks until one of their events arrives
-        with Client(daemon.address) as c:
-            from tests.conftest import make_spec
-
-            ns = c.declare_namespace(make_spec(BLOCK_BYTES, model="probe"))
-            deadline = time.monotonic() + 15
-            for i in range(10_000):
-                assert time.monotonic() < deadline, "no event reached the subscriber"
-                c.put(ns, [9_000_000 + i], np.zeros((1, BLOCK_BYTES), np.uint8))
-                if self.sub.poll(50):
-                    break
-
-    def collect(self, until, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not until():
-            assert time.monotonic() < deadline, "the expected events did not arrive"
-            if self.sub.poll(50):
-                self.frames.append(self.sub.recv_multipart())
-
-    def close(self) -> None:
-        self.sub.close(linger=0)
-
-
 def test_llmd_consumer_gets_one_chain_per_request_with_tokens_parent_first(daemon_factory):
     """Issue 23: three requests saved in one step reached the stream as one
     BlockStored with every hash, token_ids [] and no parent, under the daemon's
     node id: llm-d's scorer, which names the engine by the topic and re-hashes
     token ids from the parent, could place none of them."""
     from kvstore.events.wire import AllBlocksCleared, BlockStored, full_decoder
+    from tests.integration._events import EventTap
     from tests.integration._redis import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -451,7 +418,7 @@ def test_llmd_consumer_gets_one_chain_per_request_with_tokens_parent_first(daemo
             "events.topic_ids": POD_ID,
         }
     )
-    tap = _EventTap(daemon, endpoint, f"kv@{POD_ID}@".encode())
+    tap = EventTap(daemon.address, endpoint, f"kv@{POD_ID}@".encode(), BLOCK_BYTES)
     try:
         eng = Engine(daemon.address, seed=31)
         shared = _tokens(31, 2 * BS)
