@@ -86,6 +86,15 @@ _TIER_OF = attrgetter("tier")
 MAX_EXPIRED_PER_PASS = 4096
 
 
+@dataclass(frozen=True, slots=True)
+class StoreChain:
+    """Consecutive committed blocks that continue one another (one BlockStored event)."""
+
+    blocks: int
+    parent_block_hash: int | None = None
+    token_ids: Sequence[int] | None = None  # block_size_tokens per block, or None
+
+
 @dataclass(slots=True)
 class StorePlan:
     lease_id: int
@@ -385,17 +394,17 @@ class BlockManager:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | None = None,
-        chains: Sequence[tuple[int, int | None]] | None = None,
+        chains: Sequence[StoreChain] | None = None,
         owner: str = "",
     ) -> int:
         """Make a store lease's blocks loadable; what is not committed is freed.
 
-        ``chains``: ``(blocks, parent_block_hash)`` runs splitting the committed
-        blocks (``hashes``' order, or the lease's when ``hashes`` is empty) into
-        sequences, one BlockStored event each, in order: a step's saves from
+        ``chains``: runs splitting the committed blocks (``hashes``' order, or
+        the lease's when ``hashes`` is empty) into sequences, one BlockStored
+        event each, in order, each with its own parent and tokens (then
+        ``parent_block_hash``/``token_ids`` must be None): a step's saves from
         several requests committed in one call still reach consumers that
-        re-hash tokens (llm-d) as chains with their parents. ``token_ids`` then
-        follow that order.
+        re-hash tokens from the parent (llm-d) as chains.
         """
         lease = self._lease(lease_id, LeaseKind.STORE, owner)
         ns = lease.namespace
@@ -421,7 +430,11 @@ class BlockManager:
         order: Sequence[int] = hashes if hashes else [b.block_hash for b in lease.blocks]
         if chains is not None:
             # checked before anything changes: a bad request loses nothing
-            _check_chains(chains, order, len(to_commit))
+            if parent_block_hash is not None or token_ids:
+                raise InvalidRequest(
+                    "a commit with chains carries parents and token ids per chain, not overall"
+                )
+            _check_chains(chains, order, len(to_commit), ns.block_size_tokens)
         self.leases.pop(lease_id, owner)
         committed_set = set(map(id, to_commit))
         # A lease's blocks are all in one tier: the one prepare_store was asked for.
@@ -440,16 +453,11 @@ class BlockManager:
                 self._free_pending(block)
         self.counters.stored_blocks += len(to_commit)
         if to_commit and chains:
-            bs = ns.block_size_tokens
             start = 0
-            for count, parent in chains:
-                end = start + count
+            for chain in chains:
+                end = start + chain.blocks
                 self.sink.blocks_stored(
-                    ns,
-                    order[start:end],
-                    tier.medium,
-                    parent,
-                    token_ids[start * bs : end * bs] if token_ids else None,
+                    ns, order[start:end], tier.medium, chain.parent_block_hash, chain.token_ids
                 )
                 start = end
         elif to_commit:
@@ -1044,12 +1052,18 @@ class BlockManager:
 
 
 def _check_chains(
-    chains: Sequence[tuple[int, int | None]], order: Sequence[int], committed: int
+    chains: Sequence[StoreChain], order: Sequence[int], committed: int, block_size: int
 ) -> None:
     total = 0
-    for count, _ in chains:
+    for chain in chains:
+        count = chain.blocks
         if count <= 0:
             raise InvalidRequest(f"every chain of a commit needs >= 1 block; got {count}")
+        if chain.token_ids is not None and len(chain.token_ids) != count * block_size:
+            raise InvalidRequest(
+                f"a chain's token_ids has {len(chain.token_ids)} ids; expected {count} blocks x "
+                f"{block_size} tokens"
+            )
         total += count
     if total != len(order):
         raise InvalidRequest(f"the commit's chains hold {total} blocks; it commits {len(order)}")
