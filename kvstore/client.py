@@ -500,12 +500,39 @@ class Client:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | np.ndarray | None = None,
+        chains: Sequence[tuple[int, int | None]] | None = None,
     ) -> int:
+        """Commit the lease's blocks (``hashes``; None = all of them).
+
+        ``chains``: ``(blocks, parent_block_hash)`` runs of ``hashes`` that are
+        each one sequence (one BlockStored event each, in order), for a commit
+        holding several requests' blocks; ``token_ids`` follow ``hashes`` and
+        travel split per chain (``parent_block_hash`` must then be None).
+        """
         if not handle.lease_id:
             return 0
         request = pb.CommitStoreRequest(lease_id=handle.lease_id)
         if hashes is not None:
             request.block_hashes = pack_hashes(hashes)
+        if chains:
+            if parent_block_hash is not None:
+                raise errors.InvalidRequest("with chains, each chain names its own parent")
+            packed = b"" if token_ids is None else np.asarray(token_ids, dtype="<i4").tobytes()
+            total = sum(n for n, _ in chains)
+            if total <= 0 or len(packed) % total:
+                raise errors.InvalidRequest(
+                    f"{len(packed) // 4} token ids do not split evenly over {total} blocks"
+                )
+            per_block = len(packed) // total
+            start = 0
+            for count, parent in chains:
+                chain = request.chains.add(blocks=count)
+                if parent is not None:
+                    chain.has_parent_block_hash = True
+                    chain.parent_block_hash = parent
+                chain.token_ids = packed[start : start + count * per_block]
+                start += count * per_block
+            token_ids = None
         if parent_block_hash is not None:
             request.has_parent_block_hash = True
             request.parent_block_hash = parent_block_hash

@@ -121,6 +121,14 @@ class EventsConfig(_Section):
     """Batches queued for the sender thread before new ones are dropped (counted)."""
     max_events_per_batch: int = 256
     """Events coalesced into one batch."""
+    topic_ids: str = ""
+    """Who the events name in their topic `kv@<id>@<model>`, comma-separated; "" =
+    node_id. For llm-d's precise-prefix scorer: the serving address:port of each engine
+    that loads from this daemon (llm-d's pod id, e.g. "10.0.0.5:8000"); every event is
+    sent once per id (docs/events-indexer.md)."""
+
+    def topic_id_list(self) -> list[str]:
+        return [t.strip() for t in self.topic_ids.split(",") if t.strip()]
 
 
 class DiskConfig(_Section):
@@ -438,6 +446,11 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    bad_ids = [t for t in config.events.topic_id_list() if "@" in t]
+    if bad_ids:
+        problems.append(
+            f"events.topic_ids may not contain '@' (topics are kv@<id>@<model>): {bad_ids}"
+        )
     r = config.router
     if r.decision_deadline_s <= 0 or r.scrape_interval_s <= 0 or r.connect_timeout_s <= 0:
         problems.append("router: decision_deadline_s, scrape_interval_s, connect_timeout_s > 0")

@@ -86,6 +86,15 @@ _TIER_OF = attrgetter("tier")
 MAX_EXPIRED_PER_PASS = 4096
 
 
+@dataclass(frozen=True, slots=True)
+class StoreChain:
+    """Consecutive committed blocks that continue one another (one BlockStored event)."""
+
+    blocks: int
+    parent_block_hash: int | None = None
+    token_ids: Sequence[int] | None = None  # block_size_tokens per block, or None
+
+
 @dataclass(slots=True)
 class StorePlan:
     lease_id: int
@@ -385,8 +394,18 @@ class BlockManager:
         *,
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | None = None,
+        chains: Sequence[StoreChain] | None = None,
         owner: str = "",
     ) -> int:
+        """Make a store lease's blocks loadable; what is not committed is freed.
+
+        ``chains``: runs splitting the committed blocks (``hashes``' order, or
+        the lease's when ``hashes`` is empty) into sequences, one BlockStored
+        event each, in order, each with its own parent and tokens (then
+        ``parent_block_hash``/``token_ids`` must be None): a step's saves from
+        several requests committed in one call still reach consumers that
+        re-hash tokens from the parent (llm-d) as chains.
+        """
         lease = self._lease(lease_id, LeaseKind.STORE, owner)
         ns = lease.namespace
         if hashes:
@@ -408,6 +427,14 @@ class BlockManager:
                 f"token_ids has {len(token_ids)} ids; expected {len(to_commit)} blocks x "
                 f"{ns.block_size_tokens} tokens"
             )
+        order: Sequence[int] = hashes if hashes else [b.block_hash for b in lease.blocks]
+        if chains is not None:
+            # checked before anything changes: a bad request loses nothing
+            if parent_block_hash is not None or token_ids:
+                raise InvalidRequest(
+                    "a commit with chains carries parents and token ids per chain, not overall"
+                )
+            _check_chains(chains, order, len(to_commit), ns.block_size_tokens)
         self.leases.pop(lease_id, owner)
         committed_set = set(map(id, to_commit))
         # A lease's blocks are all in one tier: the one prepare_store was asked for.
@@ -425,7 +452,15 @@ class BlockManager:
             else:
                 self._free_pending(block)
         self.counters.stored_blocks += len(to_commit)
-        if to_commit:
+        if to_commit and chains:
+            start = 0
+            for chain in chains:
+                end = start + chain.blocks
+                self.sink.blocks_stored(
+                    ns, order[start:end], tier.medium, chain.parent_block_hash, chain.token_ids
+                )
+                start = end
+        elif to_commit:
             self.sink.blocks_stored(
                 ns,
                 [b.block_hash for b in to_commit],
@@ -1014,3 +1049,26 @@ class BlockManager:
             await self.disk.close()
         if self.gpu is not None:
             await self.gpu.aclose()
+
+
+def _check_chains(
+    chains: Sequence[StoreChain], order: Sequence[int], committed: int, block_size: int
+) -> None:
+    total = 0
+    for chain in chains:
+        count = chain.blocks
+        if count <= 0:
+            raise InvalidRequest(f"every chain of a commit needs >= 1 block; got {count}")
+        if chain.token_ids is not None and len(chain.token_ids) != count * block_size:
+            raise InvalidRequest(
+                f"a chain's token_ids has {len(chain.token_ids)} ids; expected {count} blocks x "
+                f"{block_size} tokens"
+            )
+        total += count
+    if total != len(order):
+        raise InvalidRequest(f"the commit's chains hold {total} blocks; it commits {len(order)}")
+    if committed != len(order):
+        raise InvalidRequest(
+            f"a commit with chains lists {len(order)} hashes but {committed} distinct "
+            "blocks of the lease: each block once"
+        )

@@ -20,7 +20,7 @@ import numpy as np
 from kvstore import __version__, errors
 from kvstore.auth import CLIENT_ID_METADATA_KEY
 from kvstore.events.sink import SequencedSink
-from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
+from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager, StoreChain
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
 from kvstore.v1 import store_pb2 as pb
@@ -300,11 +300,20 @@ class StoreService(pb_grpc.StoreServiceServicer):
             hashes = self._hashes(request.block_hashes) if request.block_hashes else None
             tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
             parent = request.parent_block_hash if request.has_parent_block_hash else None
+            chains = [
+                StoreChain(
+                    c.blocks,
+                    c.parent_block_hash if c.has_parent_block_hash else None,
+                    unpack_i32(c.token_ids, "chains.token_ids") if c.token_ids else None,
+                )
+                for c in request.chains
+            ]
             n = self.manager.commit_store(
                 request.lease_id,
                 hashes,
                 parent_block_hash=parent,
                 token_ids=tokens,
+                chains=chains or None,
                 owner=caller_of(context),
             )
             return pb.CommitStoreResponse(committed=n)

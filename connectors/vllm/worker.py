@@ -65,17 +65,26 @@ class _SaveBatch:
     block_hashes: np.ndarray  # uint64, distinct
     block_ids: np.ndarray  # int64
     token_ids: np.ndarray  # int32, block_size per block
-    parent_block_hash: int | None  # when the batch is one request's chain
-    single_chain: bool
+    # per block: the hash of the block before it in its request (parents[i] is
+    # meaningless where has_parent[i] is False: a request's first block)
+    parents: np.ndarray  # uint64
+    has_parent: np.ndarray  # bool
     handle: StoreHandle | None = None
     allocated: np.ndarray | None = None  # indices of the blocks to write
     generation: int = -1  # the daemon connection the slots belong to
 
     @classmethod
     def of(cls, tenant: str, specs: list[SaveSpec], block_size: int) -> _SaveBatch:
+        parents = np.concatenate([_parents_of(s) for s in specs])
+        has_parent = np.concatenate(
+            [
+                np.r_[s.parent_block_hash is not None, np.ones(len(s.block_hashes) - 1, bool)]
+                for s in specs
+            ]
+        )
         if len(specs) == 1:
             s = specs[0]
-            return cls(tenant, s.block_hashes, s.block_ids, s.token_ids, s.parent_block_hash, True)
+            return cls(tenant, s.block_hashes, s.block_ids, s.token_ids, parents, has_parent)
         hashes = np.concatenate([s.block_hashes for s in specs])
         # Two requests can complete the same block in one step: store it once.
         _, first = np.unique(hashes, return_index=True)
@@ -86,9 +95,57 @@ class _SaveBatch:
             hashes[keep],
             np.concatenate([s.block_ids for s in specs])[keep],
             tokens[keep].reshape(-1),
-            None,
-            False,
+            parents[keep],
+            has_parent[keep],
         )
+
+
+def _parents_of(spec: SaveSpec) -> np.ndarray:
+    first = 0 if spec.parent_block_hash is None else spec.parent_block_hash
+    return np.r_[np.uint64(first), spec.block_hashes[:-1]].astype(np.uint64)
+
+
+def chain_order(
+    hashes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int | None]]]:
+    """Split blocks into chains (each block's parent is the one before it) and
+    order the chains parent first: ``(permutation of the blocks, [(blocks,
+    parent hash or None)])``.
+
+    A step's blocks come from several requests (and the copies two requests
+    share are kept once, at the first), so one request's blocks may follow
+    another's child of them; consumers that place a block by its parent
+    (llm-d) need every parent before its children.
+    """
+    n = len(hashes)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), []
+    cont = has_parent[1:] & (parents[1:] == hashes[:-1])
+    starts = np.r_[0, np.flatnonzero(~cont) + 1]
+    ends = np.r_[starts[1:], n]
+    block_at = {h: i for i, h in enumerate(hashes.tolist())}
+    segment = np.repeat(np.arange(len(starts)), ends - starts).tolist()
+    order: list[int] = []
+    done = [False] * len(starts)
+    for k in range(len(starts)):
+        # emit the oldest ancestor segment not yet emitted, until k itself is
+        while not done[k]:
+            j, seen = k, {k}
+            while True:
+                first = int(starts[j])
+                up = block_at.get(int(parents[first])) if has_parent[first] else None
+                if up is None or done[segment[up]] or segment[up] in seen:
+                    break  # (a cycle can only come from colliding hashes)
+                j = segment[up]
+                seen.add(j)
+            done[j] = True
+            order.append(j)
+    perm = np.concatenate([np.arange(starts[j], ends[j]) for j in order])
+    chains = [
+        (int(ends[j] - starts[j]), int(parents[starts[j]]) if has_parent[starts[j]] else None)
+        for j in order
+    ]
+    return perm, chains
 
 
 @dataclass(slots=True)
@@ -370,20 +427,24 @@ class WorkerSide:
     def _commit(self, batch: _SaveBatch) -> None:
         handle, idx = batch.handle, batch.allocated
         assert handle is not None and idx is not None
-        hashes = batch.block_hashes[idx]
-        parent: int | None = None
-        tokens: np.ndarray | None = None
-        first, last = int(idx[0]), int(idx[-1]) + 1
-        if batch.single_chain and last - first == len(idx):
-            # One request's contiguous run: the daemon's BlockStored event gets
-            # its parent and tokens, as vLLM's own events carry them. (A batch
-            # of several requests is not one chain: its event has hashes only.)
-            bs = self.layout.block_size_tokens
-            parent = int(batch.block_hashes[first - 1]) if first > 0 else batch.parent_block_hash
-            tokens = batch.token_ids[first * bs : last * bs]
+        # Every commit carries its blocks' tokens and parents, split into chains
+        # ordered parent first, so the daemon's BlockStored events are what
+        # vLLM's own are: one per sequence, tokens included (llm-d re-hashes them).
+        perm, chains = chain_order(
+            batch.block_hashes[idx], batch.parents[idx], batch.has_parent[idx]
+        )
+        sel = idx[perm]
+        hashes = batch.block_hashes[sel]
+        bs = self.layout.block_size_tokens
+        tokens = batch.token_ids.reshape(-1, bs)[sel].reshape(-1)
+        parent = chains[0][1] if len(chains) == 1 else None
+        # one chain: the plain fields, which daemons without chain support read too
+        multi = chains if len(chains) > 1 else None
         committed = self.session.call(
             "commit store",
-            lambda c: c.commit_store(handle, hashes, parent_block_hash=parent, token_ids=tokens),
+            lambda c: c.commit_store(
+                handle, hashes, parent_block_hash=parent, token_ids=tokens, chains=multi
+            ),
             retry=False,
         )
         if committed is None:

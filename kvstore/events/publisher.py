@@ -6,7 +6,10 @@ One sender thread owns both sockets, because ZMQ sockets are not
 thread-safe:
 
 - PUB: frames ``(topic, seq u64 BE, payload)``, topic ``kv@<node>@<model>``
-  (``kv@<node>@`` for a clear of every model). Consecutive events of one topic
+  (``kv@<node>@`` for a clear of every model); ``<node>`` is each of
+  ``topic_ids`` (default the node id): llm-d names an engine by its topic, so
+  each engine served from this daemon can get the events under its own
+  ``address:port``. Consecutive events of one topic
   are sent as one ``KVEventBatch``; ``seq`` counts batches from 0 per process,
   so a subscriber sees a restart as a sequence reset.
 - ROUTER (optional): a client sends ``(b"", start_seq u64 BE)``; the thread
@@ -57,8 +60,9 @@ log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.02  # how long the sender sleeps on an empty queue (replay latency bound)
 _MAX_REPLAY_REQUESTS_PER_TURN = 16
-# the topic slot of a snapshot marker on the queue (real topics are bytes)
+# the topics slot of a snapshot marker on the queue (events carry a tuple of topics)
 _MARK = None
+_MAX_TOPIC_IDS = 64  # engines one daemon's events may name (each event is sent once per id)
 
 
 def _hash_list(block_hashes: Sequence[int] | np.ndarray) -> list[int]:
@@ -88,9 +92,19 @@ class ZmqEventPublisher:
         close_timeout_s: float = 2.0,
         announce_start: bool = True,
         context: zmq.Context | None = None,
+        topic_ids: Sequence[str] = (),
     ) -> None:
-        if not node_id or "@" in node_id:
-            raise ConfigError(f"events node id must be non-empty without '@'; got {node_id!r}")
+        # the ids the topics name: llm-d takes an engine's pod id from the topic
+        self.topic_ids = tuple(topic_ids) or (node_id,)
+        for tid in (node_id, *self.topic_ids):
+            if not tid or "@" in tid:
+                raise ConfigError(
+                    f"events node/topic id must be non-empty without '@'; got {tid!r}"
+                )
+        if len(self.topic_ids) > _MAX_TOPIC_IDS or len(set(self.topic_ids)) != len(self.topic_ids):
+            raise ConfigError(
+                f"events.topic_ids must be distinct and at most {_MAX_TOPIC_IDS}; got {list(self.topic_ids)}"
+            )
         for name, value in (
             ("max_queue_events", max_queue_events),
             ("replay_buffer_batches", replay_buffer_batches),
@@ -102,9 +116,12 @@ class ZmqEventPublisher:
         self._rank = data_parallel_rank
         self._max_batch_events = max_batch_events
         self._close_timeout_s = close_timeout_s
-        self._queue: queue.Queue[tuple[bytes | None, Any]] = queue.Queue(maxsize=max_queue_events)
+        # (the topics an event goes to, the event): one entry per event, however many ids
+        self._queue: queue.Queue[tuple[tuple[bytes, ...] | None, Any]] = queue.Queue(
+            maxsize=max_queue_events
+        )
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=replay_buffer_batches)
-        self._topics: dict[str, bytes] = {}
+        self._topics: dict[str, tuple[bytes, ...]] = {}
         self._overflowed = False
         self._stopping = threading.Event()
         self.dropped_events = 0
@@ -149,6 +166,7 @@ class ZmqEventPublisher:
             max_queue_events=cfg.queue_batches,
             replay_buffer_batches=cfg.buffer_batches,
             max_batch_events=cfg.max_events_per_batch,
+            topic_ids=cfg.topic_id_list(),
         )
 
     @staticmethod
@@ -211,11 +229,13 @@ class ZmqEventPublisher:
     def _put(self, model: str, ev: Any) -> None:
         if self._stopping.is_set():
             return
-        topic = self._topics.get(model)
-        if topic is None:
-            topic = self._topics[model] = make_topic(self.node_id, model).encode()
+        topics = self._topics.get(model)
+        if topics is None:
+            topics = self._topics[model] = tuple(
+                make_topic(tid, model).encode() for tid in self.topic_ids
+            )
         try:
-            self._queue.put_nowait((topic, ev))
+            self._queue.put_nowait((topics, ev))
         except queue.Full:
             # Losing an event silently would leave holes in every index;
             # the sender turns this into a node-wide clear (see module doc).
@@ -268,8 +288,8 @@ class ZmqEventPublisher:
             items = self._drain()
             if self._overflowed:
                 self._overflowed = False
-                clear_topic = make_topic(self.node_id, "").encode()
-                items.insert(0, (clear_topic, AllBlocksCleared()))
+                clear_topics = tuple(make_topic(t, "").encode() for t in self.topic_ids)
+                items.insert(0, (clear_topics, AllBlocksCleared()))
                 for topic, item in items:
                     # events after a marker may be among the dropped ones
                     if topic is _MARK:
@@ -284,8 +304,8 @@ class ZmqEventPublisher:
                 log.error("KV events sender: %s", e)
                 time.sleep(0.1)  # a broken socket must not spin the thread
 
-    def _drain(self) -> list[tuple[bytes | None, Any]]:
-        items: list[tuple[bytes | None, Any]] = []
+    def _drain(self) -> list[tuple[tuple[bytes, ...] | None, Any]]:
+        items: list[tuple[tuple[bytes, ...] | None, Any]] = []
         try:
             items.append(self._queue.get(timeout=_IDLE_WAIT_S))
             while len(items) < self._max_batch_events:
@@ -295,27 +315,33 @@ class ZmqEventPublisher:
         return items
 
     def _send(
-        self, enc: msgspec.msgpack.Encoder, seq: int, items: list[tuple[bytes | None, Any]]
+        self,
+        enc: msgspec.msgpack.Encoder,
+        seq: int,
+        items: list[tuple[tuple[bytes, ...] | None, Any]],
     ) -> int:
         i = 0
         while i < len(items):
-            topic = items[i][0]
-            if topic is _MARK:
+            topics = items[i][0]
+            if topics is _MARK:
                 items[i][1].set_result(seq)
                 i += 1
                 continue
             j = i
-            while j < len(items) and items[j][0] == topic:
+            while j < len(items) and items[j][0] == topics:
                 j += 1
             events = [ev for _, ev in items[i:j]]
+            # the same batch under each topic id (one payload: same ts, same events)
             payload = enc.encode(
                 KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank)
             )
-            self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
-            self._buffer.append((seq, topic, payload))
-            self.published_batches += 1
+            assert topics is not None
+            for topic in topics:
+                self._pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
+                self._buffer.append((seq, topic, payload))
+                self.published_batches += 1
+                seq += 1
             self.published_events += j - i
-            seq += 1
             i = j
         return seq
 

@@ -113,6 +113,66 @@ class LeanBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# Engines before vLLM 0.26 (and consumers built on them) encode each event as
+# a positional array, tag first: ``["BlockStored", block_hashes,
+# parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+# extra_keys, ...]``, ``["BlockRemoved", block_hashes, medium, ...]``,
+# ``["AllBlocksCleared"]``. Trailing fields may be absent (older engines have
+# fewer) and extra ones are ignored (newer ones have more). msgspec cannot mix
+# array-like and map-like structs in one union, hence a second set of views,
+# turned into the lean ones by ``lean_event``.
+
+
+class _PosStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    token_ids: msgspec.Raw = msgspec.Raw()
+    block_size: int = 0
+    lora_id: msgspec.Raw = msgspec.Raw()
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: msgspec.Raw = msgspec.Raw()
+
+
+class _PosRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _PosCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+PositionalEvent = _PosStored | _PosRemoved | _PosCleared
+
+
+class PositionalBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[PositionalEvent]
+    data_parallel_rank: int | None = None
+
+
+def positional_decoder() -> msgspec.msgpack.Decoder[PositionalBatch]:
+    return msgspec.msgpack.Decoder(PositionalBatch)
+
+
+def lean_event(ev: _PosStored | _PosRemoved | _PosCleared) -> LeanEvent:
+    """The lean (map-form) view of a positional event: one code path downstream."""
+    if isinstance(ev, _PosStored):
+        return _LeanStored(
+            block_hashes=ev.block_hashes,
+            medium=ev.medium,
+            block_size=ev.block_size,
+            parent_block_hash=ev.parent_block_hash,
+            token_ids=ev.token_ids,
+            lora_name=ev.lora_name,
+            extra_keys=ev.extra_keys,
+        )
+    if isinstance(ev, _PosRemoved):
+        return _LeanRemoved(block_hashes=ev.block_hashes, medium=ev.medium)
+    return _LeanCleared()
+
+
 def batch_encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 

@@ -72,8 +72,11 @@ from kvstore.events.wire import (
     LeanEvent,
     LeanRemoved,
     LeanStored,
+    PositionalEvent,
     block_hash_to_int,
+    lean_event,
     parse_topic,
+    positional_decoder,
 )
 from kvstore.indexer.backend import (
     DAEMON_MEDIUMS,
@@ -239,6 +242,12 @@ _KNOWN_TAGS = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 class _Decoders:
     def __init__(self) -> None:
         self.batch = msgspec.msgpack.Decoder(LeanBatch)
+        self.positional = positional_decoder()
+        # the per-event fallback re-encodes each event: msgspec.convert cannot
+        # fill the views' Raw fields (token_ids), decoding bytes can
+        self.encoder = msgspec.msgpack.Encoder()
+        self.event = msgspec.msgpack.Decoder(LeanEvent)
+        self.positional_event = msgspec.msgpack.Decoder(PositionalEvent)
 
 
 class Subscriber:
@@ -1152,6 +1161,14 @@ class Subscriber:
         except Exception:
             self.stats.malformed += 1
             return None
+        # Engines before vLLM 0.26 send positional events (kvstore.events.wire).
+        try:
+            return [lean_event(ev) for ev in self._dec.positional.decode(payload).events]
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        except Exception:
+            self.stats.malformed += 1
+            return None
         # One bad event must not cost the whole batch: decode event by event.
         try:
             raw = msgspec.msgpack.decode(payload)
@@ -1164,9 +1181,16 @@ class Subscriber:
         out: list[LeanStored | LeanRemoved | LeanCleared] = []
         for item in raw[1]:
             try:
-                out.append(msgspec.convert(item, LeanEvent))
+                data = self._dec.encoder.encode(item)
+                if isinstance(item, list):
+                    out.append(lean_event(self._dec.positional_event.decode(data)))
+                else:
+                    out.append(self._dec.event.decode(data))
             except msgspec.ValidationError:
-                known = isinstance(item, dict) and item.get("type") in _KNOWN_TAGS
+                if isinstance(item, dict):
+                    known = item.get("type") in _KNOWN_TAGS
+                else:
+                    known = isinstance(item, list) and bool(item) and item[0] in _KNOWN_TAGS
                 if known:
                     self.stats.malformed += 1
                 else:

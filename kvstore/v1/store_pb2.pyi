@@ -150,18 +150,32 @@ class PrepareStoreResponse(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., statuses: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., lease_ttl_s: _Optional[float] = ..., region_id: _Optional[int] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
-    __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids")
+    __slots__ = ("lease_id", "block_hashes", "has_parent_block_hash", "parent_block_hash", "token_ids", "chains")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     HAS_PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
     lease_id: int
     block_hashes: bytes
     has_parent_block_hash: bool
     parent_block_hash: int
     token_ids: bytes
-    def __init__(self, lease_id: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., has_parent_block_hash: _Optional[bool] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+    chains: _containers.RepeatedCompositeFieldContainer[StoreChain]
+    def __init__(self, lease_id: _Optional[int] = ..., block_hashes: _Optional[bytes] = ..., has_parent_block_hash: _Optional[bool] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., chains: _Optional[_Iterable[_Union[StoreChain, _Mapping]]] = ...) -> None: ...
+
+class StoreChain(_message.Message):
+    __slots__ = ("blocks", "has_parent_block_hash", "parent_block_hash", "token_ids")
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    has_parent_block_hash: bool
+    parent_block_hash: int
+    token_ids: bytes
+    def __init__(self, blocks: _Optional[int] = ..., has_parent_block_hash: _Optional[bool] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class CommitStoreResponse(_message.Message):
     __slots__ = ("committed",)

@@ -188,6 +188,35 @@ def test_commit_without_prepare_is_failed_precondition(raw, client):
     assert_healthy_and_clean(client)
 
 
+def test_commit_with_bad_chains_is_invalid_argument_and_keeps_the_lease(raw, client):
+    ns = client.declare_namespace(make_spec(4096))  # 16 tokens per block
+    h = client.prepare_store(ns, [1, 2, 3])
+    toks = np.arange(16, dtype="<i4").tobytes()
+    hashes = pack_hashes([1, 2, 3])
+    for chains, details_has in [
+        ([pb.StoreChain(blocks=2)], "hold 2 blocks"),
+        ([pb.StoreChain(blocks=3, token_ids=toks)], "expected 3 blocks x 16"),
+        ([pb.StoreChain(blocks=0), pb.StoreChain(blocks=3)], ">= 1 block"),
+    ]:
+        req = pb.CommitStoreRequest(lease_id=h.lease_id, block_hashes=hashes, chains=chains)
+        code, details = code_of(raw.CommitStore, req)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details_has in details, details
+    code, details = code_of(
+        raw.CommitStore,
+        pb.CommitStoreRequest(
+            lease_id=h.lease_id,
+            block_hashes=hashes,
+            token_ids=toks * 3,
+            chains=[pb.StoreChain(blocks=3)],
+        ),
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "per chain" in details
+    # nothing was lost: the lease still commits, in chains
+    assert client.commit_store(h, [1, 2, 3], chains=[(1, None), (2, 1)]) == 3
+    assert client.lookup(ns, [1, 2, 3]).prefix_blocks == 3
+    assert_healthy_and_clean(client)
+
+
 def test_full_tier_of_pinned_blocks_is_resource_exhausted_not_a_hang(daemon_factory):
     d = daemon_factory(dram_bytes=256 << 10, chunk_bytes=256 << 10)
     with Client(d.address) as c:

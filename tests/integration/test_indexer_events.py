@@ -386,3 +386,88 @@ def test_queue_overflow_is_counted_and_becomes_a_node_clear(publishers):
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     finally:
         sub.close()
+
+
+def test_positional_events_from_older_engines_reach_the_index(make_indexer):
+    """Engines before vLLM 0.26 encode events as arrays, tag first; the indexer
+    took each for an unknown event and indexed nothing from them."""
+    raw = RawPublisher()
+    try:
+        src = SourceSpec(node="raw", endpoint=raw.endpoint, replay_endpoint=raw.replay_endpoint)
+        ix = make_indexer([src])
+        connected(ix, raw, src)  # seq 0, map form
+        enc = msgspec.msgpack.encode
+        toks = list(range(16))
+        # an old engine: no lora_name, no later fields
+        raw.send(1, enc([1.0, [["BlockStored", [101, 102], 100, toks * 2, 16, None, "CPU"]], None]))
+        # more trailing fields than the decoder knows: ignored
+        raw.send(
+            2,
+            enc([1.0, [["BlockStored", [103], 102, toks, 16, None, "CPU", None, None, 0, "x"]]]),
+        )
+        wait_for(lambda: prefix(ix, "m", H(100, 101, 102, 103), "raw") == 4)
+        raw.send(3, enc([1.0, [["BlockRemoved", [103], "CPU"]]]))
+        wait_for(lambda: prefix(ix, "m", H(100, 101, 102, 103), "raw") == 3)
+        # one batch mixing both forms and an unknown positional event: decoded
+        # event by event, the unknown one skipped
+        raw.send(
+            4,
+            enc(
+                [
+                    1.0,
+                    [
+                        # with token_ids: the per-event path used to call it malformed
+                        {
+                            "type": "BlockStored",
+                            "block_hashes": [103],
+                            "parent_block_hash": 102,
+                            "token_ids": toks,
+                            "block_size": 16,
+                            "medium": "CPU",
+                        },
+                        ["BlockTeleported", [5]],
+                        ["BlockStored", [104], 103, toks, 16, None, "CPU"],
+                    ],
+                ]
+            ),
+        )
+        wait_for(lambda: prefix(ix, "m", H(100, 101, 102, 103, 104), "raw") == 5)
+        raw.send(5, enc([1.0, [["AllBlocksCleared"]]]))
+        wait_for(lambda: prefix(ix, "m", H(100), "raw") == 0)
+        st = ix.subscriber.stats
+        assert st.unknown_events == 1 and st.malformed == 0 and st.resyncs == 0
+    finally:
+        raw.close()
+
+
+def test_topic_ids_name_each_engine_in_the_topic(publishers):
+    """events.topic_ids: llm-d names an engine by its topic (its serving address:port)."""
+    for bad in (["a@b"], ["x:1", "x:1"], [""]):
+        with pytest.raises(ConfigError, match="topic"):
+            publishers("a", topic_ids=bad)
+    pub = publishers("a", topic_ids=["10.0.0.5:8000", "10.0.0.6:8000"])
+    pub.blocks_stored(NS(), H(1, 2), "CPU", None, list(range(32)))
+    wait_for(lambda: pub.published_batches >= 4)  # 2 start-of-life clears + 2 stores
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        got = []
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.append((topic, [type(e).__name__ for e in KVEventBatch_dec.decode(payload).events]))
+    finally:
+        dealer.close()
+    assert got == [
+        (b"kv@10.0.0.5:8000@", ["AllBlocksCleared"]),
+        (b"kv@10.0.0.6:8000@", ["AllBlocksCleared"]),
+        (b"kv@10.0.0.5:8000@m", ["BlockStored"]),
+        (b"kv@10.0.0.6:8000@m", ["BlockStored"]),
+    ]
+
+
+KVEventBatch_dec = msgspec.msgpack.Decoder(KVEventBatch)

@@ -8,6 +8,7 @@ it passes in and when, is played by the test.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -392,3 +393,101 @@ def test_a_forward_that_outlives_its_store_leases_changes_no_other_block(daemon_
     )
     assert committed is None  # refused: the lease expired...
     assert engine.worker.session.connected  # ...which is not a broken link
+
+
+# ------------------------------------------------------------ llm-d as a consumer
+
+POD_ID = "10.0.0.5:8000"  # the engine's serving address:port, llm-d's pod id
+
+
+def test_llmd_consumer_gets_one_chain_per_request_with_tokens_parent_first(daemon_factory):
+    """Issue 23: three requests saved in one step reached the stream as one
+    BlockStored with every hash, token_ids [] and no parent, under the daemon's
+    node id: llm-d's scorer, which names the engine by the topic and re-hashes
+    token ids from the parent, could place none of them."""
+    from kvstore.events.wire import AllBlocksCleared, BlockStored, full_decoder
+    from tests.integration._events import EventTap
+    from tests.integration._redis import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = daemon_factory(
+        settings={
+            "events.enabled": True,
+            "events.publish_address": endpoint,
+            "events.replay_address": "",
+            "events.topic_ids": POD_ID,
+        }
+    )
+    tap = EventTap(daemon.address, endpoint, f"kv@{POD_ID}@".encode(), BLOCK_BYTES)
+    try:
+        eng = Engine(daemon.address, seed=31)
+        shared = _tokens(31, 2 * BS)
+        r1 = Req("r1", shared + _tokens(32, BS + 5))  # 3 blocks
+        r2 = Req("r2", shared + _tokens(33, 2 * BS + 1))  # the same 2, then 2 of its own
+        r3 = Req("r3", _tokens(34, 2 * BS + 7))  # 2 blocks, unrelated
+        reqs = (r1, r2, r3)
+        ids = {"r1": [0, 1, 2, 3], "r2": [4, 5, 6, 7, 8], "r3": [9, 10, 11]}
+        for req in reqs:
+            assert eng.scheduler.hit_tokens(req, 0) == 0
+            eng.scheduler.after_alloc(req, ids[req.request_id], 0)
+        eng.step(
+            [NewRequest(r.request_id, ids[r.request_id], 0) for r in reqs],
+            scheduled={r.request_id: r.num_tokens for r in reqs},
+        )
+        assert eng.worker.counters.saved_blocks == 7
+
+        # what each block is: its tokens and the block before it
+        tokens_of: dict[int, list[int]] = {}
+        parent_of: dict[int, int | None] = {}
+        for req in reqs:
+            hs = req.int_hashes()
+            for i, h in enumerate(hs):
+                tokens_of[h] = req.all_token_ids[i * BS : (i + 1) * BS]
+                parent_of[h] = hs[i - 1] if i else None
+        expected = set(tokens_of)
+        dec = full_decoder()
+        stored: list[BlockStored] = []
+
+        def step_events_in() -> bool:
+            stored.clear()
+            for topic, _, payload in tap.frames:
+                if topic.endswith(b"@tiny"):
+                    stored.extend(
+                        e for e in dec.decode(payload).events if isinstance(e, BlockStored)
+                    )
+            return {h for e in stored for h in e.block_hashes} >= expected
+
+        tap.collect(step_events_in)
+    finally:
+        tap.close()
+
+    # three frames, the topic names the engine, seq counts batches one by one
+    assert all(len(f) == 3 for f in tap.frames)
+    seqs = [int.from_bytes(f[1], "big") for f in tap.frames]
+    assert all(len(f[1]) == 8 for f in tap.frames)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    for topic, _, payload in tap.frames:
+        events = dec.decode(payload).events
+        if all(isinstance(e, AllBlocksCleared) for e in events):
+            assert topic == f"kv@{POD_ID}@".encode()  # a clear of every model
+        else:
+            assert topic in (f"kv@{POD_ID}@tiny".encode(), f"kv@{POD_ID}@probe".encode())
+
+    # one BlockStored per request's chain (r2's shared blocks stored once, by r1)
+    chains = [[int(h) for h in e.block_hashes] for e in stored]
+    assert sorted(map(len, chains)) == [2, 2, 3]
+    assert sorted(h for c in chains for h in c) == sorted(expected)  # each block once
+    seen: set[int] = set()
+    for ev, chain in zip(stored, chains, strict=True):
+        # token ids always there, exactly the blocks' tokens, in order
+        assert ev.token_ids == [t for h in chain for t in tokens_of[h]]
+        assert ev.block_size == BS and ev.medium == "CPU"
+        # a chain: each block continues the one before it, from its parent
+        assert ev.parent_block_hash == parent_of[chain[0]]
+        assert all(parent_of[b] == a for a, b in itertools.pairwise(chain))
+        # parents before children, across the requests of the step
+        assert ev.parent_block_hash is None or ev.parent_block_hash in seen
+        seen.update(chain)
+    r2_own = r2.int_hashes()[2:]
+    assert [c for c in chains if c[0] == r2_own[0]] == [r2_own]
+    assert stored[[c[0] for c in chains].index(r2_own[0])].parent_block_hash == r1.int_hashes()[1]

@@ -442,3 +442,74 @@ def test_peer_hint_from_sampling_params_reaches_the_scheduler(peer_daemons):
             np.testing.assert_array_equal(got.data, data)
     finally:
         session.close()
+
+
+def test_llmd_reads_one_chain_per_request_with_tokens_from_a_real_engine(
+    model_dir, workdir, reference, daemon_factory
+):
+    """Issue 23, measured with this engine: a step's saves from three requests reached
+    the daemon's stream as one BlockStored with every hash, `token_ids: []` and no
+    parent. llm-d's scorer re-hashes token ids from the parent and names the engine by
+    the topic: every event must carry its chain's tokens, after its parent."""
+    from kvstore.events.wire import BlockStored, full_decoder
+    from tests.integration._events import EventTap
+    from tests.integration._redis import free_port
+
+    pod = "10.0.0.5:8000"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = daemon_factory(
+        "d_llmd",
+        tcp=False,
+        dram_bytes=128 << 20,
+        settings={
+            "events.enabled": True,
+            "events.publish_address": endpoint,
+            "events.replay_address": "",
+            "events.topic_ids": pod,
+        },
+    )
+    tap = EventTap(daemon.address, endpoint, f"kv@{pod}@".encode())
+    try:
+        out = vm.run_once(workdir, "llmd", _spec(model_dir, daemon.address, [_step(SHARED)]))
+        step = out["steps"][0]
+        assert step["tokens"] == reference["shared"]
+        tap.drain()
+    finally:
+        tap.close()
+    dec = full_decoder()
+    stored: list[BlockStored] = []
+    for topic, seq, payload in tap.frames:
+        assert len(seq) == 8 and topic.startswith(f"kv@{pod}@".encode())
+        if not topic.endswith(b"@probe"):
+            stored += [e for e in dec.decode(payload).events if isinstance(e, BlockStored)]
+    seqs = [int.from_bytes(f[1], "big") for f in tap.frames]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    # every sequence the engine computed, as blocks of tokens
+    seqs_blocks = []
+    for prompt, gen in zip(SHARED, step["tokens"], strict=True):
+        ids = prompt + gen
+        seqs_blocks.append([tuple(ids[i : i + BS]) for i in range(0, len(ids) - BS + 1, BS)])
+    tokens_of: dict[int, tuple[int, ...]] = {}
+    for ev in stored:
+        n = len(ev.block_hashes)
+        assert len(ev.token_ids) == n * BS, "token ids always sent"
+        blocks = [tuple(ev.token_ids[i * BS : (i + 1) * BS]) for i in range(n)]
+        # the chain is n consecutive blocks of one sequence, from its parent's position
+        where = [
+            (s, k)
+            for s, sb in enumerate(seqs_blocks)
+            for k in range(len(sb) - n + 1)
+            if sb[k : k + n] == blocks
+        ]
+        assert where, "an event's tokens are a run of one request's blocks"
+        if ev.parent_block_hash is None:
+            assert any(k == 0 for _, k in where)
+        else:
+            # parents first: the parent was published before, and precedes the run
+            parent = tokens_of[int(ev.parent_block_hash)]
+            assert any(k > 0 and seqs_blocks[s][k - 1] == parent for s, k in where)
+        for h, b in zip(ev.block_hashes, blocks, strict=True):
+            tokens_of[int(h)] = b
+    assert step["connector"]["worker_saved_blocks"] == len(tokens_of)
+    # the shared prefix once, every tail its own chain: at least one event per request
+    assert len(stored) >= len(SHARED)

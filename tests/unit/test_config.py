@@ -86,3 +86,13 @@ def test_client_and_tool_variables_are_not_config():
         load_config(environ={"KVSTORE_DRAMM__CAPACITY_BYTES": "1"})
     with pytest.raises(ConfigError, match=r"nodeid"):
         load_config(environ={"KVSTORE_NODEID": "n1"})
+
+
+def test_events_topic_ids_are_a_comma_list_without_at_signs():
+    cfg = load_config(
+        environ={"KVSTORE_EVENTS__TOPIC_IDS": "10.0.0.5:8000, 10.0.0.6:8000"}, assignments=[]
+    )
+    assert cfg.events.topic_id_list() == ["10.0.0.5:8000", "10.0.0.6:8000"]
+    assert load_config(environ={}).events.topic_id_list() == []
+    with pytest.raises(ConfigError, match="topic_ids may not contain '@'"):
+        load_config(environ={}, assignments=["events.topic_ids=pod@x"])

@@ -22,6 +22,9 @@ from kvstore.manager import (
     STORE_PRESENT,
     BlockManager,
 )
+from kvstore.manager import (
+    StoreChain as C,
+)
 from kvstore.tiers import Tier
 from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
@@ -130,6 +133,35 @@ def test_commit_rules(make_manager):
     load = m.prepare_load(ns.namespace_id, [1])
     with pytest.raises(StateConflict, match="load lease"):
         m.commit_store(load.lease_id)
+
+
+def test_commit_with_chains_sends_one_event_per_chain_in_the_given_order(make_manager):
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))  # 16 tokens per block
+    plan = m.prepare_store(ns.namespace_id, [1, 2, 3, 4, 5])
+    toks = list(range(5 * 16))
+    order = [3, 4, 1, 2, 5]
+    bad = [
+        ([C(2), C(2, 1)], {}, "hold 4 blocks"),  # the chains miss a block
+        ([C(0), C(5)], {}, ">= 1 block"),
+        ([C(2, 9, toks[:31]), C(3)], {}, "expected 2 blocks x 16 tokens"),
+        ([C(5)], {"token_ids": toks}, "per chain"),
+        ([C(5)], {"parent_block_hash": 7}, "per chain"),
+    ]
+    for chains, kw, msg in bad:
+        with pytest.raises(InvalidRequest, match=msg):
+            m.commit_store(plan.lease_id, order, chains=chains, **kw)
+    with pytest.raises(InvalidRequest, match="each block once"):
+        m.commit_store(plan.lease_id, [1, 1, 2], chains=[C(3)])
+    assert m.sink_record.events == []  # the refused commits changed nothing
+    # the caller's order, not the lease's: parents first
+    chains = [C(2, 9, toks[:32]), C(2, None, toks[32:64]), C(1, 2, toks[64:])]
+    assert m.commit_store(plan.lease_id, order, chains=chains) == 5
+    assert m.sink_record.events == [
+        ("stored", [3, 4], "CPU", 9, toks[:32]),
+        ("stored", [1, 2], "CPU", None, toks[32:64]),
+        ("stored", [5], "CPU", 2, toks[64:]),
+    ]
 
 
 def test_unknown_namespace_and_limits(make_manager):

@@ -109,3 +109,24 @@ def test_namespaces_separate_tenants_ranks_and_layouts():
     assert len(ids) == 6
     # The same engine config gives the same id in every process (scheduler and workers).
     assert _layout().spec("tenant-a").namespace_id() == layout.spec("tenant-a").namespace_id()
+
+
+def test_chain_order_splits_chains_and_puts_parents_first():
+    from connectors.vllm.worker import chain_order
+
+    u = lambda *xs: np.array(xs, dtype=np.uint64)  # noqa: E731
+    # A step's kept blocks: request A's blocks 2-3 (parent 11), then B's blocks
+    # 0-1 (A's 2-3 again were dropped as copies), then C's own chain, then a
+    # block of A whose predecessor was not stored this time (a gap).
+    hashes = u(12, 13, 10, 11, 20, 21, 15)
+    parents = u(11, 12, 0, 10, 0, 20, 14)
+    has_parent = np.array([1, 1, 0, 1, 0, 1, 1], dtype=bool)
+    perm, chains = chain_order(hashes, parents, has_parent)
+    assert hashes[perm].tolist() == [10, 11, 12, 13, 20, 21, 15]
+    assert chains == [(2, None), (2, 11), (2, None), (1, 14)]
+    perm, chains = chain_order(u(), u(), np.zeros(0, dtype=bool))
+    assert perm.tolist() == [] and chains == []
+    # colliding hashes that form a cycle of chains end the walk instead of looping
+    has = np.array([1, 1, 0, 1, 1], dtype=bool)
+    perm, chains = chain_order(u(1, 3, 7, 5, 6), u(6, 1, 0, 3, 5), has)
+    assert perm.tolist() == [3, 4, 0, 1, 2] and chains == [(2, 3), (2, 6), (1, None)]
