@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -64,7 +65,15 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # Python dies on SIGTERM without unwinding: the daemons, indexers and
+    # regions a bench started would be left behind. Exiting through SystemExit
+    # runs their clean-up (the benches stop what they start in finally blocks).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)

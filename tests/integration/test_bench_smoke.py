@@ -192,3 +192,63 @@ def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> N
     assert d["resent_s"]["p50"] > 0 and d["cold_s"]["p50"] > 0
     assert "Decision cost" in (out / "report.md").read_text()
     assert (out / "decision_cdf.png").stat().st_size > 1000
+
+
+def _marked_pids(mark: str, word: str = "") -> list[int]:
+    """Processes whose environment carries ``mark`` (the bench and what it started)
+    and, with ``word``, whose command line contains it."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if mark.encode() in (proc / "environ").read_bytes() and (
+                word.encode() in (proc / "cmdline").read_bytes()
+            ):
+                pids.append(int(proc.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_bench_and_everything_it_started(tmp_path: Path) -> None:
+    """SIGTERM used to kill the bench without unwinding: its daemons and indexer
+    were orphaned. Now it exits 143 and leaves no process and no region behind."""
+    import os
+    import signal
+    import time
+    import uuid
+
+    mark = f"KVSTORE_BENCH_TEST_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    before = set(Path("/dev/shm").glob("kvsbench-*"))
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench", "agentic", "--quick", "--agents", "40", "--nodes", "2"]
+        + ["--results", str(tmp_path / "results")],
+        cwd=ROOT,
+        env={**os.environ, key: value},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(_marked_pids(mark, "serve")) < 2:  # both daemons
+            assert bench.poll() is None, f"the bench exited early ({bench.returncode})"
+            assert time.monotonic() < deadline, "the bench's daemons did not start"
+            time.sleep(0.1)
+        started = set(_marked_pids(mark)) - {bench.pid}
+        assert len(started) >= 2
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while set(_marked_pids(mark)) & started and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not set(_marked_pids(mark)) & started, "processes the bench started outlived it"
+        assert set(Path("/dev/shm").glob("kvsbench-*")) <= before, "regions left behind"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in _marked_pids(mark):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
