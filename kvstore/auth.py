@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from kvstore import errors
+from kvstore.rpc_guard import HandlerCache
 
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
 # Sent by kvstore.client.Client (random per instance): whose leases a call counts against.
@@ -32,7 +33,6 @@ OPEN_SERVICES = (
     "grpc.reflection.v1.ServerReflection",
     "kvstore.v1.PeerService",
 )
-MAX_CACHED_METHODS = 256  # more than every method of every service the daemon registers
 # Without a cluster secret, the only calls TCP serves: they read no block and
 # change nothing.
 OPEN_WITHOUT_SECRET = frozenset(
@@ -60,7 +60,7 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode()
-        self._wrapped: dict[str, tuple[Any, Any]] = {}
+        self._handlers = HandlerCache(self._wrap)
 
     async def intercept_service(
         self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
@@ -68,16 +68,7 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method
-        # One wrapped handler per method, not one per call (building it per call
-        # cost ~4% of a one-block Lookup); only registered methods get this far.
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(handler, method)
-        if len(self._wrapped) < MAX_CACHED_METHODS:
-            self._wrapped[method] = (handler, wrapped)
-        return wrapped
+        return self._handlers.get(handler, handler_call_details.method)
 
     def _wrap(self, handler: Any, method: str) -> Any:
         service = method.lstrip("/").rsplit("/", 1)[0]
