@@ -228,26 +228,7 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
     model_dir = vm.make_tiny_llama(tmp / "model")
     sock = str(tmp / "engine.sock")
     log = tmp / "vllm.log"
-    engine_args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        "tiny",
-        "--uds",
-        sock,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--block-size",
-        "32",
-        "--enforce-eager",
-        "--seed",
-        "0",
-    ]
+    engine_args = vm.api_server_command(model_dir, "--served-model-name", "tiny", "--uds", sock)
     with open(log, "wb") as f:
         engine = subprocess.Popen(
             engine_args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=f, stderr=subprocess.STDOUT

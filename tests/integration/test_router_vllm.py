@@ -177,33 +177,12 @@ def start_engine(tmp: Path, node: str, model_dir: Path, daemon: Any, template: P
     sock = str(tmp / f"{node}.http.sock")
     log = tmp / f"{node}.vllm.log"
     kv = vm.kv_transfer_config(daemon.address)
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        "tiny",
-        "--uds",
-        sock,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(vm.MAX_MODEL_LEN),
-        "--block-size",
-        str(BS),
-        "--enforce-eager",
-        "--seed",
-        "0",
-        "--max-num-seqs",
-        "4",
-        "--enable-prompt-tokens-details",
-        "--chat-template",
-        str(template),
-        "--kv-transfer-config",
-        json.dumps(kv),
-    ]
+    args = vm.api_server_command(
+        model_dir,
+        *("--served-model-name", "tiny", "--uds", sock, "--max-num-seqs", "4"),
+        *("--enable-prompt-tokens-details", "--chat-template", str(template)),
+        *("--kv-transfer-config", json.dumps(kv)),
+    )
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=out, stderr=subprocess.STDOUT

@@ -76,17 +76,13 @@ def test_connector_counters_in_vllm_metrics_and_log(daemon_factory, tmp_path) ->
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "server.log"
-    cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", str(model), "--dtype", "float32", "--seed", "0"),
-        *("--block-size", str(vm.BLOCK_SIZE), "--max-model-len", str(vm.MAX_MODEL_LEN)),
+    cmd = vm.api_server_command(
+        model,
         *("--max-num-seqs", "4", "--distributed-executor-backend", "uni"),
-        *("--enforce-eager", "--no-enable-prefix-caching"),
-        *("--host", "127.0.0.1", "--port", str(port)),
+        *("--no-enable-prefix-caching", "--host", "127.0.0.1", "--port", str(port)),
         *("--kv-transfer-config", json.dumps(vm.kv_transfer_config(daemon.address))),
-    ]
+        python=python,
+    )
     env = vm.engine_env({"VLLM_LOGGING_LEVEL": "INFO", "VLLM_LOG_STATS_INTERVAL": "1"})
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=vm.REPO_ROOT, env=env, stdout=out, stderr=out)

