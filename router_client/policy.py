@@ -33,6 +33,13 @@ KV events have not reached the index yet.
 
 Ties go to the lower load, then the name (deterministic: two router replicas
 given the same state choose the same node).
+
+Data-parallel ranks: where a node's engine runs several DP ranks (each its own
+GPU cache, all sharing the node's DRAM and disk tiers), the indexer scores each
+rank, and the node's hit is its best rank's. ``Decision.rank`` is the chosen
+node's rank with the highest cached value (ties: the lowest rank); -1 when the
+node reports no ranks (send it anywhere, e.g. no ``X-data-parallel-rank``
+header). A rank the indexer does not list holds only the node's shared blocks.
 """
 
 from __future__ import annotations
@@ -95,12 +102,25 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True):
         return queued / cap + policy.kv_usage_weight * min(1.0, max(0.0, self.kv_usage))
 
 
+class RankHit(msgspec.Struct, frozen=True):
+    """One DP rank of a node (the indexer's RankScore; rank -1: shared tiers only)."""
+
+    rank: int
+    prefix_blocks: int
+    gpu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+
+
 class NodeHit(msgspec.Struct, frozen=True):
     node: str
     prefix_blocks: int
     gpu_blocks: int
     cpu_blocks: int
     disk_blocks: int
+    rank: int = -1
+    """The rank the figures are for (the node's best); -1: the node has no ranks."""
+    ranks: tuple[RankHit, ...] = ()
 
 
 class ScoreResult(msgspec.Struct, frozen=True):
@@ -124,6 +144,8 @@ class Decision(msgspec.Struct, frozen=True):
     peer: str = ""
     """A node holding a longer prefix than the chosen one (the pull hint), or ""."""
     peer_blocks: int = 0
+    rank: int = -1
+    """The chosen node's DP rank to send to (see the module doc); -1 = any."""
 
 
 LoadArg = Mapping[str, "float | NodeLoad"]
@@ -157,6 +179,22 @@ def node_value(
         )
     pullable = max(0, best_prefix_blocks - local)
     return (cached + policy.peer_weight * pullable) / request_blocks - cost
+
+
+def best_rank(hit: NodeHit | None, policy: Policy = DEFAULT_POLICY) -> int:
+    """The rank of ``hit``'s node a request saves most on (ties: lowest); -1: no ranks."""
+    best, best_saved = -1, -1.0
+    for r in hit.ranks if hit is not None else ():
+        if r.rank < 0:
+            continue
+        saved = (
+            policy.gpu_weight * r.gpu_blocks
+            + policy.cpu_weight * r.cpu_blocks
+            + policy.disk_weight * r.disk_blocks
+        )
+        if saved > best_saved or (saved == best_saved and r.rank < best):
+            best, best_saved = r.rank, saved
+    return best
 
 
 def choose(
@@ -208,5 +246,11 @@ def choose(
     if best_holder and best_holder != node:
         peer, peer_blocks = best_holder, best_prefix - (hit.prefix_blocks if hit else 0)
     return Decision(
-        node=node, reason=reason, value=-best[0], hit=hit, peer=peer, peer_blocks=peer_blocks
+        node=node,
+        reason=reason,
+        value=-best[0],
+        hit=hit,
+        peer=peer,
+        peer_blocks=peer_blocks,
+        rank=best_rank(hit, policy),
     )

@@ -37,6 +37,7 @@ from router_client.policy import (
     LoadArg,
     NodeHit,
     Policy,
+    RankHit,
     ScoreResult,
     choose,
 )
@@ -61,14 +62,19 @@ def score_request(
     )
 
 
-def score_result(resp: indexer_pb2.ScoreResponse) -> ScoreResult:
-    return ScoreResult(
-        request_blocks=resp.request_blocks,
-        hits=[
-            NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
-            for s in resp.scores
-        ],
+def _hit(s: indexer_pb2.NodeScore) -> NodeHit:
+    if not s.ranks:  # a node without DP ranks (or an indexer that predates them)
+        return NodeHit(s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
+    ranks = tuple(
+        RankHit(r.rank, r.prefix_blocks, r.gpu_blocks, r.cpu_blocks, r.disk_blocks) for r in s.ranks
     )
+    return NodeHit(
+        s.node, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks, s.rank, ranks
+    )
+
+
+def score_result(resp: indexer_pb2.ScoreResponse) -> ScoreResult:
+    return ScoreResult(request_blocks=resp.request_blocks, hits=[_hit(s) for s in resp.scores])
 
 
 def score_error(e: grpc.RpcError) -> KVStoreError:

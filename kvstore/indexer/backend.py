@@ -16,6 +16,16 @@ Primitives:
 - ``drop_node(node)``: clear everywhere and forget the node.
 - ``score(model, hashes, nodes)``: per node, the longest consecutive prefix of
   ``hashes`` it holds in any tier, split by the fastest tier holding each block.
+
+Data-parallel ranks: the DP ranks of a node's engine share its weights, so a
+block in the node's DRAM or disk tier (or the daemon's GPU tier) is valid for
+every rank, but each rank's own KV cache is its own. ``add``/``remove``/
+``clear`` with ``rank`` keep a rank's engine GPU entries apart, as the index
+member ``rank_member(node, rank)`` (a name no node can have: node names never
+contain ``@``). A node's score then carries one ``RankScore`` per rank known to
+the index (its GPU entries plus the node's shared ones) and rank -1 (the shared
+ones alone: what a rank without entries of its own gets); the node's top-level
+figures are its best rank's. A node without ranks scores as before.
 """
 
 from __future__ import annotations
@@ -69,26 +79,94 @@ def source_medium(medium: str | None, daemon: bool) -> str:
     return m
 
 
-class NodeScore(msgspec.Struct, frozen=True):
-    """One node's hit on a request: prefix length in blocks and its split by tier."""
+# Separates a node from a DP rank in an index member's name (node names have none).
+RANK_MARK = "@"
+# RankScore.rank of a node's shared entries alone (no rank's own GPU cache).
+SHARED_RANK = -1
 
-    node: str
+
+def rank_member(node: str, rank: int | None) -> str:
+    """The index member holding ``rank``'s engine GPU entries (``node`` itself for None)."""
+    if rank is None:
+        return node
+    if RANK_MARK in node:
+        raise InvalidRequest(f"node id must not contain {RANK_MARK!r}; got {node!r}")
+    if not isinstance(rank, int) or rank < 0:
+        raise InvalidRequest(f"data-parallel rank must be an int >= 0; got {rank!r}")
+    return f"{node}{RANK_MARK}{rank}"
+
+
+def split_member(member: str) -> tuple[str, int | None]:
+    """(node, rank) of an index member; rank None for the node's own entries."""
+    node, mark, rank = member.rpartition(RANK_MARK)
+    if not mark or not rank.isdigit():
+        return member, None
+    return node, int(rank)
+
+
+class RankScore(msgspec.Struct, frozen=True):
+    """One DP rank's hit: its own GPU entries plus its node's shared tiers."""
+
+    rank: int
     prefix_blocks: int
     gpu_blocks: int = 0
     cpu_blocks: int = 0
     disk_blocks: int = 0
 
 
+class NodeScore(msgspec.Struct, frozen=True):
+    """One node's hit on a request: prefix length in blocks and its split by tier.
+
+    On a node whose engine GPU entries are per DP rank, the figures are the best
+    rank's (``rank``; longest prefix, then most GPU blocks, then lowest rank) and
+    ``ranks`` lists every rank known to the index, with ``SHARED_RANK`` (-1) for
+    the node's shared tiers alone, by rank."""
+
+    node: str
+    prefix_blocks: int
+    gpu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    rank: int = SHARED_RANK
+    ranks: tuple[RankScore, ...] = ()
+
+
 class IndexBackend(Protocol):
-    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None: ...
+    def add(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None: ...
 
-    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None: ...
+    def remove(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None: ...
 
-    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None: ...
+    def clear(
+        self,
+        node: str,
+        model: str | None,
+        mediums: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """``rank`` None: the node's own entries (not its ranks'); else that rank's."""
+        ...
 
-    def drop_node(self, node: str) -> None: ...
+    def drop_node(self, node: str) -> None:
+        """Clear the node and its ranks everywhere and forget them."""
+        ...
 
-    def nodes(self) -> list[str]: ...
+    def nodes(self) -> list[str]:
+        """Nodes with an id in the index (never rank members)."""
+        ...
 
     def models(self) -> list[str]: ...
 
@@ -172,6 +250,65 @@ def prefix_scores(
         p = int(prefix[b])
         gb, db = int(gpu[b]), int(disk_only[b])
         out.append(NodeScore(node, p, gb, p - gb - db, db))
+    out.sort(key=lambda s: (-s.prefix_blocks, s.node))
+    return out
+
+
+def fold_ranks(rows: np.ndarray, pairs: Sequence[tuple[int, int]]) -> None:
+    """Give each rank member's column its node's entries, in place.
+
+    ``rows``: (n_blocks, mediums, words) uint64 bitsets; ``pairs``: (node bit,
+    rank member bit). A rank holds what its node's shared tiers hold (and the
+    node's rank-less engine cache) besides its own GPU entries: after the fold,
+    a rank member's column scores what a request sent to that rank finds.
+    """
+    for nb, rb in pairs:
+        got = (rows[:, :, nb // 64] >> np.uint64(nb % 64)) & np.uint64(1)
+        rows[:, :, rb // 64] |= got << np.uint64(rb % 64)
+
+
+def group_ranks(scores: list[NodeScore]) -> list[NodeScore]:
+    """Column scores (nodes and rank members) -> one ``NodeScore`` per node.
+
+    Members are ``rank_member`` names; a node with rank members gets ``ranks``
+    (its own column as ``SHARED_RANK``) and its best rank's figures on top.
+    """
+    if not any(RANK_MARK in s.node for s in scores):
+        return scores
+    own: dict[str, NodeScore] = {}
+    ranked: dict[str, list[RankScore]] = {}
+    for s in scores:
+        node, rank = split_member(s.node)
+        if rank is None:
+            own[node] = s
+        else:
+            ranked.setdefault(node, []).append(
+                RankScore(rank, s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.disk_blocks)
+            )
+    out = [s for n, s in own.items() if n not in ranked]
+    for node, ranks in ranked.items():
+        base = own.get(node)
+        shared = RankScore(
+            SHARED_RANK,
+            *(
+                (base.prefix_blocks, base.gpu_blocks, base.cpu_blocks, base.disk_blocks)
+                if base
+                else (0,)
+            ),
+        )
+        ranks.sort(key=lambda r: r.rank)
+        best = min(ranks, key=lambda r: (-r.prefix_blocks, -r.gpu_blocks, r.rank))
+        out.append(
+            NodeScore(
+                node,
+                best.prefix_blocks,
+                best.gpu_blocks,
+                best.cpu_blocks,
+                best.disk_blocks,
+                rank=best.rank,
+                ranks=(shared, *ranks),
+            )
+        )
     out.sort(key=lambda s: (-s.prefix_blocks, s.node))
     return out
 

@@ -24,7 +24,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvstore.errors import InvalidRequest
-from kvstore.indexer.backend import MEDIUMS, NodeScore, medium_index, prefix_scores
+from kvstore.indexer.backend import (
+    MEDIUMS,
+    RANK_MARK,
+    NodeScore,
+    fold_ranks,
+    group_ranks,
+    medium_index,
+    prefix_scores,
+    rank_member,
+    split_member,
+)
 
 _EMPTY, _FULL, _DELETED = 0, 1, 2
 _MAX_LOAD = 0.7
@@ -180,6 +190,8 @@ class MemoryIndex:
         self._free_bits: list[int] = []
         self._words = 1
         self._cursors: dict[str, int] = {}
+        # node -> rank -> its rank member (see backend.rank_member)
+        self._ranks: dict[str, dict[int, str]] = {}
 
     # --- nodes -------------------------------------------------------------------
 
@@ -196,10 +208,20 @@ class MemoryIndex:
         self._node_bit[node] = bit
         self._bit_node[bit] = node
         self._words = max(self._words, bit // 64 + 1)
+        base, rank = split_member(node)
+        if rank is not None:
+            self._ranks.setdefault(base, {})[rank] = node
+            self._bit(base)  # a node has an id whenever one of its ranks has
         return bit
 
+    def _release(self, member: str) -> None:
+        bit = self._node_bit.pop(member, None)
+        if bit is not None:
+            del self._bit_node[bit]
+            self._free_bits.append(bit)
+
     def nodes(self) -> list[str]:
-        return sorted(self._node_bit)
+        return sorted(n for n in self._node_bit if RANK_MARK not in n)
 
     def models(self) -> list[str]:
         return sorted(self._tables)
@@ -212,26 +234,46 @@ class MemoryIndex:
 
     # --- events ------------------------------------------------------------------
 
-    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+    def add(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
         if hashes.size == 0:
             return
         m = medium_index(medium)
-        bit = self._bit(node)
+        bit = self._bit(rank_member(node, rank))
         t = self._table(model)
         if t.words < self._words:
             t.reserve(0, self._words)
         t.set_bits(hashes, m, bit // 64, np.uint64(1 << (bit % 64)))
 
-    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+    def remove(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
         m = medium_index(medium)
-        bit = self._node_bit.get(node)
+        bit = self._node_bit.get(rank_member(node, rank))
         t = self._tables.get(model)
         if bit is None or t is None or hashes.size == 0 or bit // 64 >= t.words:
             return
         t.clear_bits(hashes, m, bit // 64, np.uint64(1 << (bit % 64)))
 
-    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None:
-        bit = self._node_bit.get(node)
+    def clear(
+        self,
+        node: str,
+        model: str | None,
+        mediums: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
+        bit = self._node_bit.get(rank_member(node, rank))
         if bit is None:
             return
         ms = list(range(_M)) if mediums is None else sorted({medium_index(m) for m in mediums})
@@ -241,11 +283,11 @@ class MemoryIndex:
                 t.clear_node(bit // 64, np.uint64(1 << (bit % 64)), ms)
 
     def drop_node(self, node: str) -> None:
+        for rank, member in self._ranks.pop(node, {}).items():
+            self.clear(node, None, rank=rank)
+            self._release(member)
         self.clear(node, None)
-        bit = self._node_bit.pop(node, None)
-        if bit is not None:
-            del self._bit_node[bit]
-            self._free_bits.append(bit)
+        self._release(node)
 
     # --- queries -----------------------------------------------------------------
 
@@ -257,10 +299,17 @@ class MemoryIndex:
             return []
         alive = np.zeros(t.words, dtype=np.uint64)
         wanted = self._node_bit if nodes is None else nodes
+        pairs: list[tuple[int, int]] = []  # (node bit, rank member bit) to fold
         for name in wanted:
             bit = self._node_bit.get(name)
-            if bit is not None and bit // 64 < t.words:
-                alive[bit // 64] |= np.uint64(1 << (bit % 64))
+            if bit is None or bit // 64 >= t.words or RANK_MARK in name:
+                continue  # rank members come with their node
+            alive[bit // 64] |= np.uint64(1 << (bit % 64))
+            for member in self._ranks.get(name, {}).values():
+                rb = self._node_bit[member]
+                if rb // 64 < t.words:
+                    alive[rb // 64] |= np.uint64(1 << (rb % 64))
+                    pairs.append((bit, rb))
         if not alive.any():
             return []
         # Look up in growing chunks and stop once no candidate still has the
@@ -271,6 +320,7 @@ class MemoryIndex:
         start, chunk = 0, 256
         while start < hashes.size:
             rows = t.rows(hashes[start : start + chunk])
+            fold_ranks(rows, pairs)
             parts.append(rows)
             held = np.bitwise_or.reduce(rows, axis=1) & running
             running = np.bitwise_and.reduce(held, axis=0)
@@ -278,7 +328,7 @@ class MemoryIndex:
                 break
             start += chunk
             chunk *= 4
-        return prefix_scores(np.concatenate(parts), alive, self._bit_node)
+        return group_ranks(prefix_scores(np.concatenate(parts), alive, self._bit_node))
 
     def stats(self) -> dict[str, int]:
         entries = sum(t.used for t in self._tables.values())
@@ -291,7 +341,7 @@ class MemoryIndex:
                 replicas += int(np.unpackbits(b.view(np.uint8)).sum(dtype=np.int64))
         return {
             "models": len(self._tables),
-            "nodes": len(self._node_bit),
+            "nodes": len(self._node_bit) - sum(len(r) for r in self._ranks.values()),
             "blocks": entries,
             "replicas": replicas,
             "bytes": nbytes,
@@ -306,6 +356,7 @@ class MemoryIndex:
         self._node_bit.clear()
         self._bit_node.clear()
         self._free_bits.clear()
+        self._ranks.clear()
         self._words = 1
 
     def load_cursor(self, source: str) -> int | None:

@@ -49,17 +49,37 @@ class MirroredIndex:
             self.diverged = True  # maybe half applied: reload at the next ping
             raise
 
-    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
-        self._durable(self.durable.add, model, node, medium, hashes)
-        self.local.add(model, node, medium, hashes)
+    def add(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
+        self._durable(self.durable.add, model, node, medium, hashes, rank)
+        self.local.add(model, node, medium, hashes, rank)
 
-    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
-        self._durable(self.durable.remove, model, node, medium, hashes)
-        self.local.remove(model, node, medium, hashes)
+    def remove(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
+        self._durable(self.durable.remove, model, node, medium, hashes, rank)
+        self.local.remove(model, node, medium, hashes, rank)
 
-    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None:
-        self._durable(self.durable.clear, node, model, mediums)
-        self.local.clear(node, model, mediums)
+    def clear(
+        self,
+        node: str,
+        model: str | None,
+        mediums: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self._durable(self.durable.clear, node, model, mediums, rank)
+        self.local.clear(node, model, mediums, rank)
 
     def drop_node(self, node: str) -> None:
         self._durable(self.durable.drop_node, node)

@@ -4,7 +4,8 @@ Layout (``p`` = the configured key prefix, default ``kvidx``):
 
 - ``p:nodes`` hash ``node -> id`` and ``p:next_id`` counter. Ids are never
   reused, so a replica holding a stale id map can never credit one node's
-  blocks to another.
+  blocks to another. A DP rank's engine GPU entries have an id of their own,
+  under the member name ``<node>@<rank>`` (``backend.rank_member``).
 - ``p:models`` set of model names.
 - ``p:m:<len>:<model>:<8-byte big-endian block hash>`` string, ``len`` the
   model name's length in UTF-8 bytes: a bit array with bit
@@ -42,7 +43,17 @@ from typing import Any
 import numpy as np
 
 from kvstore.errors import BackendError, InvalidRequest, Unavailable
-from kvstore.indexer.backend import MEDIUMS, NodeScore, medium_index, prefix_scores
+from kvstore.indexer.backend import (
+    MEDIUMS,
+    RANK_MARK,
+    NodeScore,
+    fold_ranks,
+    group_ranks,
+    medium_index,
+    prefix_scores,
+    rank_member,
+    split_member,
+)
 
 _MEDIUMS = len(MEDIUMS)
 _LAYOUT = "bits-v2"
@@ -281,17 +292,28 @@ class RedisIndex:
         return {k.decode(): int(v) for k, v in raw.items()}
 
     def nodes(self) -> list[str]:
-        return sorted(self._live_ids())
+        return sorted(n for n in self._live_ids() if RANK_MARK not in n)
 
     def models(self) -> list[str]:
         return sorted(m.decode() for m in self._call(self._r.smembers, f"{self._p}:models"))
 
     # --- events ------------------------------------------------------------------
 
-    def add(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+    def add(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
         if hashes.size == 0:
             return
-        off = medium_index(medium) * self._max_nodes + self._id(node)
+        m = medium_index(medium)
+        member = rank_member(node, rank)
+        if rank is not None:
+            self._id(node)  # a node has an id whenever one of its ranks has
+        off = m * self._max_nodes + self._id(member)
         if model not in self._ids_models:
             self._call(self._r.sadd, f"{self._p}:models", model)
             self._ids_models.add(model)
@@ -300,24 +322,38 @@ class RedisIndex:
             args=[self._model_prefix(model), self._packed(hashes), off, 1, self._width],
         )
 
-    def remove(self, model: str, node: str, medium: str | None, hashes: np.ndarray) -> None:
+    def remove(
+        self,
+        model: str,
+        node: str,
+        medium: str | None,
+        hashes: np.ndarray,
+        rank: int | None = None,
+    ) -> None:
         if hashes.size == 0:
             return
         m = medium_index(medium)
-        nid = self._ids.get(node)
+        member = rank_member(node, rank)
+        nid = self._ids.get(member)
         if nid is None:
-            nid = self._node_map().get(node)
+            nid = self._node_map().get(member)
             if nid is None:
                 return
-            self._ids[node] = nid
+            self._ids[member] = nid
         off = m * self._max_nodes + nid
         self._call(
             self._set_bits,
             args=[self._model_prefix(model), self._packed(hashes), off, 0, self._width],
         )
 
-    def clear(self, node: str, model: str | None, mediums: Sequence[str] | None = None) -> None:
-        nid = self._node_map().get(node)
+    def clear(
+        self,
+        node: str,
+        model: str | None,
+        mediums: Sequence[str] | None = None,
+        rank: int | None = None,
+    ) -> None:
+        nid = self._node_map().get(rank_member(node, rank))
         if nid is None:
             return
         ms = (
@@ -335,9 +371,19 @@ class RedisIndex:
         # The id stays bound to the name: a replica with a cached map can
         # never credit another node's blocks to it, and a node that comes back
         # gets its old id. Ids run out only past max_nodes distinct names.
+        for member in self._rank_members(self._node_map(), node):
+            _, rank = split_member(member)
+            self.clear(node, None, rank=rank)
+            self._call(self._r.sadd, f"{self._p}:dropped", member)
+            self._ids.pop(member, None)
         self.clear(node, None)
         self._call(self._r.sadd, f"{self._p}:dropped", node)
         self._ids.pop(node, None)
+
+    @staticmethod
+    def _rank_members(ids: dict[str, int], node: str) -> list[str]:
+        head = node + RANK_MARK
+        return [n for n in ids if n.startswith(head) and split_member(n)[0] == node]
 
     def _live_ids(self) -> dict[str, int]:
         ids = self._node_map()
@@ -368,6 +414,19 @@ class RedisIndex:
         wanted = ids if nodes is None else {n: ids[n] for n in nodes if n in ids}
         if not wanted:
             return []
+        pairs: list[tuple[int, int]] = []  # (node id, rank member id) to fold
+        members = {n: nid for n, nid in ids.items() if RANK_MARK in n}
+        if members:
+            # a dropped node's ranks keep their ids (ids are never reused) but
+            # must not come back with it: only live ranks are scored
+            for n in self._call(self._r.smembers, f"{self._p}:dropped"):
+                members.pop(n.decode(), None)
+            wanted = {n: nid for n, nid in wanted.items() if RANK_MARK not in n}
+            for name, nid in members.items():
+                base, _ = split_member(name)
+                if base in wanted:
+                    pairs.append((wanted[base], nid))
+                    wanted[name] = nid
         alive = np.zeros(self._words, dtype=np.uint64)
         for nid in wanted.values():
             alive[nid // 64] |= np.uint64(1 << (nid % 64))
@@ -385,6 +444,8 @@ class RedisIndex:
                 ],
             )
             rows = self._rows(blob)
+            if pairs:
+                fold_ranks(rows, pairs)
             parts.append(rows)
             held = np.bitwise_or.reduce(rows, axis=1) & running
             running = np.bitwise_and.reduce(held, axis=0)
@@ -393,7 +454,7 @@ class RedisIndex:
             start += chunk
             chunk *= 4
         by_id = {nid: n for n, nid in wanted.items()}
-        return prefix_scores(np.concatenate(parts), alive, by_id)
+        return group_ranks(prefix_scores(np.concatenate(parts), alive, by_id))
 
     def _rows(self, blob: bytes) -> np.ndarray:
         """Redis bit arrays (SETBIT order) -> (n, medium, word) uint64 node bitsets."""
@@ -453,7 +514,7 @@ class RedisIndex:
         info = self._call(self._r.info, "memory")
         return {
             "models": len(self.models()),
-            "nodes": len(self._node_map()),
+            "nodes": sum(RANK_MARK not in n for n in self._node_map()),
             "keys": int(self._call(self._r.dbsize)),
             "bytes": int(info.get("used_memory", 0)),
         }

@@ -367,6 +367,7 @@ def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
         model=src.model,
         snapshot_address=src.snapshot_address,
         engine_url=src.engine_url,
+        data_parallel_rank=(src.data_parallel_rank if src.HasField("data_parallel_rank") else -1),
     )
 
 
@@ -401,6 +402,17 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                     gpu_blocks=s.gpu_blocks,
                     cpu_blocks=s.cpu_blocks,
                     disk_blocks=s.disk_blocks,
+                    rank=s.rank,
+                    ranks=[
+                        indexer_pb2.RankScore(
+                            rank=r.rank,
+                            prefix_blocks=r.prefix_blocks,
+                            gpu_blocks=r.gpu_blocks,
+                            cpu_blocks=r.cpu_blocks,
+                            disk_blocks=r.disk_blocks,
+                        )
+                        for r in s.ranks
+                    ],
                 )
                 for s in scores
             ],
@@ -471,6 +483,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                         model=s.model,
                         snapshot_address=s.snapshot_address,
                         engine_url=s.engine_url,
+                        data_parallel_rank=(
+                            s.data_parallel_rank if s.data_parallel_rank >= 0 else None
+                        ),
                     ),
                     registered=reg,
                     expires_in_s=exp,

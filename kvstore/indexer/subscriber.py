@@ -130,6 +130,13 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_url: str = ""
     """The node's engine OpenAI server (http://host:port or unix:PATH), listed by
     ListNodes for routers that take their backends from the indexer; "" = none."""
+    data_parallel_rank: int = -1
+    """An engine stream of one data-parallel rank (vLLM publishes one stream per
+    rank, each batch tagged with its rank; its ``/kv_event_sources`` lists them):
+    its GPU entries are that rank's, not the node's (the node's DRAM and disk,
+    shared by its ranks, come from the daemon). A batch tagged with another rank
+    is rejected. -1: the node's only engine (GPU entries are the node's,
+    whatever the batches' tag)."""
 
     def check(self) -> None:
         if not self.node or "@" in self.node:
@@ -147,6 +154,13 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         addr = self.snapshot_address
         if addr and not addr.startswith("unix:") and ":" not in addr:
             raise ConfigError(f"snapshot_address must be host:port or unix:PATH; got {addr!r}")
+        if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < -1:
+            raise ConfigError(
+                f"data_parallel_rank must be an int >= 0 (or -1: none); got "
+                f"{self.data_parallel_rank!r}"
+            )
+        if self.data_parallel_rank >= 0 and self.kind != KIND_ENGINE:
+            raise ConfigError("only an engine source has a data_parallel_rank")
         url = self.engine_url
         if url and not (
             url.startswith(("http://", "https://")) or (url.startswith("unix:") and len(url) > 5)
@@ -175,6 +189,7 @@ class SubscriberStats(msgspec.Struct):
     snapshots: int = 0
     snapshot_failures: int = 0
     stale_skipped: int = 0
+    rank_mismatches: int = 0
     tail_checks: int = 0
     errors: int = 0
     backend_errors: int = 0
@@ -228,6 +243,12 @@ class _Source:
     @property
     def daemon(self) -> bool:
         return self.spec.kind == KIND_DAEMON
+
+    @property
+    def rank(self) -> int | None:
+        """The DP rank whose GPU entries this source's are; None = the node's."""
+        r = self.spec.data_parallel_rank
+        return r if r >= 0 and self.spec.kind == KIND_ENGINE else None
 
     @property
     def mediums(self) -> list[str]:
@@ -296,7 +317,8 @@ class Subscriber:
         self._wake_tx.connect(self._wake_addr)
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
-        self._staged: dict[tuple[str, str, str], list[tuple[bool, list[Any]]]] = {}
+        # (model, node, medium, DP rank or None) -> runs of (present, hashes)
+        self._staged: dict[tuple[str, str, str, int | None], list[tuple[bool, list[Any]]]] = {}
         self._dirty: set[_Source] = set()
         self._dec = _Decoders()
         self._logged_at: dict[str, tuple[float, int]] = {}  # kind -> (last log, suppressed)
@@ -1096,8 +1118,19 @@ class Subscriber:
                 self.stats.malformed += 1
                 return False
             model = parsed[1] or None  # kv@<node>@ = every model of the node
-        events = self._decode(payload)
-        if events is None:
+        decoded = self._decode(payload)
+        if decoded is None:
+            return False
+        events, tagged_rank = decoded
+        rank = src.rank
+        if rank is not None and tagged_rank is not None and tagged_rank != rank:
+            # another rank's stream at this endpoint: its blocks are not this rank's
+            self.stats.rank_mismatches += 1
+            self._log_error(
+                f"rank:{spec.key}",
+                f"engine source {spec.key} is configured as DP rank {rank} but sent a "
+                f"batch of rank {tagged_rank}; batch dropped",
+            )
             return False
         self.stats.batches += 1
         node = spec.node
@@ -1108,7 +1141,7 @@ class Subscriber:
                 self._flush()
                 self.stats.clears += 1
                 with self._lock:
-                    self._index.clear(node, model, src.mediums)
+                    self._index.clear(node, model, src.mediums, rank)
                 cleared_node = cleared_node or model is None
                 continue
             if model is None:
@@ -1137,9 +1170,9 @@ class Subscriber:
                     )
             # runs of (present, hashes) in arrival order; hashes stay as
             # decoded, bytes-form or signed ones are folded at flush
-            runs = self._staged.get((model, node, medium))
+            runs = self._staged.get((model, node, medium, rank))
             if runs is None:
-                self._staged[(model, node, medium)] = [(present, list(ev.block_hashes))]
+                self._staged[(model, node, medium, rank)] = [(present, list(ev.block_hashes))]
             elif runs[-1][0] == present:
                 runs[-1][1].extend(ev.block_hashes)
             else:
@@ -1150,12 +1183,16 @@ class Subscriber:
                 self.stats.hashes_removed += len(ev.block_hashes)
         return cleared_node
 
-    def _decode(self, payload: bytes) -> Sequence[LeanStored | LeanRemoved | LeanCleared] | None:
+    def _decode(
+        self, payload: bytes
+    ) -> tuple[Sequence[LeanStored | LeanRemoved | LeanCleared], int | None] | None:
+        """(events, the batch's data_parallel_rank tag), or None: malformed."""
         # Any failure of any kind is one malformed batch, never the thread's
         # end: msgspec raises RecursionError on deeply nested arrays, and
         # whatever else a hostile payload provokes is caught the same way.
         try:
-            return self._dec.batch.decode(payload).events
+            batch = self._dec.batch.decode(payload)
+            return batch.events, batch.data_parallel_rank
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
         except Exception:
@@ -1163,7 +1200,8 @@ class Subscriber:
             return None
         # Engines before vLLM 0.26 send positional events (kvstore.events.wire).
         try:
-            return [lean_event(ev) for ev in self._dec.positional.decode(payload).events]
+            pos = self._dec.positional.decode(payload)
+            return [lean_event(ev) for ev in pos.events], pos.data_parallel_rank
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
         except Exception:
@@ -1178,6 +1216,7 @@ class Subscriber:
         if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
             self.stats.malformed += 1
             return None
+        tag = raw[2] if len(raw) > 2 and isinstance(raw[2], int) else None
         out: list[LeanStored | LeanRemoved | LeanCleared] = []
         for item in raw[1]:
             try:
@@ -1197,7 +1236,7 @@ class Subscriber:
                     self.stats.unknown_events += 1
             except Exception:
                 self.stats.malformed += 1
-        return out
+        return out, tag
 
     def _flush(self) -> None:
         staged, self._staged = self._staged, {}
@@ -1205,16 +1244,16 @@ class Subscriber:
         if not staged and not dirty:
             return
         with self._lock:
-            for (model, node, medium), runs in staged.items():
+            for (model, node, medium, rank), runs in staged.items():
                 if len(runs) == 1:
                     present, hashes = runs[0]
                     keys = self._hash_array(hashes)
                     if keys is None:
                         continue
                     if present:
-                        self._index.add(model, node, medium, keys)
+                        self._index.add(model, node, medium, keys, rank)
                     else:
-                        self._index.remove(model, node, medium, keys)
+                        self._index.remove(model, node, medium, keys, rank)
                     continue
                 # stores and removals interleave: the last word on each hash wins
                 ops: dict[int | bytes, bool] = {}
@@ -1226,8 +1265,8 @@ class Subscriber:
                 if keys is None:
                     continue
                 mask = np.fromiter(ops.values(), dtype=bool, count=len(ops))
-                self._index.add(model, node, medium, keys[mask])
-                self._index.remove(model, node, medium, keys[~mask])
+                self._index.add(model, node, medium, keys[mask], rank)
+                self._index.remove(model, node, medium, keys[~mask], rank)
             for src in dirty:
                 if src.cursor is not None:
                     self._index.save_cursor(src.spec.key, src.cursor)
@@ -1254,6 +1293,6 @@ class Subscriber:
 
         def clear() -> None:
             with self._lock:
-                self._index.clear(src.spec.node, model, src.mediums)
+                self._index.clear(src.spec.node, model, src.mediums, src.rank)
 
         self._guarded(clear)

@@ -28,19 +28,37 @@ class ScoreRequest(_message.Message):
     lora_path: str
     def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., candidate_nodes: _Optional[_Iterable[str]] = ..., block_size_tokens: _Optional[int] = ..., hash_algo: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
+class RankScore(_message.Message):
+    __slots__ = ("rank", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    prefix_blocks: int
+    gpu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    def __init__(self, rank: _Optional[int] = ..., prefix_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
+
 class NodeScore(_message.Message):
-    __slots__ = ("node", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks")
+    __slots__ = ("node", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks", "rank", "ranks")
     NODE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     node: str
     prefix_blocks: int
     gpu_blocks: int
     cpu_blocks: int
     disk_blocks: int
-    def __init__(self, node: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
+    rank: int
+    ranks: _containers.RepeatedCompositeFieldContainer[RankScore]
+    def __init__(self, node: _Optional[str] = ..., prefix_blocks: _Optional[int] = ..., gpu_blocks: _Optional[int] = ..., cpu_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankScore, _Mapping]]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("scores", "request_blocks")
@@ -51,7 +69,7 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., request_blocks: _Optional[int] = ...) -> None: ...
 
 class EventSource(_message.Message):
-    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address", "engine_url")
+    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address", "engine_url", "data_parallel_rank")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +77,7 @@ class EventSource(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     replay_endpoint: str
@@ -66,7 +85,8 @@ class EventSource(_message.Message):
     model: str
     snapshot_address: str
     engine_url: str
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ..., engine_url: _Optional[str] = ...) -> None: ...
+    data_parallel_rank: int
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ..., engine_url: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("source", "ttl_s", "owner_token")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvstore.errors import InvalidRequest
-from kvstore.indexer.backend import NodeScore
+from kvstore.indexer.backend import NodeScore, RankScore
 from kvstore.indexer.memory import MemoryIndex
 from tests.integration._redis import RedisProcess, redis_server  # noqa: F401
 
@@ -164,6 +164,63 @@ def test_random_operations_match_reference(backend):
     assert sum(s.prefix_blocks for s in backend.score("m", chain)) > 0
 
 
+def test_gpu_entries_per_rank_dram_per_node(backend):
+    """DP ranks share the node's DRAM/disk but each has its own GPU cache."""
+    backend.add("m", "a", "CPU", H(1, 2, 3))  # the node's daemon: every rank reads it
+    backend.add("m", "a", "GPU", H(1, 2, 3, 4), rank=0)
+    backend.add("m", "a", "GPU", H(1), rank=1)
+    backend.add("m", "b", "GPU", H(1, 2), rank=1)  # a node known by one rank alone
+    req = H(1, 2, 3, 4, 5)
+    a = NodeScore(
+        "a",
+        4,
+        4,
+        0,
+        0,
+        rank=0,
+        ranks=(RankScore(-1, 3, 0, 3, 0), RankScore(0, 4, 4, 0, 0), RankScore(1, 3, 1, 2, 0)),
+    )
+    b = NodeScore("b", 2, 2, 0, 0, rank=1, ranks=(RankScore(-1, 0), RankScore(1, 2, 2, 0, 0)))
+    assert backend.score("m", req) == [a, b]
+    assert backend.score("m", req, ["b"]) == [b]
+    assert backend.nodes() == ["a", "b"]  # ranks are not nodes
+    # rank 0's engine cleared its cache: rank 0 keeps what the node shares
+    backend.clear("a", "m", ["GPU"], rank=0)
+    assert backend.score("m", req, ["a"]) == [
+        NodeScore(
+            "a",
+            3,
+            1,
+            2,
+            0,
+            rank=1,
+            ranks=(RankScore(-1, 3, 0, 3, 0), RankScore(0, 3, 0, 3, 0), RankScore(1, 3, 1, 2, 0)),
+        )
+    ]
+    backend.remove("m", "a", "GPU", H(1), rank=1)
+    backend.remove("m", "a", "CPU", H(1))
+    assert backend.score("m", req, ["a"]) == []
+    # a dropped node takes its ranks along; coming back, it starts clean
+    backend.add("m", "a", "GPU", H(1), rank=2)
+    backend.drop_node("a")
+    assert backend.nodes() == ["b"]
+    assert backend.score("m", req, ["a"]) == []
+    backend.add("m", "a", "CPU", H(1))
+    assert backend.score("m", req, ["a"]) == [NodeScore("a", 1, 0, 1, 0)]
+    with pytest.raises(InvalidRequest, match="rank"):
+        backend.add("m", "a", "GPU", H(1), rank=-2)
+
+
+def test_rank_prefix_spans_score_chunks(backend):
+    """A rank's prefix, GPU first and DRAM after, runs past the first lookup chunks."""
+    chain = np.random.default_rng(5).integers(0, 2**64, 3000, dtype=np.uint64)
+    backend.add("m", "a", "GPU", chain[:1500], rank=1)
+    backend.add("m", "a", "CPU", chain[1400:2800])
+    (s,) = backend.score("m", chain)
+    assert (s.prefix_blocks, s.gpu_blocks, s.cpu_blocks, s.rank) == (2800, 1500, 1300, 1)
+    assert s.ranks[0] == RankScore(-1, 0)
+
+
 @pytest.mark.redis
 def test_redis_replicas_agree_and_survive_restart(redis_server):  # noqa: F811
     from kvstore.indexer.redis_index import RedisIndex
@@ -219,12 +276,16 @@ def test_mirror_loads_what_redis_holds(redis_server):  # noqa: F811
         r.add("m", f"n{i}", MEDIUMS[i % 3], chain[: 1 + i * 4])
     r.add("other", "n1", "CPU", chain[:5])
     r.drop_node("n0")
+    r.add("m", "n1", "GPU", chain[:9], rank=3)  # a DP rank's own entries
     m = MirroredIndex(RedisIndex(redis_server.url, "kvm"))
     assert m.loaded_blocks == (1 + 69 * 4) + 5  # distinct blocks of "m" and "other"
     assert m.score("m", chain) == r.score("m", chain)
-    assert m.score("other", chain) == [NodeScore("n1", 5, 0, 5, 0)]
+    assert [x.rank for x in m.score("m", chain, ["n1"])[0].ranks] == [-1, 3]
+    (other,) = m.score("other", chain)
+    assert (other.node, other.prefix_blocks, other.cpu_blocks) == ("n1", 5, 5)
     assert "n0" not in m.nodes()
     m.add("m", "n1", "GPU", chain[:2])  # writes reach Redis too
-    assert r.score("m", chain[:2], ["n1"]) == [NodeScore("n1", 2, 2, 0, 0)]
+    (n1,) = r.score("m", chain[:2], ["n1"])
+    assert (n1.prefix_blocks, n1.gpu_blocks, n1.ranks[0]) == (2, 2, RankScore(-1, 2, 2, 0, 0))
     m.close()
     r.close()

@@ -19,7 +19,7 @@ import zmq
 from kvstore.errors import ConfigError
 from kvstore.events.publisher import ZmqEventPublisher
 from kvstore.events.wire import END_SEQ, AllBlocksCleared, BlockStored, KVEventBatch
-from kvstore.indexer.backend import NodeScore
+from kvstore.indexer.backend import NodeScore, RankScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer
 from kvstore.indexer.subscriber import SourceSpec
@@ -471,3 +471,82 @@ def test_topic_ids_name_each_engine_in_the_topic(publishers):
 
 
 KVEventBatch_dec = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def test_dp_rank_streams_key_gpu_entries_by_rank(make_indexer, publishers):
+    """Each DP rank's stream feeds that rank's GPU entries; the daemon's stay the node's."""
+    daemon = publishers("n1")
+    ranks = [RawPublisher(topic=b""), RawPublisher(topic=b"")]
+    try:
+        srcs = [
+            SourceSpec(
+                node="n1",
+                endpoint=r.endpoint,
+                replay_endpoint=r.replay_endpoint,
+                kind="engine",
+                model="m",
+                data_parallel_rank=i,
+            )
+            for i, r in enumerate(ranks)
+        ]
+        ix = make_indexer([source_of(daemon), *srcs])
+        daemon.blocks_stored(NS(), H(1, 2), "CPU", None, None)
+
+        def batch(raw: RawPublisher, rank: int, *events) -> bytes:
+            return raw.enc.encode(KVEventBatch(time.time(), list(events), data_parallel_rank=rank))
+
+        def rank_gpu(hashes: list[int]) -> dict[int, int]:
+            for s in ix.score("m", np.array(hashes, dtype=np.uint64)):
+                if s.node == "n1":
+                    return {r.rank: r.gpu_blocks for r in s.ranks}
+            return {}
+
+        # seq 0 of each rank until its subscription is live (PUB drops before)
+        for i, r in enumerate(ranks):
+            payload = batch(r, i, stored(50 + i, medium="GPU"))
+            r.send(0, payload, publish=False)
+            deadline = time.monotonic() + 10
+            while rank_gpu(H(50 + i)).get(i) != 1:
+                assert time.monotonic() < deadline, f"rank {i} stream never connected"
+                r.pub.send_multipart((b"", (0).to_bytes(8, "big"), payload))
+                time.sleep(0.05)
+        ranks[0].send(1, batch(ranks[0], 0, stored(1, 2, 3, medium="GPU")))
+        wait_for(lambda: rank_gpu(H(1, 2, 3)).get(0) == 3)
+        req = np.array(H(1, 2, 3), dtype=np.uint64)
+        (s,) = ix.score("m", req)
+        # rank 0 has the prefix in its GPU cache; rank 1 only the node's DRAM
+        assert (s.prefix_blocks, s.gpu_blocks, s.rank) == (3, 3, 0)
+        assert s.ranks == (
+            RankScore(-1, 2, 0, 2, 0),
+            RankScore(0, 3, 3, 0, 0),
+            RankScore(1, 2, 0, 2, 0),
+        )
+        assert rank_gpu(H(51)) == {-1: 0, 1: 1}
+        # a batch tagged with another rank on rank 1's stream is refused
+        ranks[1].send(1, batch(ranks[1], 0, stored(1, 2, 3, medium="GPU")))
+        wait_for(lambda: ix.subscriber.stats.rank_mismatches == 1)
+        assert rank_gpu(H(1, 2, 3)) == {-1: 0, 0: 3, 1: 0}
+        # rank 0's clear drops rank 0's cache only: not rank 1's, not the daemon's
+        ranks[1].send(2, batch(ranks[1], 1, stored(1, medium="GPU")))
+        wait_for(lambda: rank_gpu(H(1)).get(1) == 1)
+        ranks[0].send(2, batch(ranks[0], 0, AllBlocksCleared()))
+        wait_for(lambda: rank_gpu(H(1, 2, 3)).get(0) == 0)
+        (s,) = ix.score("m", req)
+        assert s.ranks == (
+            RankScore(-1, 2, 0, 2, 0),
+            RankScore(0, 2, 0, 2, 0),
+            RankScore(1, 2, 1, 1, 0),
+        )
+        assert ix.index.nodes() == ["n1"]
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_source_rank_is_checked():
+    with pytest.raises(ConfigError, match="data_parallel_rank"):
+        SourceSpec(
+            node="n", endpoint="tcp://h:1", kind="engine", model="m", data_parallel_rank=-3
+        ).check()
+    with pytest.raises(ConfigError, match="engine source"):
+        SourceSpec(node="n", endpoint="tcp://h:1", data_parallel_rank=0).check()

@@ -1,0 +1,36 @@
+"""vLLM's /kv_event_sources listing -> one indexer source per DP rank (no engine needed;
+tests/integration/test_vllm_dp.py reads a real server's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.errors import ConfigError
+from kvstore.indexer.vllm_sources import engine_sources
+
+
+def test_engine_sources_from_a_listing() -> None:
+    """What /kv_event_sources lists becomes connectable per-rank sources."""
+    listed = {
+        "1": {"endpoint": "tcp://*:5558", "replay_endpoint": "tcp://*:5568", "topic": ""},
+        "0": {"endpoint": "tcp://*:5557", "replay_endpoint": None, "topic": ""},
+    }
+    got = engine_sources(listed, node="n", model="m", host="10.0.0.5", engine_url="http://e:8000")
+    assert [(s.data_parallel_rank, s.endpoint, s.replay_endpoint) for s in got] == [
+        (0, "tcp://10.0.0.5:5557", ""),
+        (1, "tcp://10.0.0.5:5558", "tcp://10.0.0.5:5568"),
+    ]
+    assert all(s.kind == "engine" and s.engine_url == "http://e:8000" for s in got)
+    # one engine: its cache is the node's, as without DP
+    (one,) = engine_sources({"0": {"endpoint": "tcp://h:1"}}, node="n", model="m")
+    assert one.data_parallel_rank == -1
+    with pytest.raises(ConfigError, match="wildcard"):
+        engine_sources(listed, node="n", model="m")
+    with pytest.raises(ConfigError, match="no port"):
+        engine_sources({"0": {"endpoint": "tcp://h:0"}}, node="n", model="m")
+    with pytest.raises(ConfigError, match="rank -> config"):
+        engine_sources({"x": {}}, node="n", model="m")
+    assert (
+        engine_sources({"0": {"endpoint": "tcp://h:1", "publisher": "null"}}, node="n", model="m")
+        == []
+    )
