@@ -42,6 +42,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
+import msgspec
 import numpy as np
 
 from kvstore.errors import InvalidRequest
@@ -55,6 +56,20 @@ _FAST_MAX_BLOCK_TOKENS = 4096
 
 
 # --- serializers -------------------------------------------------------------
+
+
+# the hash algorithms vLLM's --prefix-caching-hash-algo takes
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+class HashScheme(msgspec.Struct, frozen=True):
+    """How an engine turns token ids into block hashes (what a router must redo);
+    a namespace's layout records it (``kvstore.namespace.layout_hash_scheme``)."""
+
+    algo: str = "sha256"
+    """vLLM's --prefix-caching-hash-algo."""
+    lookahead_tokens: int = 0
+    """vLLM 0.33's num_hash_lookahead_tokens: 0 = the legacy scheme (block alone)."""
 
 
 def _cbor_head(major: int, n: int) -> bytes:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvstore.errors import InvalidRequest
+from kvstore.hashing import HASH_ALGOS, HashScheme
 from kvstore.tiers import Tier
 
 if TYPE_CHECKING:
@@ -29,7 +30,25 @@ MAX_NAME_CHARS = 256
 HASH_SEED_MARK = ";hash="
 
 
-def layout_with_hash_seed(layout: str, fingerprint: str) -> str:
+# The hash scheme (vLLM 0.33's lookahead hashing): ";lookahead=<L>" before
+# ";hash=" when the engine's block hashes also cover the L tokens after each
+# block (EAGLE/MTP drafters, ``num_hash_lookahead_tokens``). Absent = the
+# legacy scheme (L = 0), so every layout written before it reads as legacy and
+# keeps its namespace id; placed before ";hash=", so a reader that knows only
+# ";hash=" (``rpartition``) still reads the fingerprint right.
+LOOKAHEAD_MARK = ";lookahead="
+
+
+def layout_with_hash_seed(layout: str, fingerprint: str, lookahead_tokens: int = 0) -> str:
+    """``layout`` + the hash scheme: ``[;lookahead=<L>];hash=<fingerprint>``."""
+    if not isinstance(lookahead_tokens, int) or lookahead_tokens < 0:
+        raise InvalidRequest(f"lookahead_tokens must be an int >= 0; got {lookahead_tokens!r}")
+    if HASH_SEED_MARK in layout or LOOKAHEAD_MARK in layout:
+        raise InvalidRequest(f"layout {layout!r} already carries a hash scheme")
+    if lookahead_tokens:
+        if not fingerprint:
+            raise InvalidRequest("a lookahead hash scheme needs the hash-seed fingerprint")
+        layout = f"{layout}{LOOKAHEAD_MARK}{lookahead_tokens}"
     return f"{layout}{HASH_SEED_MARK}{fingerprint}" if fingerprint else layout
 
 
@@ -37,6 +56,28 @@ def layout_hash_seed(layout: str) -> str | None:
     """The hash-seed fingerprint a layout carries, or None."""
     _, mark, fingerprint = layout.rpartition(HASH_SEED_MARK)
     return fingerprint if mark else None
+
+
+def layout_hash_scheme(layout: str) -> HashScheme | None:
+    """The hash scheme a layout records, or None where the client did not say.
+
+    The algorithm is the fingerprint's ``<algo>:`` (connectors.vllm.hashes);
+    a layout without ``;lookahead=`` is the legacy scheme. A malformed record
+    is an ``InvalidRequest`` naming it.
+    """
+    head, mark, fingerprint = layout.rpartition(HASH_SEED_MARK)
+    if not mark:
+        return None
+    algo = fingerprint.partition(":")[0]
+    if algo not in HASH_ALGOS:
+        raise InvalidRequest(f"layout {layout!r}: unknown hash algorithm {algo!r}")
+    _, la_mark, la = head.rpartition(LOOKAHEAD_MARK)
+    lookahead = 0
+    if la_mark:
+        if not la.isdigit() or int(la) <= 0:
+            raise InvalidRequest(f"layout {layout!r}: lookahead must be a positive int")
+        lookahead = int(la)
+    return HashScheme(algo, lookahead)
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +117,11 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
             problems.append("need 0 <= tp_rank < tp_world_size")
         if self.pp_world_size <= 0 or not 0 <= self.pp_rank < self.pp_world_size:
             problems.append("need 0 <= pp_rank < pp_world_size")
+        if LOOKAHEAD_MARK in self.layout:
+            try:
+                layout_hash_scheme(self.layout)
+            except InvalidRequest as e:
+                problems.append(str(e))
         if problems:
             raise InvalidRequest("bad namespace spec: " + "; ".join(problems))
 

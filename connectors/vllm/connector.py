@@ -173,6 +173,11 @@ def engine_layout(
         tp_world_size=parallel.tensor_parallel_size,
         pp_world_size=parallel.pipeline_parallel_size,
         hash_seed=_hash_seed(vllm_config),
+        # vLLM 0.33 keeps the legacy block hashes whenever a KV connector is
+        # configured (lookahead hashing is for EAGLE/MTP without one), so this
+        # engine's scheme is legacy: L = 0. Recorded all the same, so a scheme
+        # change shows in the namespace (and never mixes blocks).
+        hash_lookahead_tokens=0,
     )
 
 

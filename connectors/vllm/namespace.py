@@ -39,6 +39,9 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
     pp_rank: int = 0
     pp_world_size: int = 1
     hash_seed: str = ""  # connectors.vllm.hashes.hash_seed_fingerprint; "" = not told
+    # vLLM 0.33's num_hash_lookahead_tokens as this engine's block hashes use it
+    # (recorded in the layout: kvstore.namespace.layout_hash_scheme)
+    hash_lookahead_tokens: int = 0
 
     def for_rank(self, *, tp_rank: int, pp_rank: int) -> EngineLayout:
         return msgspec.structs.replace(self, tp_rank=tp_rank, pp_rank=pp_rank)
@@ -59,7 +62,9 @@ class EngineLayout(msgspec.Struct, frozen=True, kw_only=True):
             tenant=tenant or "",
             # Engines seeded differently get different namespaces (they could never
             # share a block anyway), so the daemon sees and reports the mismatch.
-            layout=layout_with_hash_seed(f"{BLOCK_FORMAT}/{self.page_layout}", self.hash_seed),
+            layout=layout_with_hash_seed(
+                f"{BLOCK_FORMAT}/{self.page_layout}", self.hash_seed, self.hash_lookahead_tokens
+            ),
         )
 
 

@@ -90,6 +90,8 @@ class _LeanStored(msgspec.Struct, tag="BlockStored", gc=False):
     token_ids: msgspec.Raw = msgspec.Raw()
     lora_name: str | None = None
     extra_keys: msgspec.Raw = msgspec.Raw()
+    # vLLM 0.33 lookahead hashing: the L tokens past each block (kept raw too)
+    lookahead_token_ids: msgspec.Raw = msgspec.Raw()
 
 
 class _LeanRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):

@@ -10,6 +10,13 @@ events carry none, so a tenant's ``cache_salt`` also makes its first blocks
 differ, which is why a mismatch is reported (counted per model, warned about
 loudly) and never used to reject requests.
 
+The same check learns each model's hash scheme (``schemes``): the algorithm
+(this indexer's, else whichever of vLLM's cryptographic ones reproduces the
+block) and vLLM 0.33's lookahead L (an engine's event carries the L tokens
+past each block, ``lookahead_token_ids``). Only a scheme that reproduces a
+block exactly is learned, so a router hashing token ids with it computes what
+the engines compute.
+
 Bounded: at most one check per model per ``min_interval_s``, models capped.
 """
 
@@ -23,12 +30,15 @@ import msgspec
 
 from kvstore.errors import KVStoreError
 from kvstore.events.wire import block_hash_to_int
-from kvstore.hashing import BlockHasher
+from kvstore.hashing import BlockHasher, HashScheme
 
 log = logging.getLogger(__name__)
 
 _MAX_MODELS = 4_096
 _MAX_HASHERS = 16
+_NO_RAW = msgspec.Raw()
+# tried after this indexer's own algorithm (the seeded ones need the seed)
+_OTHER_ALGOS = ("sha256", "sha256_cbor")
 
 
 class SeedVerdict(msgspec.Struct, frozen=True):
@@ -49,17 +59,19 @@ class SeedChecker:
         self._seed = seed
         self._min_interval_s = min_interval_s
         self._warn_interval_s = warn_interval_s
-        self._hashers: dict[int, BlockHasher] = {}
+        self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._last: dict[str, float] = {}
         self._warned: dict[str, float] = {}
         self.verdicts: dict[str, SeedVerdict] = {}
+        # model -> the scheme its engines' first blocks were last reproduced with
+        self.schemes: dict[str, HashScheme] = {}
 
-    def _hasher(self, block_size: int) -> BlockHasher:
-        h = self._hashers.get(block_size)
+    def _hasher(self, block_size: int, algo: str) -> BlockHasher:
+        h = self._hashers.get((block_size, algo))
         if h is None:
             if len(self._hashers) >= _MAX_HASHERS:
                 self._hashers.clear()
-            h = self._hashers[block_size] = BlockHasher(block_size, self._algo, self._seed)
+            h = self._hashers[(block_size, algo)] = BlockHasher(block_size, algo, self._seed)
         return h
 
     def offer(
@@ -70,6 +82,7 @@ class SeedChecker:
         token_ids: msgspec.Raw,
         extra_keys: msgspec.Raw,
         lora_name: str | None,
+        lookahead_token_ids: msgspec.Raw = _NO_RAW,
     ) -> None:
         """A chain's first BlockStored: check it unless one was checked just now."""
         now = time.monotonic()
@@ -83,14 +96,30 @@ class SeedChecker:
             keys: Any = msgspec.msgpack.decode(extra_keys) if len(extra_keys) else None
             if not isinstance(tokens, list) or len(tokens) < block_size:
                 return
+            ahead: Any = (
+                msgspec.msgpack.decode(lookahead_token_ids) if len(lookahead_token_ids) else None
+            )
+            block = tokens[:block_size]
             kw: dict[str, Any] = {}
+            if isinstance(ahead, list) and ahead and isinstance(ahead[0], list) and ahead[0]:
+                # the first block's hash also covers the L tokens after it
+                block = block + ahead[0]
+                kw["lookahead_tokens"] = len(ahead[0])
             if keys:
                 kw["extra_keys"] = [tuple(k) if isinstance(k, list) else k for k in keys[:1]]
-            got = self._hasher(block_size).hash_tokens_int(tokens[:block_size], **kw)
+            want = block_hash_to_int(first_hash)
+            matched = ""
+            for algo in (self._algo, *(a for a in _OTHER_ALGOS if a != self._algo)):
+                got = self._hasher(block_size, algo).hash_tokens_int(block, **kw)
+                if got.size == 1 and int(got[0]) == want:
+                    matched = algo
+                    break
         except (KVStoreError, ValueError, TypeError, msgspec.DecodeError, RecursionError):
             return  # not ours to judge: the event was odd; the decoder counts that
+        if matched:
+            self.schemes[model] = HashScheme(matched, kw.get("lookahead_tokens", 0))
         v = self.verdicts.get(model, SeedVerdict())
-        bad = got.size != 1 or int(got[0]) != block_hash_to_int(first_hash)
+        bad = matched != self._algo
         v = SeedVerdict(v.checked + 1, v.mismatched + int(bad))
         self.verdicts[model] = v
         if bad and now - self._warned.get(model, -1e18) >= self._warn_interval_s:

@@ -48,7 +48,7 @@ from kvstore.errors import (
     Unavailable,
     abort_sync,
 )
-from kvstore.hashing import BlockHasher
+from kvstore.hashing import BlockHasher, HashScheme
 from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.memory import MemoryIndex
@@ -203,7 +203,10 @@ class Indexer:
         algo: str = "",
         cache_salt: str = "",
         lora: tuple[str, str] | None = None,
+        lookahead_tokens: int | None = None,
     ) -> np.ndarray:
+        """Block hashes of packed int32 token ids, as the model's engines hash them
+        (``hash_scheme_for``; ``algo``/``lookahead_tokens`` override it)."""
         if len(token_ids) % 4:
             raise InvalidRequest(f"token_ids must be packed int32 LE; got {len(token_ids)} bytes")
         n_tokens = len(token_ids) // 4
@@ -215,13 +218,25 @@ class Indexer:
         bs = self.block_size_for(model, block_size)
         if bs > 1 << 20:
             raise InvalidRequest(f"block_size_tokens {bs} is out of range")
-        hasher = self._hasher(bs, algo or self.cfg.hash_algo)
+        scheme = self.hash_scheme_for(model)
+        hasher = self._hasher(bs, algo or scheme.algo)
+        lookahead = scheme.lookahead_tokens if lookahead_tokens is None else lookahead_tokens
+        if lookahead > bs * 64:
+            raise InvalidRequest(f"lookahead_tokens {lookahead} is out of range")
         return hasher.hash_tokens_int(
             token_ids,
             cache_salt=cache_salt or None,
             lora=lora,
             max_blocks=self.cfg.max_request_blocks,
+            lookahead_tokens=lookahead,
         )
+
+    def hash_scheme_for(self, model: str) -> HashScheme:
+        """How ``model``'s engines hash token ids: the scheme their chains' first
+        blocks were reproduced with (``seedcheck``), else this indexer's
+        configured algorithm and the legacy scheme."""
+        learned = self.subscriber.seeds.schemes.get(model)
+        return learned if learned is not None else HashScheme(self.cfg.hash_algo, 0)
 
     def parse_hashes(self, block_hashes: bytes) -> np.ndarray:
         if len(block_hashes) % 8:
@@ -388,6 +403,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                     algo=request.hash_algo,
                     cache_salt=request.cache_salt,
                     lora=lora,
+                    lookahead_tokens=(
+                        request.lookahead_tokens if request.HasField("lookahead_tokens") else None
+                    ),
                 )
             else:
                 hashes = self._ix.parse_hashes(request.block_hashes)
@@ -458,6 +476,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                     block_size_tokens=sizes[0] if len(sizes := learned.get(m, [])) == 1 else 0,
                     first_blocks_checked=(v := seeds.get(m, SeedVerdict())).checked,
                     first_blocks_mismatched=v.mismatched,
+                    hash_algo=(sc := self._ix.hash_scheme_for(m)).algo,
+                    hash_lookahead_tokens=sc.lookahead_tokens,
+                    hash_scheme_learned=m in self._ix.subscriber.seeds.schemes,
                 )
                 for m in sorted(set(indexed) | set(learned))
             ]

@@ -1167,6 +1167,7 @@ class Subscriber:
                         ev.token_ids,  # type: ignore[union-attr]
                         ev.extra_keys,  # type: ignore[union-attr]
                         ev.lora_name,  # type: ignore[union-attr]
+                        ev.lookahead_token_ids,  # type: ignore[union-attr]
                     )
             # runs of (present, hashes) in arrival order; hashes stay as
             # decoded, bytes-form or signed ones are folded at flush

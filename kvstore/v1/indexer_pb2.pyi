@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "token_ids", "block_hashes", "candidate_nodes", "block_size_tokens", "hash_algo", "cache_salt", "lora_name", "lora_path")
+    __slots__ = ("model", "token_ids", "block_hashes", "candidate_nodes", "block_size_tokens", "hash_algo", "cache_salt", "lora_name", "lora_path", "lookahead_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class ScoreRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     token_ids: bytes
     block_hashes: bytes
@@ -26,7 +27,8 @@ class ScoreRequest(_message.Message):
     cache_salt: str
     lora_name: str
     lora_path: str
-    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., candidate_nodes: _Optional[_Iterable[str]] = ..., block_size_tokens: _Optional[int] = ..., hash_algo: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    lookahead_tokens: int
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[bytes] = ..., block_hashes: _Optional[bytes] = ..., candidate_nodes: _Optional[_Iterable[str]] = ..., block_size_tokens: _Optional[int] = ..., hash_algo: _Optional[str] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class RankScore(_message.Message):
     __slots__ = ("rank", "prefix_blocks", "gpu_blocks", "cpu_blocks", "disk_blocks")
@@ -159,16 +161,22 @@ class ModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "block_size_tokens", "first_blocks_checked", "first_blocks_mismatched")
+    __slots__ = ("model", "block_size_tokens", "first_blocks_checked", "first_blocks_mismatched", "hash_algo", "hash_lookahead_tokens", "hash_scheme_learned")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCKS_MISMATCHED_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HASH_SCHEME_LEARNED_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size_tokens: int
     first_blocks_checked: int
     first_blocks_mismatched: int
-    def __init__(self, model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., first_blocks_checked: _Optional[int] = ..., first_blocks_mismatched: _Optional[int] = ...) -> None: ...
+    hash_algo: str
+    hash_lookahead_tokens: int
+    hash_scheme_learned: bool
+    def __init__(self, model: _Optional[str] = ..., block_size_tokens: _Optional[int] = ..., first_blocks_checked: _Optional[int] = ..., first_blocks_mismatched: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_lookahead_tokens: _Optional[int] = ..., hash_scheme_learned: _Optional[bool] = ...) -> None: ...
 
 class ModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -550,3 +550,73 @@ def test_source_rank_is_checked():
         ).check()
     with pytest.raises(ConfigError, match="engine source"):
         SourceSpec(node="n", endpoint="tcp://h:1", data_parallel_rank=0).check()
+
+
+def test_engine_hash_scheme_is_learned_and_used_for_token_ids(make_indexer):
+    """An engine hashing with sha256_cbor and vLLM 0.33's lookahead (L=4): the
+    indexer (configured sha256, legacy) learns the scheme from a chain's first
+    block, reports it in Models, and hashes token-id Scores with it."""
+    import grpc
+
+    from kvstore.hashing import BlockHasher
+    from kvstore.indexer.service import serve
+    from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+
+    L, bs = 4, 16
+    tokens = [(i * 37) % 500 + 2 for i in range(3 * bs + L)]
+    hashes = BlockHasher(bs, "sha256_cbor").hash_tokens_int(tokens, lookahead_tokens=L)
+    assert hashes.size == 3
+    legacy = BlockHasher(bs, "sha256").hash_tokens_int(tokens)
+    assert not set(legacy.tolist()) & set(hashes.tolist())
+    engine = RawPublisher(topic=b"")
+    server = None
+    try:
+        src = SourceSpec(
+            node="n1",
+            endpoint=engine.endpoint,
+            replay_endpoint=engine.replay_endpoint,
+            kind="engine",
+            model="m",
+        )
+        ix = make_indexer([src], hash_algo="sha256", block_size_tokens=bs)
+        ev = BlockStored(
+            [int(h) for h in hashes],
+            None,
+            tokens[: 3 * bs],
+            bs,
+            None,
+            "GPU",
+            None,
+            lookahead_token_ids=[tokens[(i + 1) * bs : (i + 1) * bs + L] for i in range(3)],
+        )
+        payload = engine.batch(ev)
+        engine.send(0, payload, publish=False)
+        deadline = time.monotonic() + 10
+        while prefix(ix, "m", [int(h) for h in hashes], "n1") != 3:
+            assert time.monotonic() < deadline, "engine stream never connected"
+            engine.pub.send_multipart((b"", (0).to_bytes(8, "big"), payload))
+            time.sleep(0.05)
+        server, port = serve(ix, "127.0.0.1:0")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = indexer_pb2_grpc.IndexerServiceStub(ch)
+            wait_for(lambda: "m" in ix.subscriber.seeds.schemes)
+            (info,) = stub.Models(indexer_pb2.ModelsRequest(), timeout=10).models
+            assert (info.hash_algo, info.hash_lookahead_tokens, info.hash_scheme_learned) == (
+                "sha256_cbor",
+                L,
+                True,
+            )
+            assert (info.first_blocks_checked, info.first_blocks_mismatched) == (1, 1)
+            packed = np.asarray(tokens, dtype="<i4").tobytes()
+            resp = stub.Score(indexer_pb2.ScoreRequest(model="m", token_ids=packed), timeout=10)
+            assert (resp.request_blocks, resp.scores[0].prefix_blocks) == (3, 3)
+            # the caller may still say otherwise: legacy hashing finds nothing
+            legacy_req = indexer_pb2.ScoreRequest(
+                model="m", token_ids=packed, hash_algo="sha256", lookahead_tokens=0
+            )
+            resp = stub.Score(legacy_req, timeout=10)
+            assert resp.request_blocks == 3 and not resp.scores
+    finally:
+        if server is not None:
+            server.stop(0)
+        engine.close()

@@ -127,7 +127,11 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
             model_dir,
             *("--served-model-name", "tiny", "--uds", sock, "--max-num-seqs", "4"),
             *("--data-parallel-size", "2", "--enable-prompt-tokens-details"),
-            *("--kv-transfer-config", json.dumps(vm.kv_transfer_config(daemon.address))),
+            # the daemon names blocks by the served name, as the engine sources do
+            *(
+                "--kv-transfer-config",
+                json.dumps(vm.kv_transfer_config(daemon.address, model_name="tiny")),
+            ),
             *("--kv-events-config", json.dumps(events)),
         )
         with open(log, "wb") as out:
@@ -201,7 +205,14 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
             )
 
         for ix in indexers:
-            wait_for(lambda ix=ix: settled(ix), EVENT_TIMEOUT_S, "blocks of both ranks indexed")
+            try:
+                wait_for(lambda ix=ix: settled(ix), EVENT_TIMEOUT_S, "blocks of both ranks indexed")
+            except AssertionError as e:
+                raise AssertionError(
+                    f"{e}: {ix.cfg.backend} index has {ix.index.models()}: "
+                    f"{ix.score('tiny', hs)} / {ix.score('tiny', ho)}; "
+                    f"{ix.subscriber.stats}; {ix.subscriber.source_status()}"
+                ) from None
         for ix in indexers:
             (a,) = ix.score("tiny", hs)
             # rank 0 computed the prefix: its GPU cache has it; rank 1 reads the
