@@ -123,7 +123,7 @@ def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
 
 def parse_source(text: str) -> SourceSpec:
     """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,snapshot_address=h:p]
-    [,kind=engine,model=M][,engine_url=http://h:p]``."""
+    [,kind=engine,model=M[,data_parallel_rank=R]][,engine_url=http://h:p]``."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
@@ -131,7 +131,8 @@ def parse_source(text: str) -> SourceSpec:
             raise ConfigError(f"--source wants key=value pairs separated by commas; got {text!r}")
         fields[key.strip()] = value.strip()
     try:
-        spec = msgspec.convert(fields, SourceSpec)
+        # strict=False: "data_parallel_rank=1" is text on a command line
+        spec = msgspec.convert(fields, SourceSpec, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"--source {text!r}: {e}") from None
     spec.check()

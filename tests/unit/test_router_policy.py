@@ -196,3 +196,23 @@ def test_engine_metrics_are_read_as_vllm_writes_them():
     running, waiting, kv, info = parse_metrics(text)
     assert (running, waiting, kv) == (4.0, 2.0, 0.5)
     assert (info.block_size, info.hash_algo) == (32, "sha256_cbor")
+
+
+def test_the_node_comes_with_the_rank_that_saves_most() -> None:
+    from router_client import RankHit
+
+    # rank 0: 2 GPU + 2 DRAM; rank 1: 4 DRAM (the node's); rank 2: 3 GPU + 1 DRAM
+    ranks = (
+        RankHit(-1, 4, 0, 4, 0),
+        RankHit(0, 4, 2, 2, 0),
+        RankHit(1, 4, 0, 4, 0),
+        RankHit(2, 4, 3, 1, 0),
+    )
+    a = NodeHit("a", 4, 3, 1, 0, rank=2, ranks=ranks)
+    b = NodeHit("b", 2, 2, 0, 0)  # no ranks: any engine of the node
+    d = choose(ScoreResult(8, [a, b]), ["a", "b"], "b")
+    assert (d.node, d.rank) == ("a", 2)
+    assert choose(ScoreResult(8, [b]), ["b"], "b").rank == -1
+    # a DRAM hit is worth more than a GPU hit under these weights: rank 1 then
+    flipped = Policy(gpu_weight=0.1, cpu_weight=1.0)
+    assert choose(ScoreResult(8, [a]), ["a"], "a", policy=flipped).rank == 1

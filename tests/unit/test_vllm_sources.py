@@ -34,3 +34,14 @@ def test_engine_sources_from_a_listing() -> None:
         engine_sources({"0": {"endpoint": "tcp://h:1", "publisher": "null"}}, node="n", model="m")
         == []
     )
+
+
+def test_a_rank_source_on_the_command_line() -> None:
+    from kvstore.indexer.config import parse_source
+
+    spec = parse_source("node=n,endpoint=tcp://h:5558,kind=engine,model=m,data_parallel_rank=1")
+    assert (spec.data_parallel_rank, spec.kind) == (1, "engine")
+    with pytest.raises(ConfigError, match="data_parallel_rank"):
+        parse_source("node=n,endpoint=tcp://h:5558,kind=engine,model=m,data_parallel_rank=x")
+    with pytest.raises(ConfigError, match="only an engine source"):
+        parse_source("node=n,endpoint=tcp://h:5558,data_parallel_rank=0")
