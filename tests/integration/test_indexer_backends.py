@@ -221,6 +221,105 @@ def test_rank_prefix_spans_score_chunks(backend):
     assert s.ranks[0] == RankScore(-1, 0)
 
 
+class RankReference(Reference):
+    """The index with DP ranks spelled out: a rank's column is its own GPU
+    entries plus everything its node holds (see backend.fold_ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ranks: dict[str, set[int]] = {}
+
+    def add(self, model, node, medium, hashes, rank=None):
+        if rank is not None:
+            self.ranks.setdefault(node, set()).add(rank)
+            node = f"{node}@{rank}"
+        super().add(model, node, medium, hashes)
+
+    def clear_rank(self, node, model, rank):
+        super().clear(f"{node}@{rank}", model, ["GPU"])
+
+    def _column(self, model, hashes, members):
+        p = g = c = d = 0
+        for h in hashes.tolist():
+            tiers = {med for n, med in self.d.get((model, h), ()) if n in members}
+            if not tiers:
+                break
+            p += 1
+            if "GPU" in tiers:
+                g += 1
+            elif "CPU" in tiers:
+                c += 1
+            else:
+                d += 1
+        return p, g, c, d
+
+    def score(self, model, hashes, nodes):
+        out = []
+        for node in nodes:
+            own = self._column(model, hashes, {node})
+            ranks = sorted(self.ranks.get(node, ()))
+            if not ranks:
+                if own[0]:
+                    out.append(NodeScore(node, *own))
+                continue
+            cols = [(r, self._column(model, hashes, {node, f"{node}@{r}"})) for r in ranks]
+            listed = tuple(RankScore(r, *col) for r, col in cols if col[0])
+            if not listed:
+                continue
+            best = min(listed, key=lambda x: (-x.prefix_blocks, -x.gpu_blocks, x.rank))
+            out.append(
+                NodeScore(
+                    node,
+                    best.prefix_blocks,
+                    best.gpu_blocks,
+                    best.cpu_blocks,
+                    best.disk_blocks,
+                    rank=best.rank,
+                    ranks=(RankScore(-1, *own), *listed),
+                )
+            )
+        return sorted(out, key=lambda s: (-s.prefix_blocks, s.node))
+
+
+def test_random_rank_operations_match_reference(backend):
+    """Ranks and nodes across two bitset words; GPU per rank, the rest per node."""
+    rng = np.random.default_rng(23)
+    rnd = random.Random(23)
+    ref = RankReference()
+    universe = rng.integers(0, 2**64, 400, dtype=np.uint64)
+    chain = universe[:60]
+    nodes = [f"n{i}" for i in range(40)]  # 40 nodes + their ranks: > 64 members
+    for step in range(300):
+        node = rnd.choice(nodes)
+        rank = rnd.choice([None, 0, 1]) if int(node[1:]) % 2 else None
+        med = "GPU" if rank is not None else rnd.choice(("CPU", "DISK", "GPU"))
+        hs = (
+            chain[: rnd.randrange(1, 60)]
+            if step % 2
+            else universe[rng.integers(0, 400, rnd.randrange(1, 40))]
+        )
+        if rnd.random() < 0.75:
+            backend.add("m", node, med, hs, rank=rank)
+            ref.add("m", node, med, hs, rank)
+        elif rank is not None:
+            backend.remove("m", node, med, hs, rank=rank)
+            ref.remove("m", f"{node}@{rank}", med, hs)
+        else:
+            backend.remove("m", node, med, hs)
+            ref.remove("m", node, med, hs)
+        if step % 50 == 49:
+            victim = rnd.choice(nodes)
+            backend.clear(victim, "m", ["GPU"], rank=1)
+            ref.clear_rank(victim, "m", 1)
+    for trial in range(10):
+        req = np.concatenate([chain[: rnd.randrange(0, 60)], universe[rng.integers(0, 400, 3)]])
+        cands = rnd.sample(nodes, 15) if trial % 2 else nodes
+        want = ref.score("m", req, cands)
+        got = backend.score("m", req, None if trial % 2 == 0 else cands)
+        assert got == want, trial
+    assert any(s.ranks for s in backend.score("m", chain))
+
+
 @pytest.mark.redis
 def test_redis_replicas_agree_and_survive_restart(redis_server):  # noqa: F811
     from kvstore.indexer.redis_index import RedisIndex
