@@ -199,6 +199,9 @@ class MemoryIndex:
         bit = self._node_bit.get(node)
         if bit is not None:
             return bit
+        base, rank = split_member(node)
+        if rank is not None:
+            self._bit(base)  # first: a node has an id whenever one of its ranks has
         if self._free_bits:
             bit = self._free_bits.pop()
         else:
@@ -208,10 +211,8 @@ class MemoryIndex:
         self._node_bit[node] = bit
         self._bit_node[bit] = node
         self._words = max(self._words, bit // 64 + 1)
-        base, rank = split_member(node)
         if rank is not None:
             self._ranks.setdefault(base, {})[rank] = node
-            self._bit(base)  # a node has an id whenever one of its ranks has
         return bit
 
     def _release(self, member: str) -> None:
