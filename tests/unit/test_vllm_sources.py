@@ -45,3 +45,47 @@ def test_a_rank_source_on_the_command_line() -> None:
         parse_source("node=n,endpoint=tcp://h:5558,kind=engine,model=m,data_parallel_rank=x")
     with pytest.raises(ConfigError, match="only an engine source"):
         parse_source("node=n,endpoint=tcp://h:5558,data_parallel_rank=0")
+
+
+def test_fetching_the_listing_over_http_and_its_errors() -> None:
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvstore.errors import Unavailable
+    from kvstore.indexer.vllm_sources import fetch_kv_event_sources
+
+    answers = {"/kv_event_sources": (200, json.dumps({"0": {"endpoint": "tcp://h:1"}}).encode())}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            status, body = answers.get(self.path, (404, b"{}"))
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert fetch_kv_event_sources(url) == {"0": {"endpoint": "tcp://h:1"}}
+        answers["/kv_event_sources"] = (200, b"not json")
+        with pytest.raises(Unavailable, match="not JSON"):
+            fetch_kv_event_sources(url)
+        answers["/kv_event_sources"] = (200, b"[1, 2]")
+        with pytest.raises(Unavailable, match="not an object"):
+            fetch_kv_event_sources(url)
+        answers["/kv_event_sources"] = (500, b"boom")
+        with pytest.raises(Unavailable, match="answered 500"):
+            fetch_kv_event_sources(url)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(Unavailable, match="kv_event_sources"):
+        fetch_kv_event_sources(url, timeout_s=2)  # nothing listens there now
+    with pytest.raises(ConfigError, match="http://host:port or unix:PATH"):
+        fetch_kv_event_sources("ftp://x")
