@@ -22,10 +22,10 @@ block in the node's DRAM or disk tier (or the daemon's GPU tier) is valid for
 every rank, but each rank's own KV cache is its own. ``add``/``remove``/
 ``clear`` with ``rank`` keep a rank's engine GPU entries apart, as the index
 member ``rank_member(node, rank)`` (a name no node can have: node names never
-contain ``@``). A node's score then carries one ``RankScore`` per rank known to
-the index (its GPU entries plus the node's shared ones) and rank -1 (the shared
-ones alone: what a rank without entries of its own gets); the node's top-level
-figures are its best rank's. A node without ranks scores as before.
+contain ``@``). A node's score then carries one ``RankScore`` per rank with a
+non-empty prefix (its GPU entries plus the node's shared ones) and rank -1 (the
+shared ones alone: what a rank not listed gets); the node's top-level figures
+are its best rank's. A node without ranks scores as before.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ class NodeScore(msgspec.Struct, frozen=True):
 
     On a node whose engine GPU entries are per DP rank, the figures are the best
     rank's (``rank``; longest prefix, then most GPU blocks, then lowest rank) and
-    ``ranks`` lists every rank known to the index, with ``SHARED_RANK`` (-1) for
-    the node's shared tiers alone, by rank."""
+    ``ranks`` lists, by rank, ``SHARED_RANK`` (-1: the node's shared tiers alone,
+    what a rank not listed gets) and every rank with a non-empty prefix."""
 
     node: str
     prefix_blocks: int
