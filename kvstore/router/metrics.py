@@ -107,6 +107,13 @@ class RouterMetrics:
             ["how"],
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "kvstore_router_prompt_tokens_parsed_total",
+            "Token ids of large token-id prompts by how they were read from the body "
+            "(reused: past a recent prompt's identical bytes; parsed).",
+            ["how"],
+            registry=r,
+        )
         self.shed = Counter(
             "kvstore_router_shed_requests_total",
             "Requests refused with 429/503: the router at max_inflight, or shed by flow control.",

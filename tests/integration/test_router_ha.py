@@ -309,3 +309,96 @@ def test_router_takes_backends_registered_at_the_indexer(tmp_path):
         ix.close()
         for e in engines.values():
             e.close()
+
+
+def _counter(r: Http, name: str, labels: str) -> float:
+    _, text = r.get("/metrics")
+    for line in text.decode().splitlines():
+        if line.startswith(f"{name}{{{labels}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_long_token_prompt_resent_is_read_past_its_previous_bytes_and_routed_by_prefix(
+    daemon_factory, tmp_path
+):
+    """An agent's 12k-token context sent as token ids, then re-sent with a new tail:
+    the router reads only the tail's ids from the body (the rest are the previous
+    turn's bytes, unchanged), and every turn routes to the node whose daemon holds
+    the prefix: also the same ids spaced otherwise (read in full), and a turn
+    whose tail is not integers is a 400."""
+    events = {
+        "events.enabled": True,
+        "events.publish_address": "tcp://127.0.0.1:0",
+        "events.replay_address": "tcp://127.0.0.1:0",
+    }
+    daemons = {n: daemon_factory(n, tcp=True, settings=events) for n in ("node-a", "node-b")}
+    engines = {n: Engine(n) for n in daemons}
+    ix = Indexer(
+        IndexerConfig(
+            sources=[
+                SourceSpec(
+                    node=n,
+                    endpoint=d.info["events_publish_address"],
+                    replay_endpoint=d.info["events_replay_address"],
+                )
+                for n, d in daemons.items()
+            ]
+        )
+    )
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    proc = None
+    try:
+        rng = np.random.default_rng(11)
+        tokens = [int(t) for t in rng.integers(0, 30_000, 750 * BS)]
+        hashes = BlockHasher(BS).hash_tokens_int(np.array(tokens))
+        with Client(daemons["node-b"].address) as c:
+            ns = c.declare_namespace(make_spec(4096, model="tiny"))
+            blocks = np.zeros((700, 4096), dtype=np.uint8)
+            assert c.put(ns, hashes[:700], blocks).stored == 700
+        wait_for(
+            lambda: (
+                [(s.node, s.prefix_blocks) for s in ix.score("tiny", hashes)] == [("node-b", 700)]
+            ),
+            30,
+            "node-b's prefix indexed",
+        )
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "indexer": f"127.0.0.1:{port}",
+            "decision_deadline_s": "5",  # a loaded 2-core box; a fallback fails the test
+            "scrape_interval_s": "0.1",
+        }
+        proc, r = start_router(tmp_path, "router", settings)
+        wait_for(lambda: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        name = "kvstore_router_prompt_tokens_parsed_total"
+
+        def route(raw: bytes) -> tuple[str, str]:
+            status, headers, body = r.request("POST", "/v1/completions", raw=raw)
+            assert status == 200, body
+            return headers["x-kvstore-backend"], headers["x-kvstore-route"]
+
+        turn1 = json.dumps(completion(tokens)).encode()
+        assert route(turn1) == ("node-b", "prefix")
+        assert _counter(r, name, 'how="parsed"') == len(tokens)
+        turn2_ids = tokens + [int(t) for t in rng.integers(0, 30_000, 300)]
+        assert route(json.dumps(completion(turn2_ids)).encode()) == ("node-b", "prefix")
+        # only the new tail (and the previous turn's last id) was read from the body
+        assert _counter(r, name, 'how="reused"') == len(tokens) - 1
+        assert _counter(r, name, 'how="parsed"') == len(tokens) + 301
+        # the same ids without spaces: no stored bytes match, read in full, same route
+        compact = json.dumps(completion(turn2_ids), separators=(",", ":")).encode()
+        assert route(compact) == ("node-b", "prefix")
+        assert _counter(r, name, 'how="parsed"') == len(tokens) + 301 + len(turn2_ids)
+        # a re-sent turn whose tail holds a non-integer: refused, as a full read would
+        bad = json.dumps(completion(turn2_ids)).encode().replace(b"]", b', "x"]', 1)
+        status, _, body = r.request("POST", "/v1/completions", raw=bad)
+        assert status == 400 and b"integers" in body, body
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.stop(0)
+        ix.close()
+        for e in engines.values():
+            e.close()
