@@ -37,6 +37,12 @@ class _FleetCollector(Collector):
             "The engine's own running + waiting requests (last scrape).",
             labels=["backend"],
         )
+        others = GaugeMetricFamily(
+            "kvstore_router_backend_other_requests",
+            "The engine's requests that are not this router's (other replicas', direct "
+            "clients'): they take this router's flow-control slots (last scrape).",
+            labels=["backend"],
+        )
         kv = GaugeMetricFamily(
             "kvstore_router_backend_kv_usage_ratio",
             "The engine's KV-cache usage, 0..1 (last scrape).",
@@ -52,8 +58,9 @@ class _FleetCollector(Collector):
             healthy.add_metric([b.node], 1.0 if b.healthy else 0.0)
             inflight.add_metric([b.node], float(b.inflight))
             queued.add_metric([b.node], b.running + b.waiting)
+            others.add_metric([b.node], b.others)
             kv.add_metric([b.node], b.kv_usage)
-        yield from (healthy, inflight, queued, kv, daemon)
+        yield from (healthy, inflight, queued, others, kv, daemon)
 
 
 class RouterMetrics:

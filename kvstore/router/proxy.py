@@ -150,6 +150,8 @@ class Router:
             low_max_wait_s=config.low_max_wait_s,
             weights=config.tenant_weights,
         )
+        if config.flow_control:
+            self.fleet.on_scraped = self._resize_flow
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
@@ -288,9 +290,7 @@ class Router:
             return await self._route(request, raw, body, model, candidates)
         tenant = self._tenant(request) if self.config.tenants else ""
         klass = self._priority(request, body, tenant)
-        self.flow.set_slots(
-            int(sum(1 for b in self.fleet.backends.values() if b.healthy) * self.fleet.capacity)
-        )
+        self._resize_flow()
         t0 = time.perf_counter()
         await self.flow.acquire(klass, tenant)
         self.metrics.queue_s.labels(klass).observe(time.perf_counter() - t0)
@@ -298,6 +298,17 @@ class Router:
             return await self._route(request, raw, body, model, candidates)
         finally:
             self.flow.release()
+
+    def _resize_flow(self) -> None:
+        """This router's slots: each healthy engine's capacity less the requests it
+        runs for others (other replicas, direct clients; from its gauges at the last
+        scrape), so N replicas together keep each engine at ``backend_capacity``
+        instead of N times it. Run per request and after each scrape (which wakes
+        waiters once others' work drains)."""
+        cap = self.fleet.capacity
+        healthy = [b for b in self.fleet.backends.values() if b.healthy]
+        others = sum(min(cap, b.others) for b in healthy)
+        self.flow.set_slots(int(len(healthy) * cap - others), floor=0 if others else 1)
 
     def _priority(self, request: web.Request, body: dict[str, Any], tenant: str) -> str:
         classes = self.config.priority_classes

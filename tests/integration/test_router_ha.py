@@ -402,3 +402,76 @@ def test_a_long_token_prompt_resent_is_read_past_its_previous_bytes_and_routed_b
         ix.close()
         for e in engines.values():
             e.close()
+
+
+def test_replicas_share_the_engines_slots_through_their_gauges(tmp_path):
+    """Two router replicas in front of the same two engines, each engine's capacity
+    1. Replica A's two requests run on the engines (held there, so their running
+    gauges say 1). Replica B reads that from the gauges: those requests are not its
+    own, so it has no slot left. Its low request waits, then is shed (429) without
+    reaching an engine; its high request waits until A's work ends, then is served.
+    (Without this, each replica admitted its own 2 slots: 2 replicas, 2x the
+    engines' capacity.)"""
+    engines = {n: Engine(n) for n in ("node-a", "node-b")}
+    for e in engines.values():
+        e.gate.clear()
+    procs: list[subprocess.Popen] = []
+    results: dict[str, int] = {}
+    threads: list[threading.Thread] = []
+
+    def send(r: Http, key: str, headers: dict[str, str] | None = None) -> None:
+        status, _, _ = r.request("POST", "/v1/completions", completion([1, 2, 3]), headers=headers)
+        results[key] = status
+
+    try:
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "strategy": "round-robin",
+            "backend_capacity": "1",
+            "scrape_interval_s": "0.1",
+            "low_max_wait_s": "1.5",
+        }
+        replica_a, replica_b = [], []
+        for name, out in (("router-a", replica_a), ("router-b", replica_b)):
+            proc, r = start_router(tmp_path, name, settings)
+            procs.append(proc)
+            out.append(r)
+        a, b = replica_a[0], replica_b[0]
+        for r in (a, b):
+            wait_for(lambda r=r: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        for i in range(2):  # A's own two slots: one on each engine
+            t = threading.Thread(target=send, args=(a, f"a{i}"), daemon=True)
+            t.start()
+            threads.append(t)
+        wait_for(lambda: [e.active for e in engines.values()] == [1, 1], 30, "A's requests run")
+        name = "kvstore_router_backend_other_requests"
+        wait_for(
+            lambda: all(_counter(b, name, f'backend="{n}"') == 1.0 for n in engines),
+            30,
+            "replica B sees the engines' other requests",
+        )
+        high = threading.Thread(
+            target=send, args=(b, "b-high", {"x-kvstore-priority": "high"}), daemon=True
+        )
+        high.start()
+        threads.append(high)
+        send(b, "b-low", {"x-kvstore-priority": "low"})
+        assert results["b-low"] == 429
+        # neither of B's requests reached an engine while A's filled them
+        assert sum(e.served() for e in engines.values()) == 2
+        assert "b-high" not in results
+        for e in engines.values():
+            e.gate.set()
+        high.join(60)
+        assert results.get("b-high") == 200
+        assert results["a0"] == results["a1"] == 200
+        assert sum(e.served() for e in engines.values()) == 3
+    finally:
+        for e in engines.values():
+            e.gate.set()
+        for p in procs:
+            stop(p)
+        for t in threads:
+            t.join(10)
+        for e in engines.values():
+            e.close()
