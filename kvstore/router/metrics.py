@@ -85,6 +85,12 @@ class RouterMetrics:
             buckets=DECISION_BUCKETS_S,
             registry=r,
         )
+        self.score_s = Histogram(
+            "kvstore_router_score_seconds",
+            "The indexer's Score round trip (part of a decision; failed ones too).",
+            buckets=DECISION_BUCKETS_S,
+            registry=r,
+        )
         self.tokenize_s = Histogram(
             "kvstore_router_tokenize_seconds",
             "The engine's /tokenize round trip.",

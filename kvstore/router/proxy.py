@@ -388,14 +388,21 @@ class Router:
             raise RouteError(503, "no decode engine is up", "ServiceUnavailableError")
         t0 = time.perf_counter()
         hashed = await self._hash_request(model, body, chat, self._least_loaded(decode))
-        d = await self._choose_among(model, hashed, decode)
+        # One Score for both pools: the decode and the prefill choice read the same
+        # prefix map (a second round trip would only add its latency).
+        both = (
+            (await self._scores(model, hashed, [b.node for b in decode + prefill]),)
+            if hashed is not None and self.strategy.uses_index
+            else None
+        )
+        d = await self._choose_among(model, hashed, decode, both)
         self.metrics.decisions.labels(d.reason).inc()
         self.metrics.decision_s.observe(time.perf_counter() - t0)
         chosen = next(b for b in decode if b.node == d.node)
         order = [chosen, *(b for b in self._by_load(decode) if b is not chosen)]
         why = "no prefill engine up"
         if prefill:
-            p = await self._choose_among(model, hashed, prefill)
+            p = await self._choose_among(model, hashed, prefill, both)
             pb = next(b for b in prefill if b.node == p.node)
             why = await self._prefill(request.path, body, pb, headers)
         raw: bytes
@@ -485,13 +492,24 @@ class Router:
         return hashed
 
     async def _choose_among(
-        self, model: str, hashed: Hashed | None, candidates: list[Backend]
+        self,
+        model: str,
+        hashed: Hashed | None,
+        candidates: list[Backend],
+        fetched: tuple[ScoreResult | None] | None = None,
     ) -> Decision:
+        """The strategy's choice among ``candidates``; ``fetched``: a Score already
+        made for them (and maybe more nodes: the policy looks at candidates only)."""
         names = [b.node for b in candidates]
         loads = {b.node: b.load(self.fleet.capacity) for b in candidates}
         if hashed is None:
             return self.strategy.choose(np.zeros(0, np.uint64), names, loads, None)
-        scores = await self._scores(model, hashed, names) if self.strategy.uses_index else None
+        if fetched is not None:
+            scores = fetched[0]
+        elif self.strategy.uses_index:
+            scores = await self._scores(model, hashed, names)
+        else:
+            scores = None
         d = self.strategy.choose(hashed.hashes, names, loads, scores, hashed.previous_node)
         PrefixHashCache.routed(hashed, d.node)
         self.strategy.routed(d.node, hashed.hashes)
@@ -504,11 +522,14 @@ class Router:
         # model path (vLLM's "root") unless the connector sets model_name.
         info = self.fleet.models().get(model)
         index_model = info.root if info else model
+        t0 = time.perf_counter()
         try:
             return await self._index.scores(index_model, hashed.hashes, names)
         except KVStoreError as e:
             log.debug("indexer: %s", e)
             return None
+        finally:
+            self.metrics.score_s.observe(time.perf_counter() - t0)
 
     async def _token_ids(
         self, model: str, body: dict[str, Any], chat: bool, via: Backend

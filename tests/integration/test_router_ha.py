@@ -313,8 +313,9 @@ def test_router_takes_backends_registered_at_the_indexer(tmp_path):
 
 def _counter(r: Http, name: str, labels: str) -> float:
     _, text = r.get("/metrics")
+    key = f"{name}{{{labels}}} " if labels else f"{name} "
     for line in text.decode().splitlines():
-        if line.startswith(f"{name}{{{labels}}} "):
+        if line.startswith(key):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -473,5 +474,44 @@ def test_replicas_share_the_engines_slots_through_their_gauges(tmp_path):
             stop(p)
         for t in threads:
             t.join(10)
+        for e in engines.values():
+            e.close()
+
+
+def test_a_prefill_decode_split_asks_the_indexer_once_per_request(tmp_path):
+    """With prefill = [node-a] and decode = [node-b], one Score answers both
+    choices (the decode engine's and the prefill engine's): one round trip per
+    request, not two. The prefill goes to node-a (max_tokens 1), the answer
+    comes from node-b with the peer hint naming node-a."""
+    engines = {n: Engine(n) for n in ("node-a", "node-b")}
+    ix = Indexer(IndexerConfig())
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    proc = None
+    try:
+        cfg = tmp_path / "router.toml"
+        cfg.write_text('[router]\nprefill = ["node-a"]\ndecode = ["node-b"]\n')
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "indexer": f"127.0.0.1:{port}",
+            "decision_deadline_s": "5",
+        }
+        proc, r = start_router(tmp_path, "router", settings, cfg)
+        wait_for(lambda: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        for i in range(1, 3):
+            status, headers, body = r.post("/v1/completions", completion(list(range(3 * BS))))
+            assert status == 200, body
+            assert (headers["x-kvstore-backend"], headers["x-kvstore-pd"]) == (
+                "node-b",
+                "prefill=node-a",
+            )
+            assert _counter(r, "kvstore_router_score_seconds_count", "") == i
+        assert engines["node-a"].completions[-1]["max_tokens"] == 1
+        assert engines["node-b"].completions[-1]["kv_transfer_params"] == {"kvstore_peer": "node-a"}
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.stop(0)
+        ix.close()
         for e in engines.values():
             e.close()
