@@ -16,6 +16,15 @@
    completions sent alternately to the engine directly and through the router;
    time to the first SSE event and to the end of the stream. Goal: the router
    adds <= 1 ms at p50. CPU figures: the engine is a 2-layer model on a CPU.
+3. Live replay (``--replay on``): two vLLM CPU servers with the KVStore connector,
+   each with its daemon publishing KV events, a real indexer following both, and
+   one real `kvstore router` per strategy (``cache+load``, the product default,
+   and ``round-robin``) in front of both engines. An agentic trace
+   (``agentic_trace``: agents sharing a system prompt, each turn re-sending its
+   whole context plus a new tail) goes through each router, request by request
+   alternately, each router's requests under their own ``cache_salt`` so no
+   replay meets the other's KV. Prefix hits are vLLM's ``cached_tokens``; TTFT
+   is measured (on a CPU: the hit rates are what carries to a GPU).
 
 Markdown report + PNG (latency CDFs) + JSON under ``--results``.
 """
@@ -33,6 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=40, help="contexts (each: cold, then re-sent)")
     p.add_argument("--engine", choices=("on", "off"), default="on", help="measure proxy overhead")
     p.add_argument("--requests", type=int, default=40, help="streamed requests per path")
+    p.add_argument("--decision", choices=("on", "off"), default="on", help="measure decision cost")
+    p.add_argument(
+        "--replay",
+        choices=("on", "off"),
+        default="on",
+        help="replay an agentic trace through the router on two vLLM CPU servers",
+    )
+    p.add_argument("--replay-conversations", type=int, default=3, help="agents in the trace")
+    p.add_argument("--replay-turns", type=int, default=5, help="turns per agent")
     p.add_argument("--results", default="results")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
 
@@ -111,10 +131,13 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
                 # in different tiers (hashed here with the vLLM-compatible hasher).
                 full = rc.hasher.hash_tokens_int(ctx)
                 holders = rng.choice(len(names), 3, replace=False)
+                held = {}
                 for j, medium in zip(holders, ("CPU", "GPU", "DISK"), strict=True):
-                    k = int(len(full) * rng.uniform(0.5, 1.0))
+                    k = held[names[j]] = int(len(full) * rng.uniform(0.5, 1.0))
                     pubs[names[j]].blocks_stored(ns, full[:k], medium, None, None)
-                _wait_indexed(ix, full[:1], 3)
+                # Every block ingested before timing: a Score racing the indexer's
+                # ingestion of this very context measures the ingestion.
+                _wait_indexed(ix, full, held)
                 t0 = time.perf_counter()
                 rc.pick(MODEL, ctx, names, default=names[0], load=load)
                 out["cold"].append(time.perf_counter() - t0)
@@ -153,10 +176,14 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
     }
 
 
-def _wait_indexed(ix: Any, hashes: np.ndarray, nodes: int, timeout_s: float = 30.0) -> None:
+def _wait_indexed(
+    ix: Any, hashes: np.ndarray, held: dict[str, int], timeout_s: float = 30.0
+) -> None:
+    """Until the index holds ``held[node]`` leading blocks of ``hashes`` on each node."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if len(ix.score(MODEL, hashes)) >= nodes:
+        got = {s.node: s.prefix_blocks for s in ix.score(MODEL, hashes)}
+        if all(got.get(n, 0) >= k for n, k in held.items()):
             return
         time.sleep(0.005)
     raise RuntimeError("the indexer did not ingest the bench's events in time")
@@ -313,15 +340,411 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
         ix.close()
 
 
+# -- live replay of an agentic trace ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    conversation: int
+    turn: int
+    prompt: list[int]
+
+
+def agentic_trace(
+    conversations: int = 3,
+    turns: int = 4,
+    *,
+    system_tokens: int = 64,
+    first_tokens: int = 64,
+    turn_tokens: int = 64,
+    vocab: int = 512,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Agents sharing one system prompt; each turn re-sends the conversation's whole
+    context plus a new tail (the tool output), as an agent does.
+
+    Sent round by round (every conversation's turn 1, then every turn 2, ...): with
+    an odd number of conversations, round robin over two engines sends each
+    conversation's consecutive turns to alternate engines, and a cache-aware
+    router has a previous turn to follow every time.
+    """
+    rng = np.random.default_rng(seed)
+
+    def ids(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(2, vocab, n)]  # 0/1: BOS/EOS
+
+    system = ids(system_tokens)
+    contexts = [system + ids(first_tokens) for _ in range(conversations)]
+    out: list[TraceRequest] = []
+    for turn in range(turns):
+        for c in range(conversations):
+            if turn:
+                contexts[c] = contexts[c] + ids(turn_tokens)
+            out.append(TraceRequest(c, turn, contexts[c]))
+    return out
+
+
+@dataclass
+class Replayed:
+    conversation: int
+    turn: int
+    backend: str
+    route: str
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+    end_s: float
+    text: str
+
+
+def stream_completion(address: str, body: dict[str, Any], timeout_s: float = 120.0) -> Replayed:
+    """One streamed completion through ``address`` (host:port or unix:PATH): the
+    route headers, time to the first token's event, the usage of the last event."""
+    raw = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    t0 = time.perf_counter()
+    ttft = 0.0
+    buf = b""
+    with contextlib.closing(_connect(address)) as s:
+        s.settimeout(timeout_s)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: b\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw
+        )
+        while chunk := s.recv(65536):
+            buf += chunk
+            if not ttft and b'"text"' in buf.partition(b"\r\n\r\n")[2]:
+                ttft = time.perf_counter() - t0
+    end = time.perf_counter() - t0
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode(errors="replace").split("\r\n")
+    status = int(lines[0].split()[1]) if lines and len(lines[0].split()) > 1 else 0
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    if headers.get("transfer-encoding") == "chunked":
+        rest = _dechunk(rest)
+    if status != 200:
+        raise RuntimeError(f"{address} answered {status}: {rest[:500]!r}")
+    text = ""
+    usage: dict[str, Any] = {}
+    for event in rest.split(b"\n\n"):
+        payload = event.strip()[len(b"data: ") :] if event.strip().startswith(b"data: ") else b""
+        if not payload or payload == b"[DONE]":
+            continue
+        msg = json.loads(payload)
+        if "error" in msg:
+            raise RuntimeError(f"{address} streamed an error: {msg['error']}")
+        text += "".join(ch.get("text", "") for ch in msg.get("choices") or [])
+        usage = msg.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return Replayed(
+        conversation=-1,
+        turn=-1,
+        backend=headers.get("x-kvstore-backend", ""),
+        route=headers.get("x-kvstore-route", ""),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        ttft_s=ttft or end,
+        end_s=end,
+        text=text,
+    )
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = bytearray()
+    while data:
+        size, _, data = data.partition(b"\r\n")
+        n = int(size.split(b";")[0] or b"0", 16)
+        if n == 0:
+            break
+        out += data[:n]
+        data = data[n + 2 :]
+    return bytes(out)
+
+
+def replay(
+    address: str,
+    trace: list[TraceRequest],
+    *,
+    model: str,
+    salt: str,
+    max_tokens: int = 4,
+    settle: Callable[[TraceRequest, Replayed], None] | None = None,
+    on_request: Callable[[], None] | None = None,
+) -> list[Replayed]:
+    """Send ``trace`` through the router at ``address``, one request at a time (an
+    agent waits for its answer). ``salt`` (the request's ``cache_salt``) keeps this
+    replay's KV apart from any other's on the same engines. ``settle`` runs after
+    each answer (the bench and the test wait there for the served node's blocks to
+    reach the index, so no decision depends on how fast events travel)."""
+    out = []
+    for req in trace:
+        body = {
+            "model": model,
+            "prompt": req.prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_salt": salt,
+        }
+        r = stream_completion(address, body)
+        r.conversation, r.turn = req.conversation, req.turn
+        out.append(r)
+        if settle is not None:
+            settle(req, r)
+        if on_request is not None:
+            on_request()
+    return out
+
+
+def reuse_bound(trace: list[TraceRequest], block_tokens: int) -> float:
+    """The share of the trace's prompt tokens a cache holding every earlier request
+    could give: per request, the longest full-block prefix shared with an earlier one."""
+    total = reusable = 0
+    for i, req in enumerate(trace):
+        total += len(req.prompt)
+        best = 0
+        for prev in trace[:i]:
+            n = 0
+            for a, b in zip(prev.prompt, req.prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n // block_tokens * block_tokens)
+        # vLLM computes at least the prompt's last token itself
+        reusable += min(best, (len(req.prompt) - 1) // block_tokens * block_tokens)
+    return reusable / total if total else 0.0
+
+
+def replay_summary(records: list[Replayed]) -> dict[str, Any]:
+    """Prefix hits (vLLM's ``cached_tokens``: its own prefix cache plus what the
+    connector loaded), TTFT, and how often a turn went where its conversation's
+    previous turn went."""
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    later = [r for r in records if r.turn > 0]
+    last: dict[int, str] = {}
+    followed = 0
+    for r in records:
+        if r.turn > 0 and last.get(r.conversation) == r.backend:
+            followed += 1
+        last[r.conversation] = r.backend
+    routes: dict[str, int] = {}
+    for r in records:
+        routes[r.route] = routes.get(r.route, 0) + 1
+    return {
+        "requests": len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_ratio": cached / prompt if prompt else 0.0,
+        "later_turn_hit_ratio": (
+            sum(r.cached_tokens for r in later) / max(1, sum(r.prompt_tokens for r in later))
+        ),
+        "followed_previous_turn": followed / max(1, len(later)),
+        "ttft_s": _pct([r.ttft_s for r in records]),
+        "later_turn_ttft_s": _pct([r.ttft_s for r in later]),
+        "routes": routes,
+        "backends": sorted({r.backend for r in records}),
+    }
+
+
+def index_settler(
+    ix: Any, index_model: str, block_tokens: int, salt: str, timeout_s: float = 30.0
+) -> Callable[[TraceRequest, Replayed], None]:
+    """A ``settle`` for :func:`replay`: waits (bounded) until the in-process indexer
+    ``ix`` holds every full prompt block of the answered request on the node that
+    served it (the router's hashes, salted as the request was)."""
+    from kvstore.hashing import BlockHasher
+    from router_client.prefix_cache import PrefixHashCache
+
+    hasher = BlockHasher(block_tokens, "sha256")
+
+    def settle(req: TraceRequest, r: Replayed) -> None:
+        hashes = PrefixHashCache(hasher).hash(req.prompt, cache_salt=salt).hashes
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            held = next(
+                (s.prefix_blocks for s in ix.score(index_model, hashes) if s.node == r.backend), 0
+            )
+            if held >= hashes.size:
+                return
+            time.sleep(0.02)
+        raise RuntimeError(
+            f"the index did not get {r.backend}'s {hashes.size} blocks of conversation "
+            f"{req.conversation} turn {req.turn} within {timeout_s:g} s"
+        )
+
+    return settle
+
+
+def _start_router(settings: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """The real `kvstore router` process on port 0; (process, host:port)."""
+    from tests.integration import vllm_model as vm
+
+    args = [sys.executable, "-m", "kvstore", "router", "--set", "router.listen=127.0.0.1:0"]
+    for k, v in settings.items():
+        args += ["--set", f"router.{k}={v}"]
+    env = dict(os.environ, PYTHONPATH=str(vm.REPO_ROOT))
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(args, cwd=vm.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if not line and proc.poll() is not None:
+            break
+        m = re.search(r"listening on http://([\d.]+:\d+)", line)
+        if m:
+            return proc, m.group(1)
+    _stop(proc)
+    raise RuntimeError(f"the router did not start: {log.read_text(errors='replace')[-2000:]}")
+
+
+REPLAY_STRATEGIES = ("cache+load", "round-robin")
+
+
+def live_replay(args: argparse.Namespace, tmp: Path, progress: _common.Progress) -> dict[str, Any]:
+    """Two vLLM CPU servers, each with its daemon (KVStore connector, KV events), a
+    real indexer following both daemons, and one real `kvstore router` per strategy
+    in front of both engines; the same agentic trace through each router (its own
+    cache_salt: no replay sees another's KV), request by request alternately, so
+    the TTFT ratio is measured at the same moments."""
+    from kvstore.indexer.config import IndexerConfig
+    from kvstore.indexer.service import Indexer, serve
+    from kvstore.indexer.subscriber import SourceSpec
+    from kvstore.process import DaemonProcess
+    from tests.integration import vllm_model as vm
+
+    model_dir = vm.make_tiny_llama(tmp / "model")
+    daemons: list[Any] = []
+    engines: dict[str, tuple[subprocess.Popen[bytes], str, Path]] = {}
+    routers: list[subprocess.Popen[bytes]] = []
+    ix = server = None
+    try:
+        for node in ("node-a", "node-b"):
+            d = DaemonProcess(
+                tmp / node,
+                name=node,
+                dram_bytes=128 << 20,
+                settings={
+                    "events.enabled": True,
+                    "events.publish_address": f"ipc://{tmp}/{node}.pub",
+                    "events.replay_address": f"ipc://{tmp}/{node}.replay",
+                },
+            )
+            d.start()
+            daemons.append(d)
+        ix = Indexer(
+            IndexerConfig(
+                sources=[
+                    SourceSpec(
+                        node=d.name,
+                        endpoint=f"ipc://{tmp}/{d.name}.pub",
+                        replay_endpoint=f"ipc://{tmp}/{d.name}.replay",
+                    )
+                    for d in daemons
+                ]
+            )
+        )
+        ix.start()
+        server, port = serve(ix, "127.0.0.1:0")
+        for d in daemons:
+            sock = str(tmp / f"{d.name}.http.sock")
+            log = tmp / f"{d.name}.vllm.log"
+            cmd = vm.api_server_command(
+                model_dir,
+                *("--served-model-name", "tiny", "--uds", sock, "--max-num-seqs", "4"),
+                "--enable-prompt-tokens-details",
+                *("--kv-transfer-config", json.dumps(vm.kv_transfer_config(d.address))),
+            )
+            with open(log, "wb") as f:
+                proc = subprocess.Popen(
+                    cmd, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=f, stderr=subprocess.STDOUT
+                )
+            engines[d.name] = (proc, sock, log)
+        for proc, sock, log in engines.values():
+            _wait_http(f"unix:{sock}", proc, log, 300)
+        addresses = {}
+        for strategy in REPLAY_STRATEGIES:
+            settings = {
+                **{f"backends.{n}": f"unix:{sock}" for n, (_, sock, _) in engines.items()},
+                "indexer": f"127.0.0.1:{port}",
+                "strategy": strategy,
+                "decision_deadline_s": "2",
+                "scrape_interval_s": "0.5",
+            }
+            proc, address = _start_router(settings, tmp / f"router-{strategy}.log")
+            routers.append(proc)
+            addresses[strategy] = address
+        trace = agentic_trace(
+            args.replay_conversations,
+            args.replay_turns,
+            system_tokens=64,
+            first_tokens=40,
+            turn_tokens=48,
+            vocab=vm.VOCAB_SIZE,
+        )
+        if len(trace[-1].prompt) + 8 > vm.MAX_MODEL_LEN:
+            raise RuntimeError(
+                f"--replay-turns {args.replay_turns}: the last turn is "
+                f"{len(trace[-1].prompt)} tokens, over the model's {vm.MAX_MODEL_LEN}"
+            )
+        index_model = str(model_dir)  # the connector's namespace: vLLM's model path
+        records: dict[str, list[Replayed]] = {s: [] for s in REPLAY_STRATEGIES}
+        for i, req in enumerate(trace):
+            # Alternate which router goes first, so neither always meets a busier engine.
+            order = REPLAY_STRATEGIES if i % 2 == 0 else REPLAY_STRATEGIES[::-1]
+            for strategy in order:
+                salt = f"replay-{strategy}"
+                settle = index_settler(ix, index_model, vm.BLOCK_SIZE, salt)
+                records[strategy] += replay(
+                    addresses[strategy], [req], model="tiny", salt=salt, settle=settle
+                )
+            progress.update(1, "replayed")
+        out: dict[str, Any] = {
+            "conversations": args.replay_conversations,
+            "turns": args.replay_turns,
+            "requests": len(trace),
+            "prompt_tokens": [len(r.prompt) for r in trace],
+            "block_tokens": vm.BLOCK_SIZE,
+            "hit_bound": reuse_bound(trace, vm.BLOCK_SIZE),
+            "strategies": {s: replay_summary(records[s]) for s in REPLAY_STRATEGIES},
+        }
+        a, b = (out["strategies"][s] for s in REPLAY_STRATEGIES)
+        out["ttft_p50_ratio"] = a["ttft_s"]["p50"] / b["ttft_s"]["p50"]
+        out["later_turn_ttft_p50_ratio"] = (
+            a["later_turn_ttft_s"]["p50"] / b["later_turn_ttft_s"]["p50"]
+        )
+        return out
+    finally:
+        for p in routers:
+            _stop(p)
+        for proc, _, _ in engines.values():
+            _stop(proc)
+        if server is not None:
+            server.stop(0)
+        if ix is not None:
+            ix.close()
+        for d in daemons:
+            d.stop()
+
+
 def run(args: argparse.Namespace) -> int:
     progress_on = {"auto": None, "on": True, "off": False}[args.progress]
-    total = args.samples + (args.requests + 3 if args.engine == "on" else 0)
+    total = (
+        (args.samples if args.decision == "on" else 0)
+        + (args.requests + 3 if args.engine == "on" else 0)
+        + (args.replay_conversations * args.replay_turns if args.replay == "on" else 0)
+    )
     progress = _common.Progress(total, "router", progress_on)
     load_before = os.getloadavg()
-    result: dict[str, Any] = {"decision": decision_cost(args, progress)}
+    result: dict[str, Any] = {}
+    if args.decision == "on":
+        result["decision"] = decision_cost(args, progress)
     if args.engine == "on":
         with tempfile.TemporaryDirectory(prefix="kvsbench-router-") as tmp:
             result["proxy"] = proxy_overhead(args, Path(tmp), progress)
+    if args.replay == "on":
+        with tempfile.TemporaryDirectory(prefix="kvsbench-replay-") as tmp:
+            result["replay"] = live_replay(args, Path(tmp), progress)
     progress.close()
     result["load_average"] = {"before": load_before, "after": os.getloadavg()}
     result["settings"] = {k: v for k, v in vars(args).items() if k != "func"}
@@ -335,41 +758,44 @@ def run(args: argparse.Namespace) -> int:
 
 
 def report(result: dict[str, Any], out: Path) -> str:
-    d = result["decision"]
     ms = 1e3
     lines = [
         "# kvstore-bench router",
         "",
         f"Load average before/after: {result['load_average']['before'][0]:.1f} / "
         f"{result['load_average']['after'][0]:.1f} (1 min).",
-        "",
-        f"## Decision cost (measured): {d['context_tokens']:,}-token context, "
-        f"{d['request_blocks']:,} blocks, {d['nodes']} nodes",
-        "",
-        "token ids -> block hashes -> indexer Score (gRPC, in-process indexer) -> policy choice",
-        "",
-        "| decision | p50 | p90 | p99 | max |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for key, label in (
-        ("cold_s", "cold (never seen: every block hashed)"),
-        ("resent_s", f"re-sent (+{d['new_tokens']:,} new tokens: only the tail hashed)"),
-        ("resent_hash_s", "  of which hashing"),
-        ("resent_score_s", "  of which indexer Score"),
-        ("resent_choose_s", "  of which the policy"),
-    ):
-        s = d[key]
-        lines.append(
-            f"| {label} | {s['p50'] * ms:.2f} ms | {s['p90'] * ms:.2f} ms | "
-            f"{s['p99'] * ms:.2f} ms | {s['max'] * ms:.2f} ms |"
-        )
-    met = d["resent_s"]["p99"] <= 0.003
-    lines += [
-        "",
-        f"Goal re-sent p99 <= 3 ms: **{'met' if met else 'not met'}** "
-        f"({d['resent_s']['p99'] * ms:.2f} ms; {d['reused_blocks_mean']:.0f} blocks reused per "
-        "re-sent decision on average).",
-    ]
+    d = result.get("decision")
+    if d:
+        lines += [
+            "",
+            f"## Decision cost (measured): {d['context_tokens']:,}-token context, "
+            f"{d['request_blocks']:,} blocks, {d['nodes']} nodes",
+            "",
+            "token ids -> block hashes -> indexer Score (gRPC, in-process indexer) -> policy choice",
+            "",
+            "| decision | p50 | p90 | p99 | max |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for key, label in (
+            ("cold_s", "cold (never seen: every block hashed)"),
+            ("resent_s", f"re-sent (+{d['new_tokens']:,} new tokens: only the tail hashed)"),
+            ("resent_hash_s", "  of which hashing"),
+            ("resent_score_s", "  of which indexer Score"),
+            ("resent_choose_s", "  of which the policy"),
+        ):
+            s = d[key]
+            lines.append(
+                f"| {label} | {s['p50'] * ms:.2f} ms | {s['p90'] * ms:.2f} ms | "
+                f"{s['p99'] * ms:.2f} ms | {s['max'] * ms:.2f} ms |"
+            )
+        met = d["resent_s"]["p99"] <= 0.003
+        lines += [
+            "",
+            f"Goal re-sent p99 <= 3 ms: **{'met' if met else 'not met'}** "
+            f"({d['resent_s']['p99'] * ms:.2f} ms; {d['reused_blocks_mean']:.0f} blocks reused "
+            "per re-sent decision on average).",
+        ]
     p = result.get("proxy")
     if p:
         lines += [
@@ -394,19 +820,56 @@ def report(result: dict[str, Any], out: Path) -> str:
             f"(paired p50 {p['added_first_paired_p50_s'] * ms:+.2f} ms). Goal <= 1 ms at p50: "
             f"**{'met' if added <= 0.001 else 'not met'}**.",
         ]
-    _plot(result, out)
-    lines += ["", "![decision latency](decision_cdf.png)"]
+    r = result.get("replay")
+    if r:
+        lines += _replay_report(r)
+    if d and _plot(result, out):
+        lines += ["", "![decision latency](decision_cdf.png)"]
     return "\n".join(lines) + "\n"
 
 
-def _plot(result: dict[str, Any], out: Path) -> None:
+def _replay_report(r: dict[str, Any]) -> list[str]:
+    ms = 1e3
+    lines = [
+        "",
+        f"## Live replay (measured on CPU, tiny model): {r['conversations']} agents x "
+        f"{r['turns']} turns through the real router, two vLLM CPU servers with daemons",
+        "",
+        f"Prompts {min(r['prompt_tokens'])}-{max(r['prompt_tokens'])} tokens "
+        f"({r['block_tokens']}-token blocks), one request at a time, the two routers "
+        "alternately; hits are vLLM's `cached_tokens`. The most any cache could give "
+        f"on this trace (every earlier request's full blocks): {r['hit_bound']:.1%}.",
+        "",
+        "| router strategy | prefix hit (all) | later turns | followed previous turn | "
+        "TTFT p50 | TTFT p90 | later-turn TTFT p50 | routes |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, s in r["strategies"].items():
+        routes = ", ".join(f"{k} {v}" for k, v in sorted(s["routes"].items()))
+        lines.append(
+            f"| {name} | {s['hit_ratio']:.1%} | {s['later_turn_hit_ratio']:.1%} | "
+            f"{s['followed_previous_turn']:.0%} | {s['ttft_s']['p50'] * ms:.1f} ms | "
+            f"{s['ttft_s']['p90'] * ms:.1f} ms | {s['later_turn_ttft_s']['p50'] * ms:.1f} ms | "
+            f"{routes} |"
+        )
+    a, b = REPLAY_STRATEGIES
+    lines += [
+        "",
+        f"TTFT p50 {a} / {b}: {r['ttft_p50_ratio']:.2f}x (later turns "
+        f"{r['later_turn_ttft_p50_ratio']:.2f}x); a 2-layer model's prefill on a CPU is "
+        "short, so the hit rates, not these times, are what carries to a GPU.",
+    ]
+    return lines
+
+
+def _plot(result: dict[str, Any], out: Path) -> bool:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in (("cold", "cold"), ("resent", "re-sent")):
         xs = np.sort(np.asarray(result["decision"]["samples_s"][key]) * 1e3)
@@ -420,3 +883,4 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "decision_cdf.png", dpi=120)
     plt.close(fig)
+    return True

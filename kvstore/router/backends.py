@@ -59,6 +59,9 @@ class Backend:
     waiting: float = 0.0
     kv_usage: float = 0.0
     inflight: int = 0
+    others: float = 0.0
+    """The engine's running + waiting requests that are not this router's (other
+    router replicas', direct clients'), at the last scrape."""
     info: EngineInfo = field(default_factory=EngineInfo)
     last_error: str = ""
     scraped_at: float = 0.0
@@ -159,6 +162,8 @@ class Fleet:
         self._discovered: set[str] = set()
         self._retired: list[Backend] = []
         """Backends that left the list, kept until their in-flight requests end."""
+        self.on_scraped: Callable[[], None] | None = None
+        """Called after each round of scrapes (the router re-sizes its flow control)."""
 
     def _add(self, node: str, url: str) -> Backend:
         base, conn = _base_and_connector(url)
@@ -261,6 +266,8 @@ class Fleet:
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.backends.values()))
+        if self.on_scraped is not None:
+            self.on_scraped()
 
     async def _daemon_health(self, b: Backend) -> None:
         """A daemon draining for a restart says NOT_SERVING, then stops answering."""
@@ -290,6 +297,7 @@ class Fleet:
             total=max(self.scrape_interval_s, self.connect_timeout_s),
             connect=self.connect_timeout_s,
         )
+        mine = b.inflight
         try:
             async with b.session.get(b.base + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
@@ -303,6 +311,10 @@ class Fleet:
             b.mark_down(f"{type(exc).__name__}: {exc}")
             return
         b.running, b.waiting, b.kv_usage, info = parse_metrics(text)
+        # Ours are the requests in flight when the gauges were read: the larger of
+        # the counts before and after, so a request of ours that started or ended
+        # meanwhile is never taken for someone else's (that errs toward admitting).
+        b.others = max(0.0, b.running + b.waiting - max(mine, b.inflight))
         if info.block_size:
             b.info = info
         models: dict[str, ModelInfo] = {}

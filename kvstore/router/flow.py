@@ -1,7 +1,8 @@
 """Flow control: priority classes and tenants when every engine is saturated.
 
-The fleet has ``slots`` concurrent requests (engines x ``backend_capacity``).
-Below that, a request goes at once. At it, requests wait in one bounded FIFO
+The fleet has ``slots`` concurrent requests for this router (engines x
+``backend_capacity``, less what the engines run for others: other router
+replicas, direct clients). Below that, a request goes at once. At it, requests wait in one bounded FIFO
 per (class, tenant); a freed slot goes to the most important class that has
 waiters and, within it, to the tenant with the least weighted service so far
 (weighted fair share: a tenant of weight 2 gets twice the slots of one of
@@ -69,9 +70,10 @@ class FlowControl:
         self.waiting = [0] * len(self.classes)
         self.shed = [0] * len(self.classes)
 
-    def set_slots(self, slots: int) -> None:
-        """The fleet changed (engines up or down)."""
-        self.slots = max(1, slots)
+    def set_slots(self, slots: int, floor: int = 1) -> None:
+        """The fleet changed (engines up or down, or others' work on them); at least
+        ``floor`` (0: every engine is full of work that is not this router's)."""
+        self.slots = max(floor, slots)
         self._wake()
 
     def _tenant(self, name: str) -> _Tenant:

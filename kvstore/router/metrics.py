@@ -37,6 +37,12 @@ class _FleetCollector(Collector):
             "The engine's own running + waiting requests (last scrape).",
             labels=["backend"],
         )
+        others = GaugeMetricFamily(
+            "kvstore_router_backend_other_requests",
+            "The engine's requests that are not this router's (other replicas', direct "
+            "clients'): they take this router's flow-control slots (last scrape).",
+            labels=["backend"],
+        )
         kv = GaugeMetricFamily(
             "kvstore_router_backend_kv_usage_ratio",
             "The engine's KV-cache usage, 0..1 (last scrape).",
@@ -52,8 +58,9 @@ class _FleetCollector(Collector):
             healthy.add_metric([b.node], 1.0 if b.healthy else 0.0)
             inflight.add_metric([b.node], float(b.inflight))
             queued.add_metric([b.node], b.running + b.waiting)
+            others.add_metric([b.node], b.others)
             kv.add_metric([b.node], b.kv_usage)
-        yield from (healthy, inflight, queued, kv, daemon)
+        yield from (healthy, inflight, queued, others, kv, daemon)
 
 
 class RouterMetrics:
@@ -75,6 +82,12 @@ class RouterMetrics:
         self.decision_s = Histogram(
             "kvstore_router_decision_seconds",
             "Token ids -> hashes -> indexer score -> choice.",
+            buckets=DECISION_BUCKETS_S,
+            registry=r,
+        )
+        self.score_s = Histogram(
+            "kvstore_router_score_seconds",
+            "The indexer's Score round trip (part of a decision; failed ones too).",
             buckets=DECISION_BUCKETS_S,
             registry=r,
         )
@@ -104,6 +117,13 @@ class RouterMetrics:
         self.hash_blocks = Counter(
             "kvstore_router_hash_blocks_total",
             "Request blocks by how their hash was found (reused from a recent chain, hashed).",
+            ["how"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvstore_router_prompt_tokens_parsed_total",
+            "Token ids of large token-id prompts by how they were read from the body "
+            "(reused: past a recent prompt's identical bytes; parsed).",
             ["how"],
             registry=r,
         )

@@ -44,6 +44,7 @@ from kvstore.hashing import BlockHasher
 from kvstore.router.backends import Backend, Fleet
 from kvstore.router.flow import FlowControl, Shed
 from kvstore.router.metrics import RouterMetrics
+from kvstore.router.prompt_cache import PromptBytesCache
 from kvstore.sdnotify import SdNotifier
 from router_client.policy import Decision, Policy, ScoreResult
 from router_client.prefix_cache import Hashed, PrefixHashCache
@@ -88,6 +89,31 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+def _token_array(value: msgspec.Raw) -> bool:
+    """Whether a prompt's JSON is an array whose first element is a number."""
+    head = bytes(memoryview(value)[:64]).lstrip()
+    if not head.startswith(b"["):
+        return False
+    first = head[1:].lstrip()[:1]
+    return first.isdigit() or first == b"-"
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict; a token-id ``prompt`` stays ``msgspec.Raw`` (its
+    ints are parsed by the router's PromptBytesCache, incrementally, and Raw
+    re-encodes verbatim when the body is rebuilt). The whole body is validated."""
+    try:
+        fields = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise RouteError(400, "the body must be a JSON object", "BadRequestError") from None
+    except msgspec.DecodeError as e:
+        raise RouteError(400, f"malformed JSON body: {e}", "BadRequestError") from None
+    body: dict[str, Any] = {}
+    for k, v in fields.items():
+        body[k] = v if k == "prompt" and _token_array(v) else msgspec.json.decode(v)
+    return body
+
+
 def tenant_salt(tenant: str) -> str:
     """The cache_salt of a tenant: the same on every router replica (stateless)."""
     return f"kvstore-tenant:{tenant}"
@@ -115,6 +141,7 @@ class Router:
         self._catalog: AsyncIndexClient | None = None
         """The indexer's ListNodes, with backends_from_indexer."""
         self._hashes: PrefixHashCache | None = None
+        self._prompts = PromptBytesCache(config.hash_cache_tokens)
         self._inflight = 0
         self.flow = FlowControl(
             classes=config.priority_classes,
@@ -123,6 +150,8 @@ class Router:
             low_max_wait_s=config.low_max_wait_s,
             weights=config.tenant_weights,
         )
+        if config.flow_control:
+            self.fleet.on_scraped = self._resize_flow
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
@@ -238,13 +267,7 @@ class Router:
                 f"request body over the router's limit of {self.config.max_body_bytes} bytes",
                 "BadRequestError",
             ) from None
-        try:
-            # msgspec: ~1.6x json.loads on a 195k-token prompt
-            body = msgspec.json.decode(raw)
-        except msgspec.DecodeError as e:
-            raise RouteError(400, f"malformed JSON body: {e}", "BadRequestError") from None
-        if not isinstance(body, dict):
-            raise RouteError(400, "the body must be a JSON object", "BadRequestError")
+        body = decode_body(raw)
         if self.config.tenants:
             tenant = self._tenant(request)
             # The tenant's salt replaces whatever the client sent: KV is shared
@@ -267,9 +290,7 @@ class Router:
             return await self._route(request, raw, body, model, candidates)
         tenant = self._tenant(request) if self.config.tenants else ""
         klass = self._priority(request, body, tenant)
-        self.flow.set_slots(
-            int(sum(1 for b in self.fleet.backends.values() if b.healthy) * self.fleet.capacity)
-        )
+        self._resize_flow()
         t0 = time.perf_counter()
         await self.flow.acquire(klass, tenant)
         self.metrics.queue_s.labels(klass).observe(time.perf_counter() - t0)
@@ -277,6 +298,17 @@ class Router:
             return await self._route(request, raw, body, model, candidates)
         finally:
             self.flow.release()
+
+    def _resize_flow(self) -> None:
+        """This router's slots: each healthy engine's capacity less the requests it
+        runs for others (other replicas, direct clients; from its gauges at the last
+        scrape), so N replicas together keep each engine at ``backend_capacity``
+        instead of N times it. Run per request and after each scrape (which wakes
+        waiters once others' work drains)."""
+        cap = self.fleet.capacity
+        healthy = [b for b in self.fleet.backends.values() if b.healthy]
+        others = sum(min(cap, b.others) for b in healthy)
+        self.flow.set_slots(int(len(healthy) * cap - others), floor=0 if others else 1)
 
     def _priority(self, request: web.Request, body: dict[str, Any], tenant: str) -> str:
         classes = self.config.priority_classes
@@ -356,14 +388,21 @@ class Router:
             raise RouteError(503, "no decode engine is up", "ServiceUnavailableError")
         t0 = time.perf_counter()
         hashed = await self._hash_request(model, body, chat, self._least_loaded(decode))
-        d = await self._choose_among(model, hashed, decode)
+        # One Score for both pools: the decode and the prefill choice read the same
+        # prefix map (a second round trip would only add its latency).
+        both = (
+            (await self._scores(model, hashed, [b.node for b in decode + prefill]),)
+            if hashed is not None and self.strategy.uses_index
+            else None
+        )
+        d = await self._choose_among(model, hashed, decode, both)
         self.metrics.decisions.labels(d.reason).inc()
         self.metrics.decision_s.observe(time.perf_counter() - t0)
         chosen = next(b for b in decode if b.node == d.node)
         order = [chosen, *(b for b in self._by_load(decode) if b is not chosen)]
         why = "no prefill engine up"
         if prefill:
-            p = await self._choose_among(model, hashed, prefill)
+            p = await self._choose_among(model, hashed, prefill, both)
             pb = next(b for b in prefill if b.node == p.node)
             why = await self._prefill(request.path, body, pb, headers)
         raw: bytes
@@ -453,13 +492,24 @@ class Router:
         return hashed
 
     async def _choose_among(
-        self, model: str, hashed: Hashed | None, candidates: list[Backend]
+        self,
+        model: str,
+        hashed: Hashed | None,
+        candidates: list[Backend],
+        fetched: tuple[ScoreResult | None] | None = None,
     ) -> Decision:
+        """The strategy's choice among ``candidates``; ``fetched``: a Score already
+        made for them (and maybe more nodes: the policy looks at candidates only)."""
         names = [b.node for b in candidates]
         loads = {b.node: b.load(self.fleet.capacity) for b in candidates}
         if hashed is None:
             return self.strategy.choose(np.zeros(0, np.uint64), names, loads, None)
-        scores = await self._scores(model, hashed, names) if self.strategy.uses_index else None
+        if fetched is not None:
+            scores = fetched[0]
+        elif self.strategy.uses_index:
+            scores = await self._scores(model, hashed, names)
+        else:
+            scores = None
         d = self.strategy.choose(hashed.hashes, names, loads, scores, hashed.previous_node)
         PrefixHashCache.routed(hashed, d.node)
         self.strategy.routed(d.node, hashed.hashes)
@@ -472,18 +522,31 @@ class Router:
         # model path (vLLM's "root") unless the connector sets model_name.
         info = self.fleet.models().get(model)
         index_model = info.root if info else model
+        t0 = time.perf_counter()
         try:
             return await self._index.scores(index_model, hashed.hashes, names)
         except KVStoreError as e:
             log.debug("indexer: %s", e)
             return None
+        finally:
+            self.metrics.score_s.observe(time.perf_counter() - t0)
 
     async def _token_ids(
         self, model: str, body: dict[str, Any], chat: bool, via: Backend
-    ) -> list[int] | None:
+    ) -> list[int] | np.ndarray | None:
         """The prompt's token ids, or None when they cannot be had (route by load)."""
         if not chat:
             prompt = body.get("prompt")
+            if isinstance(prompt, msgspec.Raw):
+                reused = self._prompts.reused_tokens
+                try:  # token ids, parsed past the previous turn's bytes only
+                    ids = self._prompts.token_ids(bytes(memoryview(prompt)))
+                except KVStoreError as e:
+                    raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
+                reused = self._prompts.reused_tokens - reused
+                self.metrics.prompt_tokens.labels("reused").inc(reused)
+                self.metrics.prompt_tokens.labels("parsed").inc(ids.size - reused)
+                return ids
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
                 prompt = prompt[0]  # a batch goes to one engine: route by its first prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):

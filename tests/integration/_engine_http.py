@@ -8,7 +8,8 @@
 - ``GET /v1/models``: one model;
 - ``POST /tokenize``: words ``w<N>`` -> token id N + 2 (the tiny vocabulary's);
 - ``POST /v1/completions``: an answer naming the engine (``text = "<node>"``), so
-  a test sees which engine the router really forwarded to.
+  a test sees which engine the router really forwarded to; held while
+  :attr:`Engine.gate` is clear (then counted in the running gauge).
 
 It stands in for vLLM only where what is under test is the router's decision
 (made by the real indexer) and its forwarding; tests of the engine path use
@@ -31,6 +32,11 @@ class Engine:
         self.waiting = 0.0
         self.kv_usage = 0.0
         self.completions: list[dict] = []
+        self.gate = threading.Event()
+        """Completions wait until it is set (clear it to hold them: real in-flight
+        requests, counted in the running gauge)."""
+        self.gate.set()
+        self.active = 0
         self._lock = threading.Lock()
         engine = self
 
@@ -67,6 +73,12 @@ class Engine:
                 elif self.path == "/v1/completions":
                     with engine._lock:
                         engine.completions.append(body)
+                        engine.active += 1
+                    try:
+                        engine.gate.wait(120)
+                    finally:
+                        with engine._lock:
+                            engine.active -= 1
                     out = {
                         "id": f"cmpl-{engine.node}",
                         "object": "text_completion",
@@ -86,7 +98,7 @@ class Engine:
 
     def metrics(self) -> str:
         return (
-            f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
+            f'vllm:num_requests_running{{engine="0"}} {self.running + self.active}\n'
             f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
             f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
             f'vllm:cache_config_info{{block_size="{self.block_size}",'

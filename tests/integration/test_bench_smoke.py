@@ -170,6 +170,8 @@ def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> N
         "router",
         "--engine",
         "off",
+        "--replay",
+        "off",
         "--samples",
         "4",
         "--context-tokens",

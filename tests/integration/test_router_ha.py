@@ -309,3 +309,209 @@ def test_router_takes_backends_registered_at_the_indexer(tmp_path):
         ix.close()
         for e in engines.values():
             e.close()
+
+
+def _counter(r: Http, name: str, labels: str) -> float:
+    _, text = r.get("/metrics")
+    key = f"{name}{{{labels}}} " if labels else f"{name} "
+    for line in text.decode().splitlines():
+        if line.startswith(key):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_long_token_prompt_resent_is_read_past_its_previous_bytes_and_routed_by_prefix(
+    daemon_factory, tmp_path
+):
+    """An agent's 12k-token context sent as token ids, then re-sent with a new tail:
+    the router reads only the tail's ids from the body (the rest are the previous
+    turn's bytes, unchanged), and every turn routes to the node whose daemon holds
+    the prefix: also the same ids spaced otherwise (read in full), and a turn
+    whose tail is not integers is a 400."""
+    events = {
+        "events.enabled": True,
+        "events.publish_address": "tcp://127.0.0.1:0",
+        "events.replay_address": "tcp://127.0.0.1:0",
+    }
+    daemons = {n: daemon_factory(n, tcp=True, settings=events) for n in ("node-a", "node-b")}
+    engines = {n: Engine(n) for n in daemons}
+    ix = Indexer(
+        IndexerConfig(
+            sources=[
+                SourceSpec(
+                    node=n,
+                    endpoint=d.info["events_publish_address"],
+                    replay_endpoint=d.info["events_replay_address"],
+                )
+                for n, d in daemons.items()
+            ]
+        )
+    )
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    proc = None
+    try:
+        rng = np.random.default_rng(11)
+        tokens = [int(t) for t in rng.integers(0, 30_000, 750 * BS)]
+        hashes = BlockHasher(BS).hash_tokens_int(np.array(tokens))
+        with Client(daemons["node-b"].address) as c:
+            ns = c.declare_namespace(make_spec(4096, model="tiny"))
+            blocks = np.zeros((700, 4096), dtype=np.uint8)
+            assert c.put(ns, hashes[:700], blocks).stored == 700
+        wait_for(
+            lambda: (
+                [(s.node, s.prefix_blocks) for s in ix.score("tiny", hashes)] == [("node-b", 700)]
+            ),
+            30,
+            "node-b's prefix indexed",
+        )
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "indexer": f"127.0.0.1:{port}",
+            "decision_deadline_s": "5",  # a loaded 2-core box; a fallback fails the test
+            "scrape_interval_s": "0.1",
+        }
+        proc, r = start_router(tmp_path, "router", settings)
+        wait_for(lambda: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        name = "kvstore_router_prompt_tokens_parsed_total"
+
+        def route(raw: bytes) -> tuple[str, str]:
+            status, headers, body = r.request("POST", "/v1/completions", raw=raw)
+            assert status == 200, body
+            return headers["x-kvstore-backend"], headers["x-kvstore-route"]
+
+        turn1 = json.dumps(completion(tokens)).encode()
+        assert route(turn1) == ("node-b", "prefix")
+        assert _counter(r, name, 'how="parsed"') == len(tokens)
+        turn2_ids = tokens + [int(t) for t in rng.integers(0, 30_000, 300)]
+        assert route(json.dumps(completion(turn2_ids)).encode()) == ("node-b", "prefix")
+        # only the new tail (and the previous turn's last id) was read from the body
+        assert _counter(r, name, 'how="reused"') == len(tokens) - 1
+        assert _counter(r, name, 'how="parsed"') == len(tokens) + 301
+        # the same ids without spaces: no stored bytes match, read in full, same route
+        compact = json.dumps(completion(turn2_ids), separators=(",", ":")).encode()
+        assert route(compact) == ("node-b", "prefix")
+        assert _counter(r, name, 'how="parsed"') == len(tokens) + 301 + len(turn2_ids)
+        # a re-sent turn whose tail holds a non-integer: refused, as a full read would
+        bad = json.dumps(completion(turn2_ids)).encode().replace(b"]", b', "x"]', 1)
+        status, _, body = r.request("POST", "/v1/completions", raw=bad)
+        assert status == 400 and b"integers" in body, body
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.stop(0)
+        ix.close()
+        for e in engines.values():
+            e.close()
+
+
+def test_replicas_share_the_engines_slots_through_their_gauges(tmp_path):
+    """Two router replicas in front of the same two engines, each engine's capacity
+    1. Replica A's two requests run on the engines (held there, so their running
+    gauges say 1). Replica B reads that from the gauges: those requests are not its
+    own, so it has no slot left. Its low request waits, then is shed (429) without
+    reaching an engine; its high request waits until A's work ends, then is served.
+    (Without this, each replica admitted its own 2 slots: 2 replicas, 2x the
+    engines' capacity.)"""
+    engines = {n: Engine(n) for n in ("node-a", "node-b")}
+    for e in engines.values():
+        e.gate.clear()
+    procs: list[subprocess.Popen] = []
+    results: dict[str, int] = {}
+    threads: list[threading.Thread] = []
+
+    def send(r: Http, key: str, headers: dict[str, str] | None = None) -> None:
+        status, _, _ = r.request("POST", "/v1/completions", completion([1, 2, 3]), headers=headers)
+        results[key] = status
+
+    try:
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "strategy": "round-robin",
+            "backend_capacity": "1",
+            "scrape_interval_s": "0.1",
+            "low_max_wait_s": "1.5",
+        }
+        replica_a, replica_b = [], []
+        for name, out in (("router-a", replica_a), ("router-b", replica_b)):
+            proc, r = start_router(tmp_path, name, settings)
+            procs.append(proc)
+            out.append(r)
+        a, b = replica_a[0], replica_b[0]
+        for r in (a, b):
+            wait_for(lambda r=r: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        for i in range(2):  # A's own two slots: one on each engine
+            t = threading.Thread(target=send, args=(a, f"a{i}"), daemon=True)
+            t.start()
+            threads.append(t)
+        wait_for(lambda: [e.active for e in engines.values()] == [1, 1], 30, "A's requests run")
+        name = "kvstore_router_backend_other_requests"
+        wait_for(
+            lambda: all(_counter(b, name, f'backend="{n}"') == 1.0 for n in engines),
+            30,
+            "replica B sees the engines' other requests",
+        )
+        high = threading.Thread(
+            target=send, args=(b, "b-high", {"x-kvstore-priority": "high"}), daemon=True
+        )
+        high.start()
+        threads.append(high)
+        send(b, "b-low", {"x-kvstore-priority": "low"})
+        assert results["b-low"] == 429
+        # neither of B's requests reached an engine while A's filled them
+        assert sum(e.served() for e in engines.values()) == 2
+        assert "b-high" not in results
+        for e in engines.values():
+            e.gate.set()
+        high.join(60)
+        assert results.get("b-high") == 200
+        assert results["a0"] == results["a1"] == 200
+        assert sum(e.served() for e in engines.values()) == 3
+    finally:
+        for e in engines.values():
+            e.gate.set()
+        for p in procs:
+            stop(p)
+        for t in threads:
+            t.join(10)
+        for e in engines.values():
+            e.close()
+
+
+def test_a_prefill_decode_split_asks_the_indexer_once_per_request(tmp_path):
+    """With prefill = [node-a] and decode = [node-b], one Score answers both
+    choices (the decode engine's and the prefill engine's): one round trip per
+    request, not two. The prefill goes to node-a (max_tokens 1), the answer
+    comes from node-b with the peer hint naming node-a."""
+    engines = {n: Engine(n) for n in ("node-a", "node-b")}
+    ix = Indexer(IndexerConfig())
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    proc = None
+    try:
+        cfg = tmp_path / "router.toml"
+        cfg.write_text('[router]\nprefill = ["node-a"]\ndecode = ["node-b"]\n')
+        settings = {
+            **{f"backends.{n}": e.url for n, e in engines.items()},
+            "indexer": f"127.0.0.1:{port}",
+            "decision_deadline_s": "5",
+        }
+        proc, r = start_router(tmp_path, "router", settings, cfg)
+        wait_for(lambda: healthy(r) == ["node-a", "node-b"], 30, "backends up")
+        for i in range(1, 3):
+            status, headers, body = r.post("/v1/completions", completion(list(range(3 * BS))))
+            assert status == 200, body
+            assert (headers["x-kvstore-backend"], headers["x-kvstore-pd"]) == (
+                "node-b",
+                "prefill=node-a",
+            )
+            assert _counter(r, "kvstore_router_score_seconds_count", "") == i
+        assert engines["node-a"].completions[-1]["max_tokens"] == 1
+        assert engines["node-b"].completions[-1]["kv_transfer_params"] == {"kvstore_peer": "node-a"}
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.stop(0)
+        ix.close()
+        for e in engines.values():
+            e.close()

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench import router_bench as rb
 from kvstore.hashing import BlockHasher
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
@@ -387,6 +388,59 @@ def test_second_turn_goes_to_the_node_holding_its_prefix(cluster):
     assert status == 200
     assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert t2["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def test_a_replayed_agentic_trace_gets_more_prefix_hits_than_round_robin(cluster):
+    """The same agentic trace (3 agents sharing a system prompt, 4 turns each, every
+    turn re-sending its context plus a new tail; `kvstore-bench router`'s replay)
+    through the cluster's cache+load router and through a round-robin router on the
+    same two engines, each replay under its own cache_salt (neither meets the
+    other's KV). After each answer the test waits for the served node's blocks to
+    reach the index, so no decision depends on how fast events travel.
+
+    Cache-aware: every later turn goes where its conversation's previous turn went
+    and finds that whole context in the engine's cache. Round robin (3 agents over
+    2 engines, round by round) sends consecutive turns to alternate engines: only
+    the system prompt and what that engine saw two turns back are cached."""
+    rr_proc, rr = start_router(
+        cluster.tmp,
+        "router-round-robin",
+        {
+            **{f"backends.{n}": f"unix:{e.sock}" for n, e in cluster.engines.items()},
+            "indexer": cluster.indexer_address,
+            "strategy": "round-robin",
+        },
+    )
+    trace = rb.agentic_trace(
+        3, 4, system_tokens=64, first_tokens=40, turn_tokens=48, vocab=vm.VOCAB_SIZE, seed=5
+    )
+    got: dict[str, list[rb.Replayed]] = {}
+    try:
+        for name, http in (("cache+load", cluster.router), ("round-robin", rr)):
+            salt = f"replay-test-{name}"
+            settle = rb.index_settler(cluster.indexer, str(cluster.tmp / "model"), BS, salt)
+            got[name] = rb.replay(http.address, trace, model="tiny", salt=salt, settle=settle)
+    finally:
+        stop(rr_proc)
+    smart, rrs = rb.replay_summary(got["cache+load"]), rb.replay_summary(got["round-robin"])
+    previous: dict[int, list[int]] = {}
+    for req, r in zip(trace, got["cache+load"], strict=True):
+        assert r.prompt_tokens == len(req.prompt)
+        if req.turn:
+            assert r.route in ("prefix", "affinity"), r
+            # the previous turn's full blocks, from the engine's prefix cache
+            assert r.cached_tokens >= len(previous[req.conversation]) // BS * BS, r
+        previous[req.conversation] = req.prompt
+    assert smart["followed_previous_turn"] == 1.0
+    assert rrs["followed_previous_turn"] == 0.0
+    assert {r.route for r in got["round-robin"]} == {"round-robin"}
+    assert rrs["backends"] == ["node-a", "node-b"]
+    # Round robin gets fewer hits on the same trace: by construction at least a
+    # third of the cache-aware router's later-turn hits are out of its reach.
+    assert smart["cached_tokens"] > rrs["cached_tokens"]
+    assert smart["later_turn_hit_ratio"] >= rrs["later_turn_hit_ratio"] + 0.15, (smart, rrs)
+    # Greedy answers do not depend on which engine or cache served them.
+    assert [r.text for r in got["cache+load"]] == [r.text for r in got["round-robin"]]
 
 
 def _sse_events(data: bytes) -> list[Any]:
