@@ -355,6 +355,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
+        "KVSTORE_NT_COPY",  # 0: block copies by plain memmove (kvstore.memcopy)
     }
 )
 NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)
