@@ -178,6 +178,9 @@ class PeerConfig(_Section):
     """auto = NIXL, or the gRPC stream fallback (logged loudly) when NIXL cannot load."""
     peers: dict[str, str] = msgspec.field(default_factory=dict)
     """Known peers: node id -> gRPC host:port (FetchFromPeer may name a peer by node id)."""
+    pull_piece_bytes: int = 32 << 20
+    """A pull of at least twice this is read in pieces (at most 32), two in flight,
+    each verified while the next ones are read (docs/peer-transfer.md)."""
 
 
 class LogConfig(_Section):

@@ -11,17 +11,18 @@ own with non-temporal stores, the way glibc's ``large_memcpy_4x`` does: four
 4 KiB pages interleaved, ``movdqu`` loads, ``movntdq`` stores, ``sfence`` at
 the end (SSE2 only: every x86-64 has it, no CPU probe needed).
 
-The loops are 0x171 bytes of machine code (``kvstore/memcopy_x86_64.S``) placed in an anonymous mapping made executable with ``mprotect`` and
-called through ctypes, which releases the GIL for the call. No compiler at
+The loops are 0x171 bytes of machine code (``kvstore/memcopy_x86_64.S``)
+placed in an anonymous mapping made executable with ``mprotect`` and called
+through ctypes, which releases the GIL for the call. No compiler at
 install time, no new package. Where that is unavailable (not x86-64 Linux, an
 exec mapping refused by a hardened kernel, the self-test failing, or
 ``KVSTORE_NT_COPY=0``) every copy is a plain ``memmove``, and a log line says
 so once.
 
 Copies below ``NT_MIN_BYTES``, overlapping copies and the unaligned head and
-tail of a large one stay plain ``memmove``: below 64 KiB the ctypes call and the alignment
-split cost more than the stores save, and ``memmove`` is the one correct
-answer for overlap. Measurements: docs/tiers.md "Block copies".
+tail of a large one stay plain ``memmove``: below 64 KiB the ctypes call and
+the alignment split cost more than the stores save, and ``memmove`` is the
+one correct answer for overlap. Measurements: docs/tiers.md "Block copies".
 
 Primitives:
     copy(dst, src)       dst[...] = src bytes (C-contiguous arrays, same nbytes)
