@@ -450,6 +450,8 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    if config.peer.pull_piece_bytes < 4096:
+        problems.append("peer.pull_piece_bytes must be at least 4096")
     bad_ids = [t for t in config.events.topic_id_list() if "@" in t]
     if bad_ids:
         problems.append(
