@@ -47,7 +47,7 @@ import grpc
 import msgspec
 import numpy as np
 
-from kvstore import errors
+from kvstore import errors, memcopy
 from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.v1 import store_pb2 as pb
@@ -1093,7 +1093,7 @@ def gather(
         if clock() > deadline_s:
             return s
         o = offs[s]
-        out[s:e] = region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)
+        memcopy.copy(out[s:e], region[o : o + (e - s) * block_bytes])
         if clock() > deadline_s:
             return s  # this piece may have been read after the lease ran out
     return len(offs)
@@ -1121,5 +1121,5 @@ def scatter(
         if clock() > deadline_s:
             return s
         o, r = offs[s], rws[s]
-        region[o : o + (e - s) * block_bytes].reshape(e - s, block_bytes)[:] = data[r : r + (e - s)]
+        memcopy.copy(region[o : o + (e - s) * block_bytes], data[r : r + (e - s)])
     return len(offs)

@@ -178,6 +178,9 @@ class PeerConfig(_Section):
     """auto = NIXL, or the gRPC stream fallback (logged loudly) when NIXL cannot load."""
     peers: dict[str, str] = msgspec.field(default_factory=dict)
     """Known peers: node id -> gRPC host:port (FetchFromPeer may name a peer by node id)."""
+    pull_piece_bytes: int = 32 << 20
+    """A pull of at least twice this is read in pieces (at most 32), two in flight,
+    each verified while the next ones are read (docs/peer-transfer.md)."""
 
 
 class LogConfig(_Section):
@@ -355,6 +358,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
+        "KVSTORE_NT_COPY",  # 0: block copies by plain memmove (kvstore.memcopy)
     }
 )
 NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)
@@ -446,6 +450,8 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    if config.peer.pull_piece_bytes < 4096:
+        problems.append("peer.pull_piece_bytes must be at least 4096")
     bad_ids = [t for t in config.events.topic_id_list() if "@" in t]
     if bad_ids:
         problems.append(

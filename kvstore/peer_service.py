@@ -38,7 +38,13 @@ from kvstore.transfer.grpc_stream import (
     GrpcStreamTransport,
     iter_chunks,
 )
-from kvstore.transfer.puller import MAX_PIN_TTL_S, PIN_TTL_MARGIN_S, Puller, checksums_async
+from kvstore.transfer.puller import (
+    MAX_PIN_TTL_S,
+    PIECE_MIN_BYTES,
+    PIN_TTL_MARGIN_S,
+    Puller,
+    checksums_async,
+)
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -235,6 +241,7 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
                 pin_s=result.pin_s,
                 transfer_s=result.transfer_s,
                 verify_s=result.verify_s,
+                pieces=result.pieces,
             )
 
         return await call_async(context, run)
@@ -281,7 +288,12 @@ class PeerNode:
         peers: dict[str, str] | None = None,
         max_message_bytes: int = 64 << 20,
         metrics: PeerMetrics | None = None,
+        pull_piece_bytes: int = PIECE_MIN_BYTES,
     ) -> None:
+        if pull_piece_bytes < 4096:
+            raise errors.ConfigError(
+                f"peer.pull_piece_bytes must be at least 4096, not {pull_piece_bytes}"
+            )
         if transport not in ("auto", KIND_NIXL, KIND_GRPC_STREAM):
             raise errors.ConfigError(
                 f"peer.transport must be auto, nixl or grpc_stream, not {transport!r}"
@@ -320,6 +332,7 @@ class PeerNode:
             transfer_timeout_s=transfer_timeout_s,
             max_message_bytes=max_message_bytes,
             known_peers=known_peers,
+            piece_bytes=pull_piece_bytes,
         )
         if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
             self.puller = metrics.wrap_puller(self.puller)

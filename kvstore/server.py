@@ -119,6 +119,7 @@ class Daemon:
                 peers=cfg.peer.peers,
                 max_message_bytes=cfg.server.max_message_bytes,
                 metrics=peer_metrics,
+                pull_piece_bytes=cfg.peer.pull_piece_bytes,
             )
 
         options = [

@@ -34,6 +34,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     command -v redis-server >/dev/null || missing+=(redis-server)
     command -v promtool >/dev/null || missing+=(prometheus)
     command -v yamllint >/dev/null || missing+=(yamllint)
+    command -v objcopy >/dev/null || missing+=(binutils)  # tests/unit/test_memcopy.py reassembles the copy loop
     if [ ${#missing[@]} -gt 0 ]; then
         log "apt: ${missing[*]}"
         apt-get update -qq

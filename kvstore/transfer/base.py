@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -120,7 +120,20 @@ class Transport(Protocol):
 
     def has_peer(self, key: str) -> bool: ...
 
-    async def read(self, peer: PeerLink, batch: ReadBatch, timeout_s: float) -> None: ...
+    async def read(
+        self,
+        peer: PeerLink,
+        batch: ReadBatch,
+        timeout_s: float,
+        *,
+        share_gil: Callable[[], bool] | None = None,
+    ) -> None:
+        """Read ``batch`` from ``peer`` into the local region, bounded by ``timeout_s``.
+
+        ``share_gil``: while it returns True another thread of this process
+        (checksum verification) needs the GIL now and then; a transport that
+        polls in a tight loop hands it over between polls."""
+        ...
 
     def close(self) -> None:
         """Drop peers and deregister memory. Call before the region is unmapped."""

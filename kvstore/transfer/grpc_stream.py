@@ -11,12 +11,12 @@ the owner streams with (``iter_chunks``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
 
-from kvstore import errors
+from kvstore import errors, memcopy
 from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.errors import InvalidRequest, KVStoreError, Unavailable
 from kvstore.transfer.base import KIND_GRPC_STREAM, PeerChannels, PeerLink, ReadBatch
@@ -88,7 +88,14 @@ class GrpcStreamTransport:
     def _stub(self, address: str) -> peer_pb2_grpc.PeerServiceStub:
         return peer_pb2_grpc.PeerServiceStub(self._channels.get(address))
 
-    async def read(self, peer: PeerLink, batch: ReadBatch, timeout_s: float) -> None:
+    async def read(
+        self,
+        peer: PeerLink,
+        batch: ReadBatch,
+        timeout_s: float,
+        *,
+        share_gil: Callable[[], bool] | None = None,  # awaits per chunk: the GIL is shared
+    ) -> None:
         if not len(batch):
             return
         batch.check_bounds(peer.region_bytes, len(self._region))
@@ -117,7 +124,7 @@ class GrpcStreamTransport:
                     index, within = divmod(got, block_bytes)
                     take = min(block_bytes - within, len(data) - pos)
                     dst = local[index] + within
-                    self._region[dst : dst + take] = data[pos : pos + take]
+                    memcopy.copy(self._region[dst : dst + take], data[pos : pos + take])
                     pos += take
                     got += take
         except grpc.RpcError as exc:

@@ -57,10 +57,13 @@ CONTROL_TIMEOUT_S = 2.0
 PIN_TTL_MARGIN_S = 5.0
 # The longest pin an owner grants (a dead puller strands blocks at most this long).
 MAX_PIN_TTL_S = 120.0
-# A pull of at least 2 x PIECE_MIN_BYTES is read as up to MAX_PIECES concurrent
-# pieces, each verified as soon as it lands.
+# A pull of at least 2 x PIECE_MIN_BYTES (peer.pull_piece_bytes) is read as up
+# to MAX_PIECES pieces, READS_IN_FLIGHT at a time in prefix order; each piece is
+# verified in a thread as soon as it lands, while the next ones are read
+# (docs/peer-transfer.md "The pull pipeline").
 PIECE_MIN_BYTES = 32 << 20
-MAX_PIECES = 8
+MAX_PIECES = 32
+READS_IN_FLIGHT = 2
 # Pin releases in flight at once; beyond it pins are left to expire on the owner.
 MAX_PENDING_RELEASES = 256
 # Blocks at least this big are hashed in a thread; smaller ones on the loop, in
@@ -97,6 +100,8 @@ class PullResult:
     commit_s: float = 0.0
     fetched_bytes: int = 0
     """Bytes of the fetched blocks."""
+    pieces: int = 0
+    """Pieces the read was split into (1: read, then verified; more: pipelined)."""
 
 
 def checksums_of(region: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
@@ -137,7 +142,11 @@ class Puller:
         transfer_timeout_s: float,
         max_message_bytes: int = 64 << 20,
         known_peers: Sequence[str] = (),
+        piece_bytes: int = PIECE_MIN_BYTES,
     ) -> None:
+        if piece_bytes <= 0:
+            raise InvalidRequest(f"piece_bytes must be > 0, not {piece_bytes}")
+        self.piece_bytes = piece_bytes
         self.manager = manager
         self.region = region
         self.node_id = node_id
@@ -345,26 +354,52 @@ class Puller:
             region_bytes=info.region_bytes,
             lease_id=pin.lease_id,
         )
-        # The batch is read as a few concurrent pieces so each piece's checksums are
-        # computed (in a thread: xxh3 releases the GIL) while later pieces still land.
+        # The pipeline: pieces are read in prefix order, READS_IN_FLIGHT at a time
+        # (the next READ is posted before the current one ends, so the wire never
+        # idles), and each landed piece is hashed in a thread while the next ones
+        # are read. xxh3 releases the GIL while it hashes; the NIXL poll loop does
+        # not, so while a piece is being hashed it hands the GIL over between
+        # polls (share_gil), or the hashing thread would wait a switch interval
+        # (5 ms) per block. One hashing thread at a time: the other core polls.
         landed = np.zeros(len(chosen), dtype=np.uint64)
+        pieces = _pieces(len(chosen), block_bytes, self.piece_bytes)
+        reads = asyncio.Semaphore(READS_IN_FLIGHT)
+        hashing = asyncio.Lock()
+        hashing_now = [False]
         started = time.monotonic()
         deadline_s = started + timeout_s
         reads_done_s = [started]
+
+        def share_gil() -> bool:
+            return hashing_now[0]
 
         async def piece(lo: int, hi: int) -> None:
             sub = ReadBatch(
                 batch.remote_offsets[lo:hi], batch.local_offsets[lo:hi], batch.sizes[lo:hi]
             )
-            await transport.read(link, sub, max(deadline_s - time.monotonic(), 0.001))
+            async with reads:
+                await transport.read(
+                    link, sub, max(deadline_s - time.monotonic(), 0.001), share_gil=share_gil
+                )
             reads_done_s[0] = max(reads_done_s[0], time.monotonic())
             offsets = batch.local_offsets[lo:hi].tolist()
-            landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
+            if len(pieces) == 1:
+                # Nothing to overlap with: hash on the loop (no thread hand-off).
+                landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
+                return
+            async with hashing:
+                hashing_now[0] = True
+                try:
+                    landed[lo:hi] = await asyncio.to_thread(
+                        checksums_of, self.region, offsets, block_bytes
+                    )
+                finally:
+                    hashing_now[0] = False
 
         try:
             try:
                 async with asyncio.TaskGroup() as group:
-                    for lo, hi in _pieces(len(chosen), block_bytes):
+                    for lo, hi in pieces:
                         group.create_task(piece(lo, hi))
             except BaseExceptionGroup as eg:
                 # Report the peer's failure, not the cancellations it caused.
@@ -426,6 +461,7 @@ class Puller:
             verify_s=verify_s,
             commit_s=time.monotonic() - started,
             fetched_bytes=len(verified) * block_bytes,
+            pieces=len(pieces),
         )
 
     def _schedule_release(self, info: PeerInfo, lease_id: int) -> None:
@@ -461,9 +497,9 @@ class Puller:
             self._forget(info)
 
 
-def _pieces(n: int, block_bytes: int) -> list[tuple[int, int]]:
-    """Index ranges of the concurrent pieces of an n-block read: one piece below
-    PIECE_MIN_BYTES in all, at most MAX_PIECES."""
-    count = max(1, min(MAX_PIECES, n * block_bytes // PIECE_MIN_BYTES, n))
+def _pieces(n: int, block_bytes: int, piece_bytes: int = PIECE_MIN_BYTES) -> list[tuple[int, int]]:
+    """Index ranges of the pieces of an n-block read, in order: one piece below
+    2 x ``piece_bytes`` in all, at most MAX_PIECES (pieces grow past that)."""
+    count = max(1, min(MAX_PIECES, n * block_bytes // piece_bytes, n))
     bounds = np.linspace(0, n, count + 1).astype(int).tolist()
     return list(itertools.pairwise(bounds))

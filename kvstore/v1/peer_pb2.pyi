@@ -106,7 +106,7 @@ class FetchFromPeerRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class FetchFromPeerResponse(_message.Message):
-    __slots__ = ("prefix_blocks", "fetched_blocks", "local_blocks", "corrupt_blocks", "transport", "pin_s", "transfer_s", "verify_s")
+    __slots__ = ("prefix_blocks", "fetched_blocks", "local_blocks", "corrupt_blocks", "transport", "pin_s", "transfer_s", "verify_s", "pieces")
     PREFIX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class FetchFromPeerResponse(_message.Message):
     PIN_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     prefix_blocks: int
     fetched_blocks: int
     local_blocks: int
@@ -123,4 +124,5 @@ class FetchFromPeerResponse(_message.Message):
     pin_s: float
     transfer_s: float
     verify_s: float
-    def __init__(self, prefix_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., pin_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., verify_s: _Optional[float] = ...) -> None: ...
+    pieces: int
+    def __init__(self, prefix_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., pin_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., pieces: _Optional[int] = ...) -> None: ...

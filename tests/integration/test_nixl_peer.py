@@ -632,3 +632,40 @@ def test_pull_counters_on_both_daemons_metrics_and_stats(peer_daemon) -> None:  
     ).stdout
     assert "peer transfer over nixl:" in status, status
     assert "pulled 87 blocks (5.4 MiB) in 3 pulls, 1 failed, 1 bad checksums" in status, status
+
+
+@pytest.mark.parametrize("transport", ["nixl", "grpc_stream"])
+def test_pipelined_pull_drops_a_corrupt_block_in_a_middle_piece(
+    peer_daemon, transport: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A pull read in 16 pieces (each verified while later ones are read): a block
+    that went bad on the owner, in piece 10 of 16, is caught and never served;
+    every other block lands and is served byte-exact."""
+    block = 64 << 10
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", transport=transport, extra={"peer.pull_piece_bytes": str(4 * block)})
+    hashes = list(range(300, 364))  # 64 blocks = 16 pieces of 4 blocks
+    ns_a = put(a, hashes, block)
+    ns_b = put(b, [], block)
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.corrupt_blocks, r.pieces, r.transport) == (64, 0, 16, transport)
+    # A hashed its blocks at that pin and serves those checksums: corrupt its
+    # copy of block 38 (piece 9, counting from 0) and pull everything again.
+    with Client(b.address) as cb:
+        assert cb.delete(ns_b, hashes) == (64, 0)
+    with Client(a.address) as ca:
+        h = ca.prepare_load(ns_a, hashes[:39])
+        off = int(h.offsets[38])
+        ca.region[off + 1000 : off + 1008] ^= 0x5A
+        ca.release(h)
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.corrupt_blocks, r.prefix_blocks, r.pieces) == (63, 1, 38, 16)
+    want = blocks_for(hashes, block)
+    with Client(b.address) as cb:
+        assert cb.lookup(ns_b, hashes).prefix_blocks == 38
+        assert cb.get(ns_b, [hashes[38]]).found == 0  # the bad block is not served
+        got = cb.get(ns_b, hashes[:38])
+        assert got.found == 38 and np.array_equal(got.data, want[:38])
+        after = cb.get(ns_b, hashes[39:])
+        assert after.found == 25 and np.array_equal(after.data, want[39:])
+    assert no_leases_soon(a) and no_leases_soon(b)

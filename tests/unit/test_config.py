@@ -44,6 +44,12 @@ def test_bad_values_are_precise():
         load_config(environ={}, assignments=["dram.capacity_bytes=1MiB", "dram.chunk_bytes=64MiB"])
     with pytest.raises(ConfigError, match=r"peer\.secret"):
         load_config(environ={}, assignments=["peer.enabled=true"])
+    with pytest.raises(ConfigError, match=r"peer\.pull_piece_bytes must be at least 4096"):
+        load_config(environ={}, assignments=["peer.pull_piece_bytes=0"])
+    assert (
+        load_config(environ={}, assignments=["peer.pull_piece_bytes=256KiB"]).peer.pull_piece_bytes
+        == 256 << 10
+    )
     with pytest.raises(ConfigError, match=r"section\.key=value"):
         load_config(environ={}, assignments=["nonsense"])
     with pytest.raises(ConfigError, match="not found"):

@@ -1,0 +1,84 @@
+# The non-temporal copy loops of kvstore/memcopy.py (its _CODE bytes are this
+# file assembled: tests/unit/test_memcopy.py reassembles it and compares).
+#
+#   as kvstore/memcopy_x86_64.S -o /tmp/m.o && objcopy -O binary -j .text /tmp/m.o /tmp/m.bin
+#
+# SysV x86-64 ABI, SSE2 only. Both: dst in rdi (16-byte aligned), src in rsi
+# (any alignment), n in rdx; clobber rcx, rdx, rsi, rdi, xmm0-7 (all
+# caller-saved); end with sfence so the streamed stores are globally visible
+# before the caller (a commit, a release) goes on.
+    .intel_syntax noprefix
+    .text
+# nt_copy_4x at +0x000: n > 0 and a multiple of 16384. Four 4 KiB pages are
+# copied interleaved, one 64-byte line of each per trip, as glibc's
+# large_memcpy_4x does: more DRAM pages open at once, and the prefetcher
+# sees four streams.
+    .globl nt_copy_4x
+nt_copy_4x:
+2:
+    mov rcx, 64           # 64 lines of 64 B per page
+3:
+    prefetcht0 [rsi+128]
+    prefetcht0 [rsi+4096+128]
+    prefetcht0 [rsi+8192+128]
+    prefetcht0 [rsi+12288+128]
+    movdqu xmm0, [rsi]
+    movdqu xmm1, [rsi+16]
+    movdqu xmm2, [rsi+32]
+    movdqu xmm3, [rsi+48]
+    movdqu xmm4, [rsi+4096]
+    movdqu xmm5, [rsi+4096+16]
+    movdqu xmm6, [rsi+4096+32]
+    movdqu xmm7, [rsi+4096+48]
+    movntdq [rdi], xmm0
+    movntdq [rdi+16], xmm1
+    movntdq [rdi+32], xmm2
+    movntdq [rdi+48], xmm3
+    movntdq [rdi+4096], xmm4
+    movntdq [rdi+4096+16], xmm5
+    movntdq [rdi+4096+32], xmm6
+    movntdq [rdi+4096+48], xmm7
+    movdqu xmm0, [rsi+8192]
+    movdqu xmm1, [rsi+8192+16]
+    movdqu xmm2, [rsi+8192+32]
+    movdqu xmm3, [rsi+8192+48]
+    movdqu xmm4, [rsi+12288]
+    movdqu xmm5, [rsi+12288+16]
+    movdqu xmm6, [rsi+12288+32]
+    movdqu xmm7, [rsi+12288+48]
+    movntdq [rdi+8192], xmm0
+    movntdq [rdi+8192+16], xmm1
+    movntdq [rdi+8192+32], xmm2
+    movntdq [rdi+8192+48], xmm3
+    movntdq [rdi+12288], xmm4
+    movntdq [rdi+12288+16], xmm5
+    movntdq [rdi+12288+32], xmm6
+    movntdq [rdi+12288+48], xmm7
+    add rsi, 64
+    add rdi, 64
+    dec rcx
+    jnz 3b
+    add rsi, 12288
+    add rdi, 12288
+    sub rdx, 16384
+    jnz 2b
+    sfence
+    ret
+# nt_copy_64 at +0x139: n > 0 and a multiple of 64 (the tail of a copy).
+    .globl nt_copy_64
+nt_copy_64:
+1:
+    movdqu xmm0, [rsi]
+    movdqu xmm1, [rsi+16]
+    movdqu xmm2, [rsi+32]
+    movdqu xmm3, [rsi+48]
+    movntdq [rdi], xmm0
+    movntdq [rdi+16], xmm1
+    movntdq [rdi+32], xmm2
+    movntdq [rdi+48], xmm3
+    add rsi, 64
+    add rdi, 64
+    sub rdx, 64
+    jnz 1b
+    sfence
+    ret
