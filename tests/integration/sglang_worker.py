@@ -1,0 +1,239 @@
+"""SGLang's side of tests/integration/test_sglang_backend.py; runs in .venv-sglang only.
+
+Builds SGLang 0.5.23's own host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost)
+on CPU and the kvstore backend through SGLang's own StorageBackendFactory
+(``dynamic``, as ``--hicache-storage-backend dynamic`` does), then serves
+commands, one JSON object per stdin line, one JSON answer per stdout line, so
+the test can kill the daemon between two commands. Page contents are reported
+as SHA-256 digests of the pool's own flat page (``get_data_page(i, flat=True)``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+BACKEND = {
+    "backend_name": "kvstore",
+    "module_path": "connectors.sglang.backend",
+    "class_name": "KVStoreHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+class WarningCount(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+WARNINGS = WarningCount()
+logging.getLogger("connectors").addHandler(WARNINGS)
+
+
+def make_pool(
+    *, mla: bool, layout: str, page_size: int, pages: int, layers: int, heads: int, dim: int
+) -> Any:
+    """A real SGLang host pool of ``pages`` pages (+ SGLang's padding page)."""
+    dtype = torch.bfloat16
+    tokens = pages * page_size
+    with host_memory_budget_scope(1 << 40):  # tests size pools themselves
+        if mla:
+            alloc = MLAHostAllocation(
+                dtype=dtype,
+                kv_lora_rank=dim - 16,
+                qk_rope_head_dim=16,
+                kv_cache_dim=dim,
+                size_per_token=layers * dim * dtype.itemsize,
+            )
+            return MLATokenToKVPoolHost(
+                alloc,
+                host_to_device_ratio=1.0,
+                host_size=0,
+                page_size=page_size,
+                layout=layout,
+                pin_memory=False,
+                device="cpu",
+                device_capacity_tokens=tokens,
+                start_layer=0,
+                end_layer=layers - 1,
+                target_layer_num=layers,
+            )
+        k = tuple(torch.zeros(tokens + page_size, heads, dim, dtype=dtype) for _ in range(layers))
+        v = tuple(torch.zeros(tokens + page_size, heads, dim, dtype=dtype) for _ in range(layers))
+        ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+        info = MHABufferInfo(
+            buffers=KVBuffers(
+                k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v), layout=KVBufferLayout.NHD
+            ),
+            page_size=page_size,
+            head_num=heads,
+            head_dim=dim,
+            v_head_dim=dim,
+            dtype=dtype,
+            device=torch.device("cpu"),
+        )
+        return MHATokenToKVPoolHost(
+            info,
+            host_to_device_ratio=1.0,
+            host_size=0,
+            page_size=page_size,
+            layout=layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=tokens,
+            start_layer=0,
+            end_layer=layers - 1,
+        )
+
+
+def storage_config(args: dict[str, Any], extra: dict[str, Any]) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=args.get("tp_rank", 0),
+        tp_size=args.get("tp_size", 1),
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=args["mla"],
+        enable_storage_metrics=False,
+        is_page_first_layout=args["layout"] == "page_first",
+        model_name=args.get("model", "tiny-model"),
+        extra_config=extra,
+    )
+
+
+class Engine:
+    """One engine rank: a host pool and the backend SGLang's factory made for it."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.pool = make_pool(
+            mla=args["mla"],
+            layout=args["layout"],
+            page_size=args["page_size"],
+            pages=args.get("pages", 16),
+            layers=args.get("layers", 3),
+            heads=args.get("heads", 2),
+            dim=args.get("dim", 32),
+        )
+        self.page_size = args["page_size"]
+        kind = args.get("backend", "kvstore")
+        if kind == "file":
+            config = storage_config(args, {"file_storage_path": args["file_path"]})
+            self.backend = HiCacheFile(config, file_path=args["file_path"])
+        else:
+            extra = {**BACKEND, "kvstore_address": args["address"], **args.get("extra", {})}
+            config = storage_config(args, extra)
+            self.backend = StorageBackendFactory.create_backend("dynamic", config, self.pool)
+        self.backend.register_mem_pool_host(self.pool)
+
+    def host_indices(self, pages: list[int]) -> torch.Tensor:
+        ps = self.page_size
+        return torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
+
+    def fill(self, pages: list[int], seed: int) -> list[str]:
+        g = torch.Generator().manual_seed(seed)
+        for p in pages:
+            view = self.pool.get_data_page(p * self.page_size, flat=False)
+            view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
+        return self.digests(pages)
+
+    def digests(self, pages: list[int]) -> list[str]:
+        out = []
+        for p in pages:
+            page = self.pool.get_data_page(p * self.page_size, flat=True)
+            out.append(hashlib.sha256(page.view(torch.uint8).numpy().tobytes()).hexdigest())
+        return out
+
+    def zero(self, pages: list[int]) -> None:
+        for p in pages:
+            self.pool.get_data_page(p * self.page_size, flat=False).zero_()
+
+
+def serve() -> None:
+    engines: dict[str, Engine] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        try:
+            out: Any = None
+            if op == "make":
+                engines[cmd["name"]] = Engine(cmd)
+                b = engines[cmd["name"]].backend
+                out = {"class": type(b).__name__, "bases": [c.__name__ for c in type(b).__mro__]}
+                spec = getattr(b, "namespace_spec", None)
+                if spec is not None:
+                    out["namespace"] = msgspec.structs.asdict(spec())
+            else:
+                e = engines[cmd.pop("name")]
+                b = e.backend
+                if op == "fill":
+                    out = e.fill(cmd["pages"], cmd["seed"])
+                elif op == "zero":
+                    e.zero(cmd["pages"])
+                elif op == "digests":
+                    out = e.digests(cmd["pages"])
+                elif op == "set_v1":
+                    out = b.batch_set_v1(cmd["keys"], e.host_indices(cmd["pages"]), None)
+                elif op == "set_v1_prefix":
+                    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+                    info = HiCacheStorageExtraInfo(prefix_keys=cmd["prefix_keys"])
+                    out = b.batch_set_v1(cmd["keys"], e.host_indices(cmd["pages"]), info)
+                elif op == "get_v1":
+                    out = b.batch_get_v1(cmd["keys"], e.host_indices(cmd["pages"]), None)
+                elif op == "set_flat":
+                    pages = [e.pool.get_data_page(p * e.page_size, flat=True) for p in cmd["pages"]]
+                    out = b.batch_set(cmd["keys"], pages)
+                elif op == "get_flat":
+                    dummies = [e.pool.get_dummy_flat_data_page() for _ in cmd["keys"]]
+                    got = b.batch_get(cmd["keys"], dummies)
+                    out = [
+                        None
+                        if t is None
+                        else hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+                        for t in got
+                    ]
+                elif op == "exists":
+                    out = b.batch_exists(cmd["keys"])
+                elif op == "exists_one":
+                    out = [b.exists(k) for k in cmd["keys"]]
+                elif op == "clear":
+                    b.clear()
+                elif op == "stats":
+                    out = b.get_stats()
+                else:
+                    raise ValueError(f"unknown op {op}")
+            reply = {"ok": True, "out": out, "warnings": list(WARNINGS.messages)}
+        except Exception as exc:
+            reply = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc(),
+                "warnings": list(WARNINGS.messages),
+            }
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    serve()

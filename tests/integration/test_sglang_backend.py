@@ -1,0 +1,282 @@
+"""kvstore as SGLang HiCache's storage backend, driven by SGLang 0.5.23's own classes.
+
+SGLang's pins (torch 2.14.1 CUDA, transformers 5.19) clash with vLLM's, so it
+lives in .venv-sglang (scripts/setup_sglang_venv.sh, run by install.sh --full)
+and these tests drive a worker there (tests/integration/sglang_worker.py) line
+by line: real host pools (MHATokenToKVPoolHost, MLATokenToKVPoolHost), the
+backend built by SGLang's StorageBackendFactory from a ``dynamic`` extra
+config, against real daemons on temp Unix sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.sglang.keys import key_to_block_hash, page_hashes
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
+WORKER = Path(__file__).with_name("sglang_worker.py")
+
+pytestmark = pytest.mark.skipif(
+    not SGLANG_PYTHON.exists(),
+    reason="no .venv-sglang: run bash scripts/setup_sglang_venv.sh",
+)
+
+PS = 4  # page size (tokens)
+
+
+class Worker:
+    """An SGLang-side process; ``call`` sends one command and returns its answer."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+        self.proc = subprocess.Popen(
+            [str(SGLANG_PYTHON), str(WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+
+    def call(self, op: str, **args: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"the SGLang worker died: {err[-3000:]}")
+        reply = json.loads(line)
+        assert reply["ok"], reply.get("trace") or reply
+        self.warnings: list[str] = reply["warnings"]
+        return reply["out"]
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def worker():
+    w = Worker()
+    yield w
+    w.close()
+
+
+def _keys(seed: int, pages: int) -> list[str]:
+    """SGLang page keys of a random token sequence (its chained SHA-256 scheme)."""
+    tokens = [(seed * 7919 + i * 104729) % 50_000 for i in range(pages * PS)]
+    return page_hashes(tokens, None, PS)
+
+
+LAYOUTS = [
+    (False, "layer_first"),
+    (False, "page_first"),
+    (False, "page_first_direct"),
+    (True, "layer_first"),
+    (True, "page_first"),
+    (True, "page_first_direct"),
+]
+
+
+@pytest.mark.parametrize(("mla", "layout"), LAYOUTS)
+def test_pages_round_trip_bit_exact_between_two_engines(daemon, worker, mla, layout):
+    common = dict(mla=mla, layout=layout, page_size=PS, address=daemon.address)
+    made = worker.call("make", name="a", **common)
+    assert "HiCacheStorage" in made["bases"]  # SGLang's factory checked the subclass
+    assert made["namespace"]["block_size_tokens"] == PS
+    worker.call("make", name="b", **common)
+    keys = _keys(1, 5)
+    src_pages = [1, 2, 3, 4, 5]
+    digests = worker.call("fill", name="a", pages=src_pages, seed=11)
+    assert len(set(digests)) == 5
+    assert worker.call("set_v1", name="a", keys=keys, pages=src_pages) == [True] * 5
+    # Engine b loads them into other host pages, zero-copy from the region.
+    dst_pages = [9, 7, 12, 3, 10]
+    assert worker.call("get_v1", name="b", keys=keys, pages=dst_pages) == [True] * 5
+    assert worker.call("digests", name="b", pages=dst_pages) == digests
+    # SGLang's tensor path (no interface_v1) reads the same bytes back as flat pages.
+    assert worker.call("get_flat", name="b", keys=keys) == digests
+    # ...and what it stores, the zero-copy path loads.
+    keys2 = _keys(2, 2)
+    assert worker.call("set_flat", name="a", keys=keys2, pages=[6, 7]) is True
+    worker.call("zero", name="b", pages=[1, 2])
+    assert worker.call("get_v1", name="b", keys=keys2, pages=[1, 2]) == [True, True]
+    assert worker.call("digests", name="b", pages=[1, 2]) == worker.call(
+        "digests", name="a", pages=[6, 7]
+    )
+    assert worker.warnings == []
+
+
+def test_batch_exists_counts_leading_pages_present(daemon, worker):
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    keys = _keys(3, 6)
+    worker.call("fill", name="a", pages=[1, 2, 3, 4, 5, 6], seed=3)
+    assert worker.call("set_v1", name="a", keys=keys[:3], pages=[1, 2, 3]) == [True] * 3
+    assert worker.call("set_v1", name="a", keys=keys[4:], pages=[5, 6]) == [True] * 2
+    assert worker.call("exists", name="a", keys=keys) == 3  # page 3 missing: 4 and 5 don't count
+    assert worker.call("exists", name="a", keys=keys[4:]) == 2
+    assert worker.call("exists", name="a", keys=keys[3:]) == 0
+    assert worker.call("exists_one", name="a", keys=keys) == [True, True, True, False, True, True]
+    # A load stops at the first missing page too: nothing past it is written.
+    worker.call("zero", name="a", pages=[10, 11, 12, 13])
+    got = worker.call("get_v1", name="a", keys=keys[2:6], pages=[10, 11, 12, 13])
+    assert got == [True, False, False, False]
+    zero = worker.call("digests", name="a", pages=[14])[0]
+    assert worker.call("digests", name="a", pages=[11, 12]) == [zero, zero]
+    # More than SGLang's 128-page batch still answers the whole prefix.
+    many = _keys(4, 130)
+    assert worker.call("exists", name="a", keys=many) == 0
+
+
+def test_identities_that_differ_never_share_and_equal_ones_do(daemon, worker):
+    base = dict(mla=False, layout="page_first", page_size=PS, address=daemon.address)
+    worker.call("make", name="tp0", tp_rank=0, tp_size=2, **base)
+    worker.call("make", name="tp1", tp_rank=1, tp_size=2, **base)
+    worker.call("make", name="other_model", tp_rank=0, tp_size=2, model="other", **base)
+    worker.call(
+        "make", name="other_layout", tp_rank=0, tp_size=2, **{**base, "layout": "layer_first"}
+    )
+    worker.call(
+        "make", name="tenant_b", tp_rank=0, tp_size=2, extra={"kvstore_tenant": "b"}, **base
+    )
+    worker.call("make", name="twin", tp_rank=0, tp_size=2, **base)
+    keys = _keys(5, 3)
+    digests = worker.call("fill", name="tp0", pages=[1, 2, 3], seed=5)
+    assert worker.call("set_v1", name="tp0", keys=keys, pages=[1, 2, 3]) == [True] * 3
+    for other in ("tp1", "other_model", "other_layout", "tenant_b"):
+        assert worker.call("exists", name=other, keys=keys) == 0, other
+        assert worker.call("get_v1", name=other, keys=keys, pages=[4, 5, 6]) == [False] * 3
+    assert worker.call("exists", name="twin", keys=keys) == 3
+    assert worker.call("get_v1", name="twin", keys=keys, pages=[4, 5, 6]) == [True] * 3
+    assert worker.call("digests", name="twin", pages=[4, 5, 6]) == digests
+
+
+def test_mla_ranks_share_one_copy(daemon, worker):
+    """MLA KV is replicated over TP ranks (SGLang's file backend shares one file too)."""
+    base = dict(mla=True, layout="page_first", page_size=PS, address=daemon.address)
+    worker.call("make", name="r0", tp_rank=0, tp_size=2, **base)
+    worker.call("make", name="r1", tp_rank=1, tp_size=2, **base)
+    keys = _keys(6, 2)
+    digests = worker.call("fill", name="r0", pages=[1, 2], seed=6)
+    worker.call("set_v1", name="r0", keys=keys, pages=[1, 2])
+    assert worker.call("get_v1", name="r1", keys=keys, pages=[3, 4]) == [True, True]
+    assert worker.call("digests", name="r1", pages=[3, 4]) == digests
+
+
+def test_daemon_killed_gives_misses_one_warning_no_exception(daemon_factory, worker):
+    daemon = daemon_factory("dying", tcp=False)
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    keys = _keys(7, 4)
+    worker.call("fill", name="a", pages=[1, 2, 3, 4], seed=7)
+    assert worker.call("set_v1", name="a", keys=keys[:2], pages=[1, 2]) == [True, True]
+    assert worker.call("exists", name="a", keys=keys) == 2
+    daemon.kill()
+    t0 = time.monotonic()
+    for _ in range(10):
+        assert worker.call("exists", name="a", keys=keys) == 0
+        assert worker.call("get_v1", name="a", keys=keys[:2], pages=[5, 6]) == [False, False]
+        assert worker.call("set_v1", name="a", keys=keys[2:], pages=[3, 4]) == [False, False]
+        assert worker.call("get_flat", name="a", keys=keys[:1]) == [None]
+    assert time.monotonic() - t0 < 10.0
+    unusable = [m for m in worker.warnings if "unusable" in m]
+    assert len(unusable) == 1, worker.warnings
+    daemon.start()  # back (empty): the backend reconnects on its own
+    deadline = time.monotonic() + 15
+    while worker.call("set_v1", name="a", keys=keys[2:], pages=[3, 4]) != [True, True]:
+        assert time.monotonic() < deadline, "never reconnected"
+        time.sleep(0.2)
+    assert worker.call("exists", name="a", keys=keys[2:]) == 2
+    assert any("reconnected" in m for m in worker.warnings)
+
+
+def test_pages_stored_through_sglang_appear_in_kv_events(daemon_factory, worker):
+    from kvstore.events.wire import BlockStored, full_decoder
+    from tests.integration._events import EventTap
+    from tests.integration._redis import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    daemon = daemon_factory(
+        settings={
+            "events.enabled": True,
+            "events.publish_address": endpoint,
+            "events.replay_address": "",
+            "events.topic_ids": "10.0.0.9:30000",
+        }
+    )
+    tap = EventTap(daemon.address, endpoint, b"kv@10.0.0.9:30000@")
+    try:
+        worker.call(
+            "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+        )
+        keys = _keys(8, 5)
+        worker.call("fill", name="a", pages=[1, 2, 3, 4, 5], seed=8)
+        assert worker.call("set_v1", name="a", keys=keys[:2], pages=[1, 2]) == [True, True]
+        # SGLang's backup thread passes the keys before the batch (hicache_storage_pass_prefix_keys)
+        ok = worker.call(
+            "set_v1_prefix", name="a", keys=keys[2:], pages=[3, 4, 5], prefix_keys=keys[:2]
+        )
+        assert ok == [True] * 3
+        expected = [key_to_block_hash(k) for k in keys]
+        dec = full_decoder()
+        stored: list[BlockStored] = []
+
+        def all_in() -> bool:
+            stored.clear()
+            for topic, _, payload in tap.frames:
+                if topic.endswith(b"@tiny-model"):
+                    stored.extend(
+                        e for e in dec.decode(payload).events if isinstance(e, BlockStored)
+                    )
+            return {int(h) for e in stored for h in e.block_hashes} >= set(expected)
+
+        tap.collect(all_in)
+    finally:
+        tap.close()
+    chains = [[int(h) for h in e.block_hashes] for e in stored]
+    assert chains == [expected[:2], expected[2:]]
+    assert stored[0].parent_block_hash is None
+    assert int(stored[1].parent_block_hash) == expected[1]  # the chain continues
+    assert all(e.block_size == PS for e in stored)
+    # The hash is the 64 bits SGLang's own events carry (hash_str_to_int64, signed).
+    signed = [
+        int(k[:16], 16) - (1 << 64) if int(k[:16], 16) >= 1 << 63 else int(k[:16], 16) for k in keys
+    ]
+    assert [h % (1 << 64) for h in signed] == expected
+
+
+def test_bad_extra_config_is_refused_clearly(daemon, worker):
+    with pytest.raises(AssertionError, match="kvstore_adress"):
+        worker.call(
+            "make",
+            name="bad",
+            mla=False,
+            layout="page_first",
+            page_size=PS,
+            address=daemon.address,
+            extra={"kvstore_adress": "x"},
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-x", "-q"]))
