@@ -20,11 +20,16 @@ from typing import Any
 
 import msgspec
 import torch
-from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+from sglang.srt.mem_cache.device_pool_info import (
+    KVBufferLayout,
+    KVBuffers,
+    MHABufferInfo,
+    MLABufferInfo,
+)
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLAHostAllocation, MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 BACKEND = {
@@ -56,15 +61,24 @@ def make_pool(
     tokens = pages * page_size
     with host_memory_budget_scope(1 << 40):  # tests size pools themselves
         if mla:
-            alloc = MLAHostAllocation(
-                dtype=dtype,
+            # The device pool's per-layer rows [tokens, 1, kv_cache_dim], on CPU here.
+            rows = tuple(
+                torch.zeros(tokens + page_size, 1, dim, dtype=dtype) for _ in range(layers)
+            )
+            mla_info = MLABufferInfo(
+                buffers=rows,
+                data_ptrs=torch.tensor([t.data_ptr() for t in rows], dtype=torch.uint64),
+                layer_indices=tuple(range(layers)),
+                device_layer_num=layers,
+                page_size=page_size,
                 kv_lora_rank=dim - 16,
                 qk_rope_head_dim=16,
                 kv_cache_dim=dim,
-                size_per_token=layers * dim * dtype.itemsize,
+                dtype=dtype,
+                device=torch.device("cpu"),
             )
             return MLATokenToKVPoolHost(
-                alloc,
+                mla_info,
                 host_to_device_ratio=1.0,
                 host_size=0,
                 page_size=page_size,
@@ -174,7 +188,14 @@ def serve() -> None:
         op = cmd.pop("op")
         try:
             out: Any = None
-            if op == "make":
+            if op == "reset":  # a new test: drop the engines, their links and warnings
+                for e in engines.values():
+                    close = getattr(e.backend, "close", None)
+                    if close is not None:
+                        close()
+                engines.clear()
+                WARNINGS.messages.clear()
+            elif op == "make":
                 engines[cmd["name"]] = Engine(cmd)
                 b = engines[cmd["name"]].backend
                 out = {"class": type(b).__name__, "bases": [c.__name__ for c in type(b).__mro__]}

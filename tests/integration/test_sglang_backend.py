@@ -72,11 +72,17 @@ class Worker:
             self.proc.wait()
 
 
-@pytest.fixture
-def worker():
-    w = Worker()
+@pytest.fixture(scope="module")
+def _worker_process():
+    w = Worker()  # SGLang's import takes ~10-30 s here: one process for the module
     yield w
     w.close()
+
+
+@pytest.fixture
+def worker(_worker_process):
+    _worker_process.call("reset")
+    return _worker_process
 
 
 def _keys(seed: int, pages: int) -> list[str]:
