@@ -76,6 +76,9 @@ class BackendConfig:
     tenant: str = ""
     model: str = ""
     verify_checksums: bool = True
+    # False: never map the daemon's region, bytes go inline over gRPC (what a
+    # daemon on another host gets anyway; set it to test that path).
+    map_region: bool = True
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> BackendConfig:
@@ -89,6 +92,7 @@ class BackendConfig:
             "kvstore_tenant",
             "kvstore_model",
             "kvstore_verify_checksums",
+            "kvstore_map_region",
         }
         unknown = sorted(k for k in extra if k.startswith("kvstore_") and k not in known)
         if unknown:
@@ -105,6 +109,7 @@ class BackendConfig:
                 tenant=str(extra.get("kvstore_tenant", "")),
                 model=str(extra.get("kvstore_model", "")),
                 verify_checksums=bool(extra.get("kvstore_verify_checksums", True)),
+                map_region=bool(extra.get("kvstore_map_region", True)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"kvstore HiCache backend: bad extra config: {exc}") from None
@@ -198,6 +203,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             timeout_s=self.config.timeout_s,
             retry_initial_s=self.config.retry_initial_s,
             retry_max_s=self.config.retry_max_s,
+            map_region=self.config.map_region,
         )
         self._lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}

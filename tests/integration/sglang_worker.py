@@ -157,22 +157,53 @@ class Engine:
             config = storage_config(args, extra)
             self.backend = StorageBackendFactory.create_backend("dynamic", config, self.pool)
         self.backend.register_mem_pool_host(self.pool)
+        self.pools = {"kv": self.pool}  # + extra pools registered through the v2 API
+        self.args = args
+
+    def add_pool(self, pool_name: str, args: dict[str, Any]) -> None:
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+
+        a = {**self.args, **args}
+        pool = make_pool(
+            mla=a["mla"],
+            layout=a["layout"],
+            page_size=a["page_size"],
+            pages=a.get("pages", 16),
+            layers=a.get("layers", 3),
+            heads=a.get("heads", 2),
+            dim=a.get("dim", 32),
+        )
+        self.pools[pool_name] = pool
+        self.backend.register_mem_host_pool_v2(pool, PoolName(pool_name))
+
+    def transfers(self, specs: list[dict[str, Any]]) -> list[Any]:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        return [
+            PoolTransfer(
+                name=PoolName(t["pool"]),
+                host_indices=self.host_indices(t["pages"]) if "pages" in t else None,
+                keys=t["keys"],
+                hit_policy=PoolHitPolicy(t.get("policy", "all_pages")),
+            )
+            for t in specs
+        ]
 
     def host_indices(self, pages: list[int]) -> torch.Tensor:
         ps = self.page_size
         return torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
 
-    def fill(self, pages: list[int], seed: int) -> list[str]:
+    def fill(self, pages: list[int], seed: int, pool: str = "kv") -> list[str]:
         g = torch.Generator().manual_seed(seed)
         for p in pages:
-            view = self.pool.get_data_page(p * self.page_size, flat=False)
+            view = self.pools[pool].get_data_page(p * self.page_size, flat=False)
             view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
-        return self.digests(pages)
+        return self.digests(pages, pool)
 
-    def digests(self, pages: list[int]) -> list[str]:
+    def digests(self, pages: list[int], pool: str = "kv") -> list[str]:
         out = []
         for p in pages:
-            page = self.pool.get_data_page(p * self.page_size, flat=True)
+            page = self.pools[pool].get_data_page(p * self.page_size, flat=True)
             out.append(hashlib.sha256(page.view(torch.uint8).numpy().tobytes()).hexdigest())
         return out
 
@@ -206,11 +237,23 @@ def serve() -> None:
                 e = engines[cmd.pop("name")]
                 b = e.backend
                 if op == "fill":
-                    out = e.fill(cmd["pages"], cmd["seed"])
+                    out = e.fill(cmd["pages"], cmd["seed"], cmd.get("pool", "kv"))
+                elif op == "add_pool":
+                    e.add_pool(cmd.pop("pool"), cmd)
+                elif op == "set_v2":
+                    out = b.batch_set_v2(e.transfers(cmd["transfers"]))
+                elif op == "get_v2":
+                    out = b.batch_get_v2(e.transfers(cmd["transfers"]))
+                elif op == "exists_v2":
+                    r = b.batch_exists_v2(cmd["keys"], e.transfers(cmd["transfers"]))
+                    out = {
+                        "kv_hit_pages": r.kv_hit_pages,
+                        "extra": {str(k): v for k, v in r.extra_pool_hit_pages.items()},
+                    }
                 elif op == "zero":
                     e.zero(cmd["pages"])
                 elif op == "digests":
-                    out = e.digests(cmd["pages"])
+                    out = e.digests(cmd["pages"], cmd.get("pool", "kv"))
                 elif op == "set_v1":
                     out = b.batch_set_v1(cmd["keys"], e.host_indices(cmd["pages"]), None)
                 elif op == "set_v1_prefix":

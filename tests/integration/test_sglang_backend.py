@@ -91,19 +91,24 @@ def _keys(seed: int, pages: int) -> list[str]:
     return page_hashes(tokens, None, PS)
 
 
+# (MLA, --hicache-mem-layout, bytes inline over gRPC instead of the shared region)
 LAYOUTS = [
-    (False, "layer_first"),
-    (False, "page_first"),
-    (False, "page_first_direct"),
-    (True, "layer_first"),
-    (True, "page_first"),
-    (True, "page_first_direct"),
+    (False, "layer_first", False),
+    (False, "page_first", False),
+    (False, "page_first_direct", False),
+    (True, "layer_first", False),
+    (True, "page_first", False),
+    (True, "page_first_direct", False),
+    (False, "layer_first", True),
+    (True, "page_first", True),
 ]
 
 
-@pytest.mark.parametrize(("mla", "layout"), LAYOUTS)
-def test_pages_round_trip_bit_exact_between_two_engines(daemon, worker, mla, layout):
+@pytest.mark.parametrize(("mla", "layout", "inline"), LAYOUTS)
+def test_pages_round_trip_bit_exact_between_two_engines(daemon, worker, mla, layout, inline):
     common = dict(mla=mla, layout=layout, page_size=PS, address=daemon.address)
+    if inline:  # what a daemon on another host gets: no region mapped
+        common["extra"] = {"kvstore_map_region": False}
     made = worker.call("make", name="a", **common)
     assert "HiCacheStorage" in made["bases"]  # SGLang's factory checked the subclass
     assert made["namespace"]["block_size_tokens"] == PS
@@ -269,6 +274,54 @@ def test_pages_stored_through_sglang_appear_in_kv_events(daemon_factory, worker)
         int(k[:16], 16) - (1 << 64) if int(k[:16], 16) >= 1 << 63 else int(k[:16], 16) for k in keys
     ]
     assert [h % (1 << 64) for h in signed] == expected
+
+
+def test_v2_pool_transfers_keep_each_pool_apart_and_apply_hit_policies(daemon, worker):
+    """Hybrid models (SWA, DSA indexer...): extra host pools through SGLang's v2 API."""
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    worker.call(
+        "make", name="b", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    for eng in ("a", "b"):
+        worker.call("add_pool", name=eng, pool="swa", layout="layer_first", heads=1)
+        worker.call("add_pool", name=eng, pool="indexer", mla=True, layout="page_first")
+    keys = _keys(9, 4)
+    kv = worker.call("fill", name="a", pages=[1, 2, 3, 4], seed=9)
+    swa = worker.call("fill", name="a", pages=[1, 2, 3, 4], seed=10, pool="swa")
+    idx = worker.call("fill", name="a", pages=[1, 2], seed=11, pool="indexer")
+    assert len(set(kv + swa + idx)) == 10  # every pool's pages differ
+    stored = worker.call(
+        "set_v2",
+        name="a",
+        transfers=[
+            {"pool": "kv", "keys": keys, "pages": [1, 2, 3, 4]},
+            {"pool": "swa", "keys": keys[1:3], "pages": [2, 3]},  # a window: pages 1 and 2
+            {"pool": "indexer", "keys": keys[:2], "pages": [1, 2]},
+        ],
+    )
+    assert stored == {"kv": [True] * 4, "swa": [True] * 2, "indexer": [True] * 2}
+    # The same key names a different page in each pool: no pool sees another's.
+    assert worker.call("exists", name="b", keys=keys) == 4
+    trailing = {"pool": "swa", "keys": keys[:2], "policy": "trailing_pages"}
+    got = worker.call("exists_v2", name="b", keys=keys, transfers=[trailing])
+    assert got == {"kv_hit_pages": 3, "extra": {"kv": 4, "swa": 3}}  # pages 1, 2 end at 3
+    every = {"pool": "indexer", "keys": keys, "policy": "all_pages"}
+    got = worker.call("exists_v2", name="b", keys=keys, transfers=[trailing, every])
+    # swa can restore a prefix of 3 only, indexer one of 1 or 2: no length suits both
+    assert got == {"kv_hit_pages": 0, "extra": {"kv": 4, "swa": 3, "indexer": 2}}
+    loaded = worker.call(
+        "get_v2",
+        name="b",
+        transfers=[
+            {"pool": "swa", "keys": keys[1:3], "pages": [5, 6]},
+            {"pool": "indexer", "keys": keys[:3], "pages": [7, 8, 9]},
+        ],
+    )
+    assert loaded == {"swa": [True, True], "indexer": [True, True, False]}
+    assert worker.call("digests", name="b", pages=[5, 6], pool="swa") == swa[1:3]
+    assert worker.call("digests", name="b", pages=[7, 8], pool="indexer") == idx
 
 
 def test_bad_extra_config_is_refused_clearly(daemon, worker):
