@@ -39,11 +39,14 @@ pip() { "$VENV/bin/python" -m pip "$@"; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 pip install -q "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}"
 # What sglang.srt's storage path imports (found by importing it), plus kvstore's
-# own needs and pytest. torch stays pinned in the same resolve.
+# own needs and pytest. torch stays pinned in the same resolve. setuptools < 81:
+# SGLang builds its page-hash C++ extension with torch.utils.cpp_extension at
+# first use (g++ and libssl headers), which needs setuptools.Command.
 pip install -q "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" numpy msgspec orjson psutil pybase64 requests \
     packaging pillow starlette typing_extensions pydantic tqdm ipython \
     aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" sentencepiece \
     compressed-tensors gguf \
+    "setuptools>=77.0.3,<81" \
     "grpcio>=1.60" "grpcio-health-checking>=1.60" "grpcio-reflection>=1.60" "protobuf>=4.25" \
     prometheus-client "pyzmq>=25" "xxhash>=3.4" "pytest>=8" "pytest-timeout>=2.3"
 pip install -q --no-deps "sglang==${SGLANG_VERSION}"

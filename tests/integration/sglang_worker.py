@@ -226,6 +226,10 @@ def serve() -> None:
                         close()
                 engines.clear()
                 WARNINGS.messages.clear()
+            elif op == "sglang_keys":  # SGLang's own page hashing (its C++ extension)
+                from sglang.srt.mem_cache.utils import get_hash_str
+
+                out = get_hash_str(cmd["tokens"], cmd.get("prior"), page_size=cmd["page_size"])
             elif op == "make":
                 engines[cmd["name"]] = Engine(cmd)
                 b = engines[cmd["name"]].backend

@@ -135,6 +135,24 @@ def test_pages_round_trip_bit_exact_between_two_engines(daemon, worker, mla, lay
     assert worker.warnings == []
 
 
+def test_keys_are_sglangs_own_page_hashes(daemon, worker):
+    """SGLang's native page hashing (compiled at first use) names pages as
+    connectors.sglang.keys does; a chain resumed from a prior hash continues it."""
+    tokens = [(i * 7919) % 50_000 for i in range(6 * PS + 3)]
+    theirs = worker.call("sglang_keys", tokens=tokens, page_size=PS)
+    assert theirs == page_hashes(tokens, None, PS)
+    resumed = worker.call("sglang_keys", tokens=tokens[2 * PS :], prior=theirs[1], page_size=PS)
+    assert resumed == theirs[2:]
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    digests = worker.call("fill", name="a", pages=[1, 2, 3], seed=12)
+    assert worker.call("set_v1", name="a", keys=theirs[:3], pages=[1, 2, 3]) == [True] * 3
+    assert worker.call("exists", name="a", keys=theirs) == 3
+    assert worker.call("get_v1", name="a", keys=theirs[:3], pages=[4, 5, 6]) == [True] * 3
+    assert worker.call("digests", name="a", pages=[4, 5, 6]) == digests
+
+
 def test_batch_exists_counts_leading_pages_present(daemon, worker):
     worker.call(
         "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
