@@ -355,5 +355,24 @@ def test_bad_extra_config_is_refused_clearly(daemon, worker):
         )
 
 
+def test_bench_quick_compares_kvstore_with_sglangs_file_backend(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "sglang", "--quick", "--results", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    (report,) = tmp_path.glob("sglang-*/sglang.json")
+    data = json.loads(report.read_text())
+    for name in ("kvstore_set", "kvstore_get", "file_set", "file_get"):
+        assert data[name]["pages_per_s"] > 0 and data[name]["gb_per_s"] > 0
+        assert len(data["data"]["seconds"][name]) == 3
+    assert data["ratio_set"] > 0 and data["ratio_get"] > 0
+    assert "load" in out.stdout
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-x", "-q"]))
