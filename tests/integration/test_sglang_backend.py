@@ -342,6 +342,46 @@ def test_v2_pool_transfers_keep_each_pool_apart_and_apply_hit_policies(daemon, w
     assert worker.call("digests", name="b", pages=[7, 8], pool="indexer") == idx
 
 
+def test_pages_beyond_dram_come_back_from_disk_checksummed(daemon_factory, worker, tmp_path):
+    """Pages evicted to the disk tier load back exactly (their xxh3 checked on the way)."""
+    (tmp_path / "disk").mkdir()
+    daemon = daemon_factory(
+        dram_bytes=1 << 20,
+        chunk_bytes=256 << 10,
+        settings={
+            "disk.path": str(tmp_path / "disk"),
+            "disk.capacity_bytes": 16 << 20,
+            "disk.slab_bytes": 256 << 10,
+            "disk.demote_free_fraction": 1.0,  # every page written behind to disk
+        },
+    )
+    geometry = dict(mla=False, layout="page_first", page_size=PS, heads=8, dim=64, layers=4)
+    worker.call("make", name="a", address=daemon.address, pages=100, **geometry)
+    worker.call("make", name="b", address=daemon.address, pages=100, **geometry)
+    keys = _keys(13, 96)  # 96 x 32 KiB: three times the DRAM tier
+    pages = list(range(1, 97))
+    digests = worker.call("fill", name="a", pages=pages, seed=13)
+    from kvstore.client import Client
+
+    def wait_on_disk(c: Client, n: int) -> None:
+        deadline = time.monotonic() + 15
+        while next((t.blocks for t in c.stats().tiers if t.tier == 3), 0) < n:  # 3: disk
+            assert time.monotonic() < deadline, "pages never reached the disk tier"
+            time.sleep(0.02)
+
+    with Client(daemon.address) as c:
+        for s in range(0, 96, 8):
+            batch = dict(keys=keys[s : s + 8], pages=pages[s : s + 8])
+            assert worker.call("set_v1", name="a", **batch) == [True] * 8
+            wait_on_disk(c, s + 8)  # written behind before DRAM needs the room
+    assert worker.call("exists", name="b", keys=keys) == 96
+    for s in range(0, 96, 8):
+        got = worker.call("get_v1", name="b", keys=keys[s : s + 8], pages=pages[s : s + 8])
+        assert got == [True] * 8, s
+    assert worker.call("digests", name="b", pages=pages) == digests
+    assert worker.call("stats", name="b")["checksum_failures"] == 0
+
+
 def test_bad_extra_config_is_refused_clearly(daemon, worker):
     with pytest.raises(AssertionError, match="kvstore_adress"):
         worker.call(
