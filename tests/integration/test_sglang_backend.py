@@ -197,6 +197,11 @@ def test_identities_that_differ_never_share_and_equal_ones_do(daemon, worker):
     assert worker.call("exists", name="twin", keys=keys) == 3
     assert worker.call("get_v1", name="twin", keys=keys, pages=[4, 5, 6]) == [True] * 3
     assert worker.call("digests", name="twin", pages=[4, 5, 6]) == digests
+    # clear() drops this identity's pages (the twin's too: they are the same ones), only those.
+    worker.call("set_v1", name="tp1", keys=keys, pages=[1, 2, 3])
+    worker.call("clear", name="tp0")
+    assert worker.call("exists", name="twin", keys=keys) == 0
+    assert worker.call("exists", name="tp1", keys=keys) == 3
 
 
 def test_mla_ranks_share_one_copy(daemon, worker):
