@@ -457,7 +457,21 @@ class KVStoreHiCacheStorage(HiCacheStorage):
                 flat.numel(),
             )
             return None
-        return [int(x) for x in flat[:: pool.page_size].tolist()]
+        starts = [int(x) for x in flat[:: pool.page_size].tolist()]
+        # The copies write through raw addresses: a page outside the pool would
+        # overwrite other memory, so refuse it before touching anything.
+        limit = getattr(pool.host_pool, "size", None)
+        if starts and (
+            min(starts) < 0 or (limit is not None and max(starts) + pool.page_size > limit)
+        ):
+            logger.error(
+                "kvstore: host indices outside the pool (%d tokens): %d..%d",
+                limit,
+                min(starts),
+                max(starts),
+            )
+            return None
+        return starts
 
     @staticmethod
     def _parent(keys: Sequence[str], extra_info: HiCacheStorageExtraInfo | None) -> int | None:

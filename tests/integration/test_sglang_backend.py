@@ -387,6 +387,19 @@ def test_pages_beyond_dram_come_back_from_disk_checksummed(daemon_factory, worke
     assert worker.call("stats", name="b")["checksum_failures"] == 0
 
 
+def test_host_indices_outside_the_pool_are_refused_not_written(daemon, worker):
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    keys = _keys(14, 2)
+    digests = worker.call("fill", name="a", pages=[1, 2], seed=14)
+    assert worker.call("set_v1", name="a", keys=keys, pages=[1, 2]) == [True, True]
+    # pages 40 and 4000 lie past the pool's 17 pages: a miss, an error logged, nothing written
+    assert worker.call("get_v1", name="a", keys=keys, pages=[1, 4000]) == [False, False]
+    assert worker.call("set_v1", name="a", keys=_keys(15, 2), pages=[2, 40]) == [False, False]
+    assert worker.call("digests", name="a", pages=[1, 2]) == digests
+
+
 def test_bad_extra_config_is_refused_clearly(daemon, worker):
     with pytest.raises(AssertionError, match="kvstore_adress"):
         worker.call(
