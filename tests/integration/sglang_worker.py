@@ -207,6 +207,27 @@ class Engine:
             out.append(hashlib.sha256(page.view(torch.uint8).numpy().tobytes()).hexdigest())
         return out
 
+    def threads(self, keys: list[list[str]], pages: list[list[int]], rounds: int) -> list[bool]:
+        """Each thread stores its own pages, loads them into the same pages and
+        checks existence, ``rounds`` times; True per thread when every answer was right."""
+        import threading
+
+        ok = [True] * len(keys)
+
+        def run(t: int) -> None:
+            idx = self.host_indices(pages[t])
+            for _ in range(rounds):
+                ok[t] &= all(self.backend.batch_set_v1(keys[t], idx))
+                ok[t] &= self.backend.batch_exists(keys[t]) == len(keys[t])
+                ok[t] &= all(self.backend.batch_get_v1(keys[t], idx))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(len(keys))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return ok
+
     def zero(self, pages: list[int]) -> None:
         for p in pages:
             self.pool.get_data_page(p * self.page_size, flat=False).zero_()
@@ -279,6 +300,8 @@ def serve() -> None:
                         else hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
                         for t in got
                     ]
+                elif op == "threads":  # SGLang's prefetch, prefetch-IO and backup threads at once
+                    out = e.threads(cmd["keys"], cmd["pages"], cmd["rounds"])
                 elif op == "exists":
                     out = b.batch_exists(cmd["keys"])
                 elif op == "exists_one":

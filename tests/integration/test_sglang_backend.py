@@ -387,6 +387,18 @@ def test_pages_beyond_dram_come_back_from_disk_checksummed(daemon_factory, worke
     assert worker.call("stats", name="b")["checksum_failures"] == 0
 
 
+def test_storage_threads_calling_at_once_get_right_answers(daemon, worker):
+    worker.call(
+        "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
+    )
+    pages = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]]
+    digests = worker.call("fill", name="a", pages=[p for ps in pages for p in ps], seed=16)
+    keys = [_keys(20 + t, 3) for t in range(4)]
+    assert worker.call("threads", name="a", keys=keys, pages=pages, rounds=10) == [True] * 4
+    assert worker.call("digests", name="a", pages=[p for ps in pages for p in ps]) == digests
+    assert worker.warnings == []
+
+
 def test_host_indices_outside_the_pool_are_refused_not_written(daemon, worker):
     worker.call(
         "make", name="a", mla=False, layout="page_first", page_size=PS, address=daemon.address
