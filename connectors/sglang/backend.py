@@ -27,6 +27,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -256,9 +257,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         found = 0
         for start in range(0, len(hashes), MAX_BATCH_PAGES):
             chunk = hashes[start : start + MAX_BATCH_PAGES]
-            n = self.session.call_in(
-                "lookup", pool.spec, lambda c, ns, h=chunk: c.lookup(ns, h).prefix_blocks
-            )
+            n = self.session.call_in("lookup", pool.spec, partial(_prefix_blocks, hashes=chunk))
             if not n:
                 break
             found += min(int(n), len(chunk))
@@ -284,8 +283,13 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             ok = self.session.call_in(
                 "store",
                 pool.spec,
-                lambda c, ns, h=chunk, i=idx, r=part, p=parent: self._store_chunk(
-                    c, ns, pool, h, i, r, p
+                partial(
+                    self._store_chunk,
+                    pool=pool,
+                    hashes=chunk,
+                    page_indices=idx,
+                    rows=part,
+                    parent=parent,
                 ),
             )
             results.extend(ok if ok is not None else [False] * len(chunk))
@@ -364,12 +368,12 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             chunk = hashes[start:end]
             idx = page_indices[start:end] if page_indices is not None else None
             part = outs[start:end] if outs is not None else None
-            n = self.session.call_in(
+            got = self.session.call_in(
                 "load",
                 pool.spec,
-                lambda c, ns, h=chunk, i=idx, o=part: self._load_chunk(c, ns, pool, h, i, o),
+                partial(self._load_chunk, pool=pool, hashes=chunk, page_indices=idx, outs=part),
             )
-            n = int(n or 0)
+            n = int(got or 0)
             loaded += n
             if n < len(chunk):
                 break
@@ -696,6 +700,10 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def close(self) -> None:
         with self._lock:
             self.session.close()
+
+
+def _prefix_blocks(client: Client, ns: Namespace, hashes: np.ndarray) -> int:
+    return client.lookup(ns, hashes).prefix_blocks
 
 
 def _tensor_bytes(tensor: Any) -> np.ndarray:
