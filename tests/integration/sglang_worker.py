@@ -23,11 +23,13 @@ import torch
 from sglang.srt.mem_cache.device_pool_info import (
     KVBufferLayout,
     KVBuffers,
+    MambaStateBufferInfo,
     MHABufferInfo,
     MLABufferInfo,
 )
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -118,6 +120,18 @@ def make_pool(
         )
 
 
+def make_mamba_pool(pages: int) -> Any:
+    """A real Mamba state host pool (page = one request's state checkpoint)."""
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(2, pages + 1, 4, 8),
+        conv=(torch.zeros(2, pages + 1, 3, 8, dtype=torch.bfloat16),),
+    )
+    with host_memory_budget_scope(1 << 40):
+        return MambaPoolHost(
+            info, 1.0, 0, device_capacity=pages, pin_memory=False, device="cpu", layout="page_first"
+        )
+
+
 def storage_config(args: dict[str, Any], extra: dict[str, Any]) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=args.get("tp_rank", 0),
@@ -164,6 +178,10 @@ class Engine:
         from sglang.srt.mem_cache.hicache_storage import PoolName
 
         a = {**self.args, **args}
+        if a.get("kind") == "mamba":
+            self.pools[pool_name] = pool = make_mamba_pool(a.get("pages", 16))
+            self.backend.register_mem_host_pool_v2(pool, PoolName(pool_name))
+            return
         pool = make_pool(
             mla=a["mla"],
             layout=a["layout"],
@@ -182,28 +200,40 @@ class Engine:
         return [
             PoolTransfer(
                 name=PoolName(t["pool"]),
-                host_indices=self.host_indices(t["pages"]) if "pages" in t else None,
+                host_indices=(
+                    self.host_indices(t["pages"], self.pools[t["pool"]].page_size)
+                    if "pages" in t
+                    else None
+                ),
                 keys=t["keys"],
                 hit_policy=PoolHitPolicy(t.get("policy", "all_pages")),
             )
             for t in specs
         ]
 
-    def host_indices(self, pages: list[int]) -> torch.Tensor:
-        ps = self.page_size
+    def host_indices(self, pages: list[int], ps: int | None = None) -> torch.Tensor:
+        ps = ps or self.page_size
         return torch.tensor([p * ps + t for p in pages for t in range(ps)], dtype=torch.int64)
 
     def fill(self, pages: list[int], seed: int, pool: str = "kv") -> list[str]:
         g = torch.Generator().manual_seed(seed)
+        host = self.pools[pool]
+        ps = host.page_size
         for p in pages:
-            view = self.pools[pool].get_data_page(p * self.page_size, flat=False)
+            if isinstance(host, MambaPoolHost):  # its page is a copy: write through the pool
+                dummy = host.get_dummy_flat_data_page()
+                page = torch.randint(0, 256, dummy.shape, generator=g, dtype=torch.uint8)
+                host.set_from_flat_data_page(p * ps, page.view(dummy.dtype))
+                continue
+            view = host.get_data_page(p * ps, flat=False)
             view.copy_(torch.randn(view.shape, generator=g).to(view.dtype))
         return self.digests(pages, pool)
 
     def digests(self, pages: list[int], pool: str = "kv") -> list[str]:
         out = []
+        host = self.pools[pool]
         for p in pages:
-            page = self.pools[pool].get_data_page(p * self.page_size, flat=True)
+            page = host.get_data_page(p * host.page_size, flat=True)
             out.append(hashlib.sha256(page.view(torch.uint8).numpy().tobytes()).hexdigest())
         return out
 

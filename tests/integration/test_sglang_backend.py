@@ -412,6 +412,27 @@ def test_host_indices_outside_the_pool_are_refused_not_written(daemon, worker):
     assert worker.call("digests", name="a", pages=[1, 2]) == digests
 
 
+def test_mamba_states_go_through_the_pools_own_copies(daemon, worker):
+    """A Mamba host pool's page is no view of host memory (its get_data_page
+    concatenates conv and temporal states): the backend copies through the pool.
+    Mamba state is TP-sharded even in an MLA model: ranks do not share it."""
+    for name, rank in (("a", 0), ("b", 0), ("c", 1)):
+        worker.call(
+            "make", name=name, mla=True, layout="page_first", page_size=PS,
+            tp_rank=rank, tp_size=2, address=daemon.address,
+        )  # fmt: skip
+        worker.call("add_pool", name=name, pool="mamba", kind="mamba")
+    keys = _keys(30, 3)
+    states = worker.call("fill", name="a", pages=[1, 2, 3], seed=30, pool="mamba")
+    assert len(set(states)) == 3
+    t = {"pool": "mamba", "keys": keys, "pages": [1, 2, 3]}
+    assert worker.call("set_v2", name="a", transfers=[t]) == {"mamba": [True] * 3}
+    t_other = {"pool": "mamba", "keys": keys, "pages": [4, 5, 6]}
+    assert worker.call("get_v2", name="b", transfers=[t_other]) == {"mamba": [True] * 3}
+    assert worker.call("digests", name="b", pages=[4, 5, 6], pool="mamba") == states
+    assert worker.call("get_v2", name="c", transfers=[t_other]) == {"mamba": [False] * 3}
+
+
 def test_bad_extra_config_is_refused_clearly(daemon, worker):
     with pytest.raises(AssertionError, match="kvstore_adress"):
         worker.call(
