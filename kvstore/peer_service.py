@@ -144,8 +144,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         if todo:
             array = self.manager.region.array
             sums = await checksums_async(array, [offsets[i] for i in todo], block_bytes)
-            for i, c in zip(todo, sums, strict=True):
-                blocks[i].checksum = c
+            self.manager.set_checksums([blocks[i] for i in todo], sums)
         self._pins[plan.lease_id] = _Pin(frozenset(offsets), block_bytes, time.monotonic() + ttl_s)
         self._on_pin(plan.lease_id, ttl_s)
         reply.lease_id = plan.lease_id
