@@ -456,10 +456,6 @@ class Placement:
         self.counters.demoted_blocks += 1
         self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
 
-    def unlist_disk(self, block: Block) -> None:
-        """The block left the index: its disk copy is no eviction victim any more."""
-        self.disk_policy(block.namespace).remove(block)
-
     def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
         """Forget a block's disk copy (it must not be pinned by a disk read)."""
         assert self.disk is not None

@@ -1,6 +1,8 @@
-"""Storage media of the block store: the DRAM region, the disk file, the GPU
-pool, and the slab pool that DRAM and the GPU pool share. ``Tier`` (defined in
-kvstore.namespace, beside ``Block``) is re-exported here.
+"""Storage media of the block store (the DRAM region, the disk file, the GPU
+pool, and ``pool.SlabPool``, the slot bookkeeping under DRAM and the GPU pool
+alike) and the movers between them (``hierarchy``, ``gpu_layer``, ``warm``),
+which sit above ``kvstore.placement`` (see tests/unit/test_layers.py).
+``Tier`` (defined in kvstore.namespace, beside ``Block``) is re-exported here.
 
 Values match ``kvstore.v1.Tier`` so the service converts with ``int()``.
 """
