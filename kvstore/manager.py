@@ -33,18 +33,21 @@ kinds of hold keep a block alive:
 Delete of a pinned block takes it out of the index at once (Lookup, PrepareLoad
 and PrepareStore all stop seeing it, so a new store of the same hash is a new
 block) and frees its slots at the last unpin.
+
+Who owns what (docs/architecture.md): the manager is the API (namespaces,
+leases, limits, the per-request checks); ``kvstore.placement.Placement`` is
+the only code that changes where a block lives or what pins it (and emits the
+KV events); the movers (``tiers.hierarchy`` for disk, ``tiers.gpu_layer`` for
+the GPU pool, ``tiers.warm`` for warm restart) do the I/O and report to it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
@@ -60,14 +63,12 @@ from kvstore.errors import (
     clip,
 )
 from kvstore.events.sink import EventSink, NullSink
-from kvstore.eviction import make_policy
-from kvstore.eviction.base import EvictionPolicy
 from kvstore.leases import Lease, LeaseKind, LeaseTable
-from kvstore.namespace import Block, BlockState, Namespace, NamespaceSpec
+from kvstore.namespace import Block, Namespace, NamespaceSpec
+from kvstore.placement import Counters, Placement, StoredBatch
 from kvstore.tiers import Tier, warm
-from kvstore.tiers.disk import checksum_of
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
-from kvstore.tiers.hierarchy import CLEAN_VICTIM_WINDOW, DiskLayer
+from kvstore.tiers.hierarchy import DiskLayer
 
 if TYPE_CHECKING:
     from kvstore.tiers.gpu_layer import GpuLayer
@@ -80,7 +81,8 @@ STORE_PRESENT = 1
 STORE_IN_FLIGHT = 2
 STORE_NO_ROOM = 3
 
-_TIER_OF = attrgetter("tier")
+_OFFSET = attrgetter("offset")
+_GPU_OFFSET = attrgetter("gpu_offset")
 
 # Bound on the work one reaper pass does, so a burst of expiries cannot stall the loop.
 MAX_EXPIRED_PER_PASS = 4096
@@ -125,18 +127,6 @@ class LookupResult:
 
 
 @dataclass(slots=True)
-class Counters:
-    lookup_hit_blocks: int = 0
-    lookup_miss_blocks: int = 0
-    stored_blocks: int = 0
-    loaded_blocks: int = 0
-    evicted_blocks: int = 0
-    expired_leases: int = 0
-    demoted_blocks: int = 0
-    promoted_blocks: int = 0
-
-
-@dataclass(slots=True)
 class TierStats:
     tier: Tier
     capacity_bytes: int
@@ -174,12 +164,14 @@ class BlockManager:
         self.allocator = SlabAllocator(config.dram.capacity_bytes, config.dram.chunk_bytes)
         self.namespaces: dict[str, Namespace] = {}
         self.leases = LeaseTable()
-        self.counters = Counters()
-        # One policy per slot size: eviction for a size finds a victim of that
-        # size in O(1) instead of walking every other size's blocks.
-        self._policies: dict[int, EvictionPolicy] = {}
-        self._slot_owner: dict[int, Block] = {}
-        self._pinned_blocks = 0
+        # Where every block lives and what pins it: the one owner (kvstore.placement).
+        self.placement = Placement(
+            self.allocator,
+            self.sink,
+            eviction_policy=config.dram.eviction_policy,
+            quota_bytes=config.limits.namespace_quota_bytes,
+        )
+        self.counters: Counters = self.placement.counters
         self._started_s = time.monotonic()
         # The disk tier below DRAM (recovered from its journal), if configured.
         self.disk: DiskLayer | None = None
@@ -188,13 +180,19 @@ class BlockManager:
                 raise ConfigError(
                     "disk.slab_bytes must be at least dram.chunk_bytes (the largest block)"
                 )
-            self.disk = DiskLayer(self, config.disk)
+            self.disk = DiskLayer(self.placement, region, config.disk)
         # The GPU tier above DRAM, if configured (imports torch only then).
         self.gpu: GpuLayer | None = None
         if config.gpu.device:
             from kvstore.tiers.gpu_layer import GpuLayer
 
-            self.gpu = GpuLayer(self, config.gpu)
+            self.gpu = GpuLayer(
+                self.placement,
+                region,
+                config.gpu,
+                dram_chunk_bytes=config.dram.chunk_bytes,
+                warm_restart=config.dram.warm_restart,
+            )
         if config.dram.warm_restart:
             self._restore_warm()
             region.close_hooks.append(self._save_warm)
@@ -220,9 +218,7 @@ class BlockManager:
         self.namespaces[ns_id] = ns
         self._ns_used_s[ns_id] = self._clock()
         if self.disk is not None:
-            adopted = self.disk.attach(ns)
-            if adopted:
-                self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
+            self.disk.attach(ns)  # its recovered disk blocks, announced
         return ns
 
     def namespace(self, ns_id: str) -> Namespace:
@@ -336,36 +332,31 @@ class BlockManager:
         # Blocks this request found present are pinned while it allocates, so
         # making room for the tail never evicts the head it just reported.
         held: list[Block] = []
+        placement = self.placement
         try:
             for i, h in enumerate(hashes):
                 present = ns.blocks.get(h)
                 if present is not None:
                     statuses[i] = STORE_PRESENT
-                    self._touch(present)
-                    self._pin(present)
+                    placement.touch(present)
+                    placement.pin(present)
                     held.append(present)
                     continue
                 if h in ns.pending or h in seen:
                     statuses[i] = STORE_IN_FLIGHT
                     continue
-                offset = self._allocate(ns) if gpu is None else gpu.allocate(ns)
+                block = Block(ns, h)
+                offset = placement.reserve_dram(block) if gpu is None else gpu.reserve(block)
                 if offset is None:
                     statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
                     break
-                if gpu is None:
-                    block = Block(ns, h, Tier.DRAM, offset)
-                    self._slot_owner[offset] = block
-                    ns.used_bytes += ns.slot_bytes
-                else:
-                    block = Block(ns, h, Tier.GPU, -1)
-                    gpu.take(block, offset)
-                ns.pending[h] = block
+                placement.occupy(block, tier, offset)
                 reserved.append(block)
                 seen.add(h)
                 offsets[i] = offset
         finally:
             for block in held:
-                self._unpin(block)
+                placement.unpin(block)
         if not reserved:
             if STORE_NO_ROOM in statuses:
                 if gpu is None and self.disk is not None and self.disk.keeps_dirty():
@@ -436,40 +427,21 @@ class BlockManager:
                 )
             _check_chains(chains, order, len(to_commit), ns.block_size_tokens)
         self.leases.pop(lease_id, owner)
-        committed_set = set(map(id, to_commit))
         # A lease's blocks are all in one tier: the one prepare_store was asked for.
         tier = lease.blocks[0].tier if lease.blocks else Tier.DRAM
-        policy = self._policy(ns.slot_bytes)
-        if tier is Tier.GPU:
-            assert self.gpu is not None
-            policy = self.gpu.policy(ns.slot_bytes)
-        for block in lease.blocks:
-            del ns.pending[block.block_hash]
-            if id(block) in committed_set:
-                block.state = BlockState.COMMITTED
-                ns.blocks[block.block_hash] = block
-                policy.insert(block)
-            else:
-                self._free_pending(block)
-        self.counters.stored_blocks += len(to_commit)
+        batches: list[StoredBatch] = []
         if to_commit and chains:
             start = 0
             for chain in chains:
                 end = start + chain.blocks
-                self.sink.blocks_stored(
-                    ns, order[start:end], tier.medium, chain.parent_block_hash, chain.token_ids
-                )
+                batches.append((order[start:end], chain.parent_block_hash, chain.token_ids))
                 start = end
         elif to_commit:
-            self.sink.blocks_stored(
-                ns,
-                [b.block_hash for b in to_commit],
-                tier.medium,
-                parent_block_hash,
-                token_ids or None,
+            batches.append(
+                ([b.block_hash for b in to_commit], parent_block_hash, token_ids or None)
             )
-        if self.disk is not None and to_commit and tier is Tier.DRAM:
-            self.disk.committed(to_commit)  # GPU blocks reach disk through DRAM
+        # DRAM blocks join the demoter's queue there (it wakes).
+        self.placement.commit(lease.blocks, to_commit, tier, batches)
         if self.gpu is not None and to_commit and tier is Tier.GPU:
             self.gpu.wake()  # keep room in the pool for the next store
         return len(to_commit)
@@ -485,9 +457,16 @@ class BlockManager:
         found = list(map(ns.blocks.get, hashes))
         try:
             n = found.index(None)
+            del found[n:]
         except ValueError:
             n = len(found)
-        by_tier = dict(Counter(map(_TIER_OF, islice(found, n))))
+        # Block.tier is derived from the offsets: count those (in C). A block in
+        # the index is in GPU or DRAM (never both), else on disk only.
+        gpu = n - list(map(_GPU_OFFSET, found)).count(-1) if self.gpu is not None else 0
+        dram = n - list(map(_OFFSET, found)).count(-1)
+        by_tier = {
+            t: c for t, c in ((Tier.GPU, gpu), (Tier.DRAM, dram), (Tier.DISK, n - gpu - dram)) if c
+        }
         self.counters.lookup_hit_blocks += n
         self.counters.lookup_miss_blocks += len(hashes) - n
         return LookupResult(n, by_tier)
@@ -521,8 +500,8 @@ class BlockManager:
         if not found:
             return LoadPlan(0, [], tier)
         for block in found:
-            self._pin(block)
-            self._touch(block)
+            self.placement.pin(block)
+            self.placement.touch(block)
         self.counters.loaded_blocks += len(found)
         lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner, client)
         return LoadPlan(lease.lease_id, found, tier, ttl_s)
@@ -593,13 +572,13 @@ class BlockManager:
     def _end_lease(self, lease: Lease) -> None:
         if lease.kind is LeaseKind.LOAD:
             for block in lease.blocks:
-                self._unpin(block)
+                self.placement.unpin(block)
         else:
             ns = lease.namespace
             for block in lease.blocks:
                 if ns.pending.get(block.block_hash) is block:
                     del ns.pending[block.block_hash]
-                self._free_pending(block)
+                self.placement.abort(block)
 
     def _lease(self, lease_id: int, kind: LeaseKind, owner: str = "") -> Lease:
         lease = self.leases.get(lease_id, owner)
@@ -621,23 +600,8 @@ class BlockManager:
     def delete(self, ns_id: str, hashes: Sequence[int]) -> tuple[int, int]:
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
-        deleted = busy = 0
-        removed: dict[str, list[int]] = {}
-        for h in hashes:
-            block = ns.blocks.get(h)
-            if block is None:
-                continue
-            if block.pins:
-                media = self._doom(block)
-                busy += 1
-            else:
-                media = self._remove(block, emit=False)
-                deleted += 1
-            for medium in media:
-                removed.setdefault(medium, []).append(h)
-        for medium, removed_hashes in removed.items():
-            self.sink.blocks_removed(ns, removed_hashes, medium)
-        return deleted, busy
+        blocks = [b for h in hashes if (b := ns.blocks.get(h)) is not None]
+        return self.placement.delete(ns, blocks)
 
     def clear(self, ns_id: str) -> int:
         """Remove every unpinned block of one namespace (pinned ones go at release).
@@ -649,251 +613,49 @@ class BlockManager:
         re-declare it on their next call.
         """
         ns = self.namespace(ns_id)
-        removed: dict[str, list[int]] = {}
-        count = 0
-        for block in list(ns.blocks.values()):
-            if block.pins:
-                media = self._doom(block)
-            else:
-                media = self._remove(block, emit=False)
-                count += 1
-            for medium in media:
-                removed.setdefault(medium, []).append(block.block_hash)
-        for medium, hashes in removed.items():
-            self.sink.blocks_removed(ns, hashes, medium)
+        count, _ = self.placement.delete(ns, list(ns.blocks.values()))
         if self._is_empty(ns):
             self._drop_namespace(ns)
         return count
 
-    # ------------------------------------------------------------ internals
-
-    def _policy(self, slot_bytes: int) -> EvictionPolicy:
-        policy = self._policies.get(slot_bytes)
-        if policy is None:
-            policy = self._policies[slot_bytes] = make_policy(self.config.dram.eviction_policy)
-        return policy
-
-    def _touch(self, block: Block) -> None:
-        if block.state is BlockState.COMMITTED:
-            self._policy(block.namespace.slot_bytes).touch(block)
-
-    def _pin(self, block: Block) -> None:
-        if block.pins == 0:
-            self._pinned_blocks += 1
-        block.pins += 1
-
-    def _unpin(self, block: Block) -> None:
-        assert block.pins > 0, "unpin of an unpinned block"
-        block.pins -= 1
-        if block.pins == 0:
-            self._pinned_blocks -= 1
-            if block.doomed:
-                self._free_copies(block)
+    # ------------------------------------------------------ placement hooks
 
     def pin(self, block: Block) -> None:
         """Pin a block's bytes where they are (see the module notes)."""
-        self._pin(block)
+        self.placement.pin(block)
 
     def unpin(self, block: Block) -> None:
-        self._unpin(block)
+        self.placement.unpin(block)
 
     def hold(self, block: Block) -> None:
         """Keep a block in the store while a tier move works; it may still move."""
-        block.holds += 1
-        self._pin(block)
+        self.placement.hold(block)
 
     def unhold(self, block: Block) -> None:
-        assert block.holds > 0, "unhold of a block not held"
-        block.holds -= 1
-        self._unpin(block)
+        self.placement.unhold(block)
 
     @staticmethod
     def movable(block: Block) -> bool:
         """True when a tier move may take the block from its slot: it is still in the
         store and nothing reads or writes its bytes where they are (only holds)."""
-        return block.pins == block.holds and not block.doomed
+        return Placement.movable(block)
 
     def doom(self, block: Block) -> None:
         """The block must leave the store (its only copy failed verification, say);
         its slots go when its last pin does. For a tier that found it broken."""
-        if block.doomed:
-            return
-        if block.pins:
-            self._doom(block)
-        else:
-            self._remove(block, emit=True)
+        self.placement.drop(block)
 
-    def _free_pending(self, block: Block) -> None:
-        """Give back the slot of a block whose store was aborted."""
-        if block.gpu_offset >= 0:
-            assert self.gpu is not None
-            self.gpu.free(block)
-        else:
-            self._free_slot(block)
-
-    def _free_slot(self, block: Block) -> None:
-        del self._slot_owner[block.offset]
-        self.allocator.free(block.offset)
-        block.namespace.used_bytes -= block.namespace.slot_bytes
-        block.dram_generation += 1
-
-    def _unindex(self, block: Block) -> list[str]:
-        """Take a committed block out of the index and every eviction order (its
-        slots stay its own). Returns the media it was in, for BlockRemoved."""
-        ns = block.namespace
-        if ns.blocks.get(block.block_hash) is block:
-            del ns.blocks[block.block_hash]
-        media = []
-        if self.disk is not None:
-            self.disk.forget(block)
-            if block.disk_slot >= 0:
-                self.disk.unlist(block)
-                media.append(Tier.DISK.medium)
-        if block.offset >= 0:
-            self._policy(ns.slot_bytes).remove(block)
-            media.append(Tier.DRAM.medium)
-        if block.gpu_offset >= 0 and self.gpu is not None:
-            self.gpu.policy(ns.slot_bytes).remove(block)
-            media.append(Tier.GPU.medium)
-        return media
-
-    def _free_copies(self, block: Block) -> None:
-        """Free every slot of a block that left the index and that nothing pins."""
-        assert block.pins == 0, "freeing the slots of a pinned block"
-        if block.disk_slot >= 0 and self.disk is not None:
-            self.disk.drop_disk_copy(block, emit=False)
-        if block.offset >= 0:
-            self._free_slot(block)
-            block.offset = -1
-        if block.gpu_offset >= 0 and self.gpu is not None:
-            self.gpu.free(block)
-
-    def _doom(self, block: Block) -> list[str]:
-        """Delete of a pinned block: out of the index now, slots at the last unpin."""
-        block.doomed = True
-        return self._unindex(block)
-
-    def _remove(self, block: Block, *, emit: bool) -> list[str]:
-        """Drop a committed, unpinned block from the index and free its slots.
-
-        Returns the media it left (for the caller's events when ``emit`` is False).
-        """
-        assert block.pins == 0, "removing a pinned block"
-        media = self._unindex(block)
-        self._free_copies(block)
-        if emit:
-            for medium in media:
-                self.sink.blocks_removed(block.namespace, [block.block_hash], medium)
-        return media
-
-    def _evict(self, block: Block) -> None:
-        if self.disk is not None and block.disk_slot >= 0:
-            self.disk.drop_dram_copy(block)  # demoted: it lives on, on disk
-            return
-        self._remove(block, emit=True)
-        self.counters.evicted_blocks += 1
-
-    def _allocate(self, ns: Namespace) -> int | None:
-        """A slot for one block of ns, evicting cold unpinned blocks if needed."""
-        quota = self.config.limits.namespace_quota_bytes
-        # A disk that cannot take writes (disk.when_full = "reject"): never drop
-        # a block that is not on disk yet; the store fails instead.
-        keep_dirty = self.disk is not None and self.disk.keeps_dirty()
-        if (
-            quota
-            and ns.used_bytes + ns.slot_bytes > quota
-            and not self._evict_one(ns.slot_bytes, only=ns, clean_only=keep_dirty)
-        ):
-            return None
-        offset = self.allocator.alloc(ns.slot_bytes)
-        if offset is not None:
-            return offset
-        # With a disk tier a dirty block is dropped only as a last resort: first
-        # a clean one of this size, then a chunk of another size.
-        if self.disk is not None and (
-            self._evict_one(ns.slot_bytes, clean_only=True)
-            or self._steal_chunk(ns.slot_bytes, clean_only=keep_dirty)
-        ):
-            return self.allocator.alloc(ns.slot_bytes)
-        if keep_dirty:
-            return None
-        if self._evict_one(ns.slot_bytes) or self._steal_chunk(ns.slot_bytes):
-            return self.allocator.alloc(ns.slot_bytes)
-        return None
-
-    def _evict_one(
-        self, slot_bytes: int, only: Namespace | None = None, *, clean_only: bool = False
-    ) -> bool:
-        """Evict the coldest unpinned block of this slot size (of one namespace if given)."""
-        victim = None
-        dirty = None
-        # With a disk tier, prefer a clean victim (its DRAM copy goes, the block
-        # stays on disk) among the coldest few before dropping a dirty one.
-        window = CLEAN_VICTIM_WINDOW if self.disk is not None else 1
-        for block in itertools.islice(self._policy(slot_bytes).victims(), 4 * window):
-            assert isinstance(block, Block)
-            if block.pins == 0 and (only is None or block.namespace is only):
-                if self.disk is None or block.disk_slot >= 0:
-                    victim = block
-                    break
-                if dirty is None:
-                    dirty = block
-                window -= 1
-                if window <= 0:
-                    break
-        victim = victim or (None if clean_only else dirty)
-        if victim is None:
-            return False
-        self._evict(victim)
-        return True
-
-    def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False) -> bool:
-        """Free a whole chunk held by another slot size whose blocks are all evictable.
-
-        Taken when this size has nothing to evict: the coldest chunk is judged by
-        its size class's eviction order, so the chunk whose blocks come first in
-        that order goes.
-        """
-        best: tuple[int, int] | None = None  # (rank of first victim, chunk)
-        for other in self.allocator.size_classes():
-            if other == slot_bytes:
-                continue
-            evictable_chunks = {
-                chunk
-                for chunk in self.allocator.chunks_of(other)
-                if all(
-                    (b := self._slot_owner.get(off)) is None
-                    or (
-                        b.pins == 0
-                        and b.state is BlockState.COMMITTED
-                        and (not clean_only or b.disk_slot >= 0)
-                    )
-                    for off in self.allocator.chunk_slots(chunk)
-                )
-            }
-            if not evictable_chunks:
-                continue
-            for rank, block in enumerate(self._policy(other).victims()):
-                assert isinstance(block, Block)
-                chunk = block.offset // self.allocator.chunk_bytes
-                if chunk in evictable_chunks:
-                    if best is None or rank < best[0]:
-                        best = (rank, chunk)
-                    break
-        if best is None:
-            return False
-        chunk = best[1]
-        victims = [
-            b for off in self.allocator.chunk_slots(chunk) if (b := self._slot_owner.get(off))
-        ]
-        for block in victims:
-            self._evict(block)
-        return True
+    def set_checksums(self, blocks: Sequence[Block], checksums: Sequence[int]) -> None:
+        """Record verified xxh3-64 checksums of committed blocks (peer paths: the
+        next peer need not rehash)."""
+        for block, checksum in zip(blocks, checksums, strict=True):
+            self.placement.set_checksum(block, checksum)
 
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> Stats:
-        blocks = sum(len(p) for p in self._policies.values())  # committed, in DRAM
+        placement = self.placement
+        blocks = placement.dram.committed_blocks()  # committed, in DRAM
         pending = [b for ns in self.namespaces.values() for b in ns.pending.values()]
         gpu_pending = sum(1 for b in pending if b.gpu_offset >= 0)
         gpu_pinned = 0
@@ -915,7 +677,7 @@ class BlockManager:
                 self.allocator.capacity_bytes,
                 self.allocator.used_bytes,
                 blocks + len(pending) - gpu_pending,
-                self._pinned_blocks - gpu_pinned,
+                placement.pinned_blocks - gpu_pinned,
             )
         )
         if self.disk is not None:
@@ -942,106 +704,17 @@ class BlockManager:
 
     def _save_warm(self) -> None:
         """On drain: describe the DRAM index beside the region so a restart serves it."""
-        namespaces = [ns for ns in self.namespaces.values() if ns.blocks]
-        index = {id(ns): i for i, ns in enumerate(namespaces)}
-        region = self.region.array
-        blocks = []
-        for policy in self._policies.values():
-            for block in policy.victims():  # coldest first: restored in this order
-                assert isinstance(block, Block)
-                ns = block.namespace
-                view = region[block.offset : block.offset + ns.block_bytes]
-                blocks.append(
-                    warm.WarmBlock(index[id(ns)], block.block_hash, block.offset, checksum_of(view))
-                )
-        manifest = warm.WarmManifest(
-            region_path=self.region.path,
-            capacity_bytes=self.region.capacity_bytes,
-            chunk_bytes=self.config.dram.chunk_bytes,
-            namespaces=[ns.spec for ns in namespaces],
-            blocks=blocks,
-        )
-        path = warm.save(manifest, self.region.files)
-        self.region.keep_on_close = True
-        log.info(
-            "wrote warm-restart manifest", extra={"fields": {"path": path, "blocks": len(blocks)}}
+        warm.save_dram(
+            self.placement, self.namespaces.values(), self.region, self.config.dram.chunk_bytes
         )
 
     def _restore_warm(self) -> None:
-        manifest = warm.take(
-            self.region.path, self.region.capacity_bytes, self.config.dram.chunk_bytes
-        )
-        if manifest is None:
-            return
-        if not self.region.reused:
-            # The region file is new (or was replaced as untrusted): a manifest
-            # beside it describes bytes that are not there, or was planted.
-            log.warning(
-                "warm-restart manifest ignored: region %s was created anew", self.region.path
-            )
-            return
-        namespaces: list[Namespace | None] = []
-        for spec in manifest.namespaces:
-            try:
-                spec.validate(max_block_bytes=self.config.dram.chunk_bytes)
-            except InvalidRequest:
-                namespaces.append(None)
-                continue
-            ns_id = spec.namespace_id()
-            ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
-            self.namespaces[ns_id] = ns
-            self._ns_used_s[ns_id] = self._clock()
-            namespaces.append(ns)
-        region = self.region.array
-        candidates = []
-        dropped = 0
-        for wb in manifest.blocks:
-            owner = namespaces[wb.namespace] if 0 <= wb.namespace < len(namespaces) else None
-            if owner is None:
-                dropped += 1
-                continue
-            view = region[wb.offset : wb.offset + owner.block_bytes]
-            # Bytes changed while no daemon owned the region: never serve them.
-            if len(view) != owner.block_bytes or checksum_of(view) != wb.checksum:
-                dropped += 1
-                continue
-            candidates.append((owner, wb))
-        rejected = set(self.allocator.rebuild((wb.offset, ns.slot_bytes) for ns, wb in candidates))
-        restored = 0
-        for ns, wb in candidates:
-            if (wb.offset, ns.slot_bytes) in rejected or wb.block_hash in ns.blocks:
-                dropped += 1
-                if wb.block_hash in ns.blocks and (wb.offset, ns.slot_bytes) not in rejected:
-                    self.allocator.free(wb.offset)  # a duplicate key: keep the first
-                continue
-            block = Block(
-                ns, wb.block_hash, Tier.DRAM, wb.offset, BlockState.COMMITTED, checksum=wb.checksum
-            )
-            self._slot_owner[wb.offset] = block
-            ns.blocks[wb.block_hash] = block
-            ns.used_bytes += ns.slot_bytes
-            self._policy(ns.slot_bytes).insert(block)
-            restored += 1
-            if self.disk is not None:
-                self.disk.dirty[block] = None
-        for declared in namespaces:
-            if declared is None:
-                continue
-            # Tell the cluster again what this node holds after its restart.
-            if declared.blocks:
-                self.sink.blocks_stored(
-                    declared, list(declared.blocks), Tier.DRAM.medium, None, None
-                )
-            if self.disk is not None:
-                adopted = self.disk.attach(declared)
-                if adopted:
-                    self.sink.blocks_stored(declared, adopted, Tier.DISK.medium, None, None)
-        if self.disk is not None:
-            self.disk.wake()
-        log.info(
-            "warm restart of the DRAM tier",
-            extra={"fields": {"restored_blocks": restored, "dropped_blocks": dropped}},
-        )
+        restored = warm.restore_dram(self.placement, self.region, self.config.dram.chunk_bytes)
+        for ns in restored:
+            self.namespaces[ns.namespace_id] = ns
+            self._ns_used_s[ns.namespace_id] = self._clock()
+        if restored and self.disk is not None:
+            self.disk.wake()  # the restored blocks are dirty: copy them down
 
     async def close(self) -> None:
         """Stop background work and close the other tiers (the region is the daemon's)."""

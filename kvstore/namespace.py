@@ -17,12 +17,35 @@ import msgspec
 
 from kvstore.errors import InvalidRequest
 from kvstore.hashing import HASH_ALGOS, HashScheme
-from kvstore.tiers import Tier
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
 MAX_NAME_CHARS = 256
+
+# vLLM's KV-event `medium` strings for the tiers (kvstore.events.sink re-exports them).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+
+
+class Tier(enum.IntEnum):
+    """Memory tiers of the block store, fastest first (kvstore.tiers re-exports it).
+
+    Values match ``kvstore.v1.Tier`` so the service converts with ``int()``.
+    """
+
+    GPU = 1
+    DRAM = 2
+    DISK = 3
+
+    @property
+    def medium(self) -> str:
+        """vLLM's KV-event `medium` for this tier."""
+        return _MEDIUM[self]
+
+
+_MEDIUM = {Tier.GPU: MEDIUM_GPU, Tier.DRAM: MEDIUM_CPU, Tier.DISK: MEDIUM_DISK}
 # A layout may end in ";hash=<fingerprint>": what the client's block hashes are
 # seeded with (for vLLM, the hash algorithm and a one-way digest of the seed of
 # NONE_HASH, connectors.vllm.hashes). Engines whose fingerprints differ never
@@ -178,12 +201,17 @@ class BlockState(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Block:
-    """One block's location and state. Identity-hashed: the policy key."""
+    """One block's location and state. Identity-hashed: the policy key.
+
+    Only ``kvstore.placement.Placement`` changes where a block lives (the
+    offsets) or whether it is pinned; everyone else reads. ``tier`` is derived
+    from the offsets.
+    """
 
     namespace: Namespace
     block_hash: int
-    tier: Tier
-    offset: int
+    # Offset of the block's DRAM copy in the region; -1 = none.
+    offset: int = -1
     state: BlockState = BlockState.PENDING
     pins: int = 0
     # Holds among the pins: keep-alive only, the block may move between tiers.
@@ -201,3 +229,11 @@ class Block:
     # Offset of the block in the GPU pool; -1 = none. A block is in GPU or in
     # DRAM, never both (tier GPU: offset -1); it may have a disk copy too.
     gpu_offset: int = -1
+
+    @property
+    def tier(self) -> Tier:
+        """The fastest tier holding the block's bytes (DISK also for a block with
+        no copy left: one the store has let go of)."""
+        if self.gpu_offset >= 0:
+            return Tier.GPU
+        return Tier.DRAM if self.offset >= 0 else Tier.DISK

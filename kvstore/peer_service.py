@@ -4,9 +4,11 @@ and ``PeerNode``, which assembles them with a transport.
 Trust: every PeerService call must carry the cluster's shared secret
 (``x-kvstore-cluster-secret`` metadata), compared in constant time; anything
 else is PERMISSION_DENIED before any work is done. Pins handed to peers are
-ordinary load leases of the manager (they expire by themselves), tracked here
-so a peer can release or stream only the pins it was given, never a local
-client's lease.
+ordinary load leases of the manager, owned by ``PEER_OWNER`` (they expire and
+are quarantined by themselves, like any lease): a peer can release or stream
+only those, never a local client's lease, and a local client never a peer's
+(the owner check of kvstore.leases; no caller identity of the store service is
+``PEER_OWNER``).
 
 Transport choice (``peer.transport``): "auto" loads NIXL and falls back to the
 gRPC stream, loudly, only if NIXL cannot load; "nixl" refuses to start
@@ -21,7 +23,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -48,22 +49,20 @@ from kvstore.transfer.puller import (
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
+    from kvstore.leases import Lease
     from kvstore.metrics import PeerMetrics
 
 log = logging.getLogger(__name__)
 
-# Pins this daemon keeps track of for peers; beyond it new pins are refused
+# Live pins this daemon holds for peers; beyond it new pins are refused
 # (RESOURCE_EXHAUSTED) instead of growing without bound.
 MAX_PEER_PINS = 4096
 # A pin's lifetime when the puller asks for none, and the longest allowed.
 DEFAULT_PIN_TTL_S = 10.0
-
-
-@dataclass(slots=True)
-class _Pin:
-    offsets: frozenset[int]
-    block_bytes: int
-    expires_at_s: float
+# The owner (and the client, for the lease limits) of every lease handed to a
+# peer. The store service's caller identities are gRPC peer kinds ("unix",
+# "ipv4:<host>", ...), never this.
+PEER_OWNER = "peer-pull"
 
 
 class PeerService(peer_pb2_grpc.PeerServiceServicer):
@@ -89,17 +88,17 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self.agent_name = agent_name
         self._on_pin = on_pin or (lambda lease_id, ttl_s: None)
         self._on_unpin = on_unpin or (lambda lease_id: None)
-        self._pins: dict[int, _Pin] = {}
 
     async def _auth(self, context: grpc.aio.ServicerContext) -> None:
         if not secret_matches(context.invocation_metadata(), self._secret):
             await errors.abort(context, errors.PermissionDenied("wrong or missing cluster secret"))
 
-    def _drop_expired_pins(self) -> None:
-        now = time.monotonic()
-        for lease_id in [k for k, p in self._pins.items() if p.expires_at_s <= now]:
-            del self._pins[lease_id]
-            self._on_unpin(lease_id)
+    def _live_pin(self, lease_id: int) -> Lease | None:
+        """The peer pin (a load lease of PEER_OWNER) while it is live, else None."""
+        lease = self.manager.leases.get(lease_id, PEER_OWNER)
+        if lease is None or time.monotonic() >= lease.expires_at_s:
+            return None  # past its time it is quarantined at the next reaper pass
+        return lease
 
     async def GetAgentMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context)
@@ -117,8 +116,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     async def PinForPull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context)
-        self._drop_expired_pins()
-        if len(self._pins) >= MAX_PEER_PINS:
+        if self.manager.leases.held_by(PEER_OWNER) >= MAX_PEER_PINS:
             await errors.abort(context, errors.CapacityExhausted("too many outstanding peer pins"))
         if not request.HasField("spec"):
             await errors.abort(context, errors.InvalidRequest("spec is required"))
@@ -134,7 +132,9 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             try:
                 # Disk-tier blocks of the prefix are promoted to DRAM first: peers
                 # read only DRAM.
-                return await self.manager.prepare_load_async(ns_id, hashes, ttl_s)
+                return await self.manager.prepare_load_async(
+                    ns_id, hashes, ttl_s, owner=PEER_OWNER, client=PEER_OWNER
+                )
             except errors.NamespaceNotFound:
                 return None  # never declared here: nothing to offer
 
@@ -150,9 +150,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         if todo:
             array = self.manager.region.array
             sums = await checksums_async(array, [offsets[i] for i in todo], block_bytes)
-            for i, c in zip(todo, sums, strict=True):
-                blocks[i].checksum = c
-        self._pins[plan.lease_id] = _Pin(frozenset(offsets), block_bytes, time.monotonic() + ttl_s)
+            self.manager.set_checksums([blocks[i] for i in todo], sums)
         self._on_pin(plan.lease_id, ttl_s)
         reply.lease_id = plan.lease_id
         reply.found_blocks = len(blocks)
@@ -165,21 +163,19 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         await self._auth(context)
         released = 0
         for lease_id in request.lease_ids:
-            if self._pins.pop(lease_id, None) is None:
-                continue  # not a peer pin (or already gone): never touch a local client's lease
-            self._on_unpin(lease_id)
             try:
-                released += self.manager.release([lease_id])
-            except errors.LeaseNotFound:
-                pass  # expired meanwhile: already unpinned
+                # PEER_OWNER's only: a local client's lease is "not found" here
+                released += self.manager.release([lease_id], PEER_OWNER)
+            except errors.LeaseNotFound:  # LeaseExpired too
+                continue  # not a peer pin, or gone (expired: unpinned by the reaper)
+            self._on_unpin(lease_id)
         return peer_pb2.ReleasePullResponse(released=released)
 
     async def StreamBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         await self._auth(context)
-        self._drop_expired_pins()
-        pin = self._pins.get(request.lease_id)
+        pin = self._live_pin(request.lease_id)
         if pin is None:
             await errors.abort(
                 context, errors.LeaseNotFound(f"no live peer pin {request.lease_id}")
@@ -188,14 +184,15 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         offsets = (
             np.frombuffer(request.offsets, dtype="<u8") if len(request.offsets) % 8 == 0 else None
         )
-        if offsets is None or not set(offsets.tolist()) <= pin.offsets:
+        if offsets is None or not set(offsets.tolist()) <= {b.offset for b in pin.blocks}:
             await errors.abort(
                 context, errors.InvalidRequest("offsets must be packed uint64 blocks of the pin")
             )
             return
         chunk_bytes = min(request.chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
-        for chunk in iter_chunks(self.manager.region.array, offsets, pin.block_bytes, chunk_bytes):
-            if request.lease_id not in self._pins or time.monotonic() >= pin.expires_at_s:
+        block_bytes = pin.namespace.block_bytes
+        for chunk in iter_chunks(self.manager.region.array, offsets, block_bytes, chunk_bytes):
+            if self._live_pin(request.lease_id) is not pin:
                 # Past its pin a block may be evicted and its slot reused: stop here
                 # (the puller's checksums would catch it anyway).
                 await errors.abort(

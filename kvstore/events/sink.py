@@ -1,7 +1,7 @@
 """Where the block store reports what it now holds.
 
-The manager calls an ``EventSink`` synchronously on its event loop whenever
-blocks become loadable in a tier, leave a tier, or a namespace is cleared. A
+The placement owner (``kvstore.placement``) calls an ``EventSink`` synchronously
+on its event loop whenever blocks become loadable in a tier or leave a tier. A
 sink must never block: publishers queue (bounded) and send elsewhere.
 ``kvstore.events.publisher`` turns these calls into vLLM-format KV events.
 """
@@ -11,11 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Protocol, runtime_checkable
-
-# vLLM's `medium` strings for the tiers.
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
 
 
 class NamespaceRef(Protocol):

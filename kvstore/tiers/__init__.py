@@ -1,21 +1,14 @@
-"""Memory tiers of the block store, fastest first.
+"""Storage media of the block store (the DRAM region, the disk file, the GPU
+pool, and ``pool.SlabPool``, the slot bookkeeping under DRAM and the GPU pool
+alike) and the movers between them (``hierarchy``, ``gpu_layer``, ``warm``),
+which sit above ``kvstore.placement`` (see tests/unit/test_layers.py).
+``Tier`` (defined in kvstore.namespace, beside ``Block``) is re-exported here.
 
 Values match ``kvstore.v1.Tier`` so the service converts with ``int()``.
 """
 
 from __future__ import annotations
 
-import enum
+from kvstore.namespace import Tier
 
-from kvstore.events.sink import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU
-
-
-class Tier(enum.IntEnum):
-    GPU = 1
-    DRAM = 2
-    DISK = 3
-
-    @property
-    def medium(self) -> str:
-        """vLLM's KV-event `medium` for this tier."""
-        return {Tier.GPU: MEDIUM_GPU, Tier.DRAM: MEDIUM_CPU, Tier.DISK: MEDIUM_DISK}[self]
+__all__ = ["Tier"]

@@ -1,10 +1,15 @@
-"""The GPU tier as the manager's top tier: slots, demotion to DRAM, promotion.
+"""The GPU tier above DRAM: a mover of blocks between the GPU pool and DRAM.
+
+It decides what moves and copies the bytes; every change of where a block
+lives (slots, eviction orders, offsets, events) goes through
+``kvstore.placement.Placement``: it holds the blocks through it, copies, then
+reports the copy placed. It never imports the manager.
 
 A block lives in at most one of GPU and DRAM (the pool is small and precious:
 an inclusive copy would waste it); it may also have a disk copy. So:
 
 - A store that asks for the GPU tier gets a slot in the pool. When the pool is
-  full, its coldest unpinned blocks are *moved* to DRAM (``_allocate`` there,
+  full, its coldest unpinned blocks are *moved* to DRAM (``reserve_dram``,
   which may itself demote DRAM blocks to disk) before anything is dropped. A
   block that finds no DRAM room either keeps its disk copy or leaves the store.
 - A load that asks for the GPU tier moves the prefix's DRAM blocks up (disk
@@ -31,43 +36,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import ConfigError
-from kvstore.eviction import make_policy
-from kvstore.eviction.base import EvictionPolicy
+from kvstore.placement import Placement
 from kvstore.tiers import Tier
 from kvstore.tiers.dram import Region
 from kvstore.tiers.gpu import GpuPoolHandle, GpuTier, pin_host_memory
 
 if TYPE_CHECKING:
     from kvstore.config import GpuConfig
-    from kvstore.manager import BlockManager
     from kvstore.namespace import Block, Namespace
+    from kvstore.tiers.pool import GpuSlabPool
 
 log = logging.getLogger(__name__)
 
-# Coldest blocks looked at per slot a store needs before giving up.
-VICTIM_WINDOW = 64
 # Blocks the background demoter moves per copy (bounds how long they stay pinned).
 DEMOTE_BATCH = 32
 
 
 class GpuLayer:
-    """Pool slots, their owners and eviction order; moves to and from DRAM."""
+    """The GPU pool's medium and the moves to and from DRAM."""
 
-    def __init__(self, manager: BlockManager, config: GpuConfig) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        region: Region,
+        config: GpuConfig,
+        *,
+        dram_chunk_bytes: int,
+        warm_restart: bool = False,
+    ) -> None:
         import torch
 
-        self.manager = manager
+        self.placement = placement
+        self.region = region
         self.config = config
+        self.warm_restart = warm_restart  # move the pool's blocks down at close
         if config.capacity_bytes <= 0:
             raise ConfigError(f"gpu tier on {config.device}: gpu.capacity_bytes must be > 0")
-        if config.chunk_bytes < manager.config.dram.chunk_bytes:
+        if config.chunk_bytes < dram_chunk_bytes:
             raise ConfigError(
                 "gpu.chunk_bytes must be at least dram.chunk_bytes (the largest block)"
             )
@@ -76,7 +87,7 @@ class GpuLayer:
         pool = None
         if config.device == "cpu":
             self.host_region = Region(
-                manager.region.path + ".gpu",
+                region.path + ".gpu",
                 config.capacity_bytes,
                 prefault=True,
                 huge_pages="off",
@@ -85,13 +96,10 @@ class GpuLayer:
         elif not config.device.startswith("cuda"):
             raise ConfigError(f'gpu.device must be "cuda:N", "cpu" or "", got {config.device!r}')
         self.tier = GpuTier(config.capacity_bytes, config.chunk_bytes, config.device, pool=pool)
-        self.region_t = torch.from_numpy(manager.region.array)
-        self.pinned = (
-            pin_host_memory(manager.region.array) if self.tier.device.type == "cuda" else False
-        )
-        self.policies: dict[int, EvictionPolicy] = {}  # by slot size
-        self.owner: dict[int, Block] = {}  # pool offset -> block (pending or committed)
-        self.pinned_blocks = 0
+        self.region_t = torch.from_numpy(region.array)
+        self.pinned = pin_host_memory(region.array) if self.tier.device.type == "cuda" else False
+        # The pool's slots, owners and eviction orders: the placement's.
+        self.pool: GpuSlabPool = placement.attach_gpu(self.tier.allocator)
         self._moving: dict[int, asyncio.Task[int]] = {}  # id(block) -> its move
         # Called in the copy thread before each copy: tests force timing with it.
         self.copy_hook: Callable[[], None] | None = None
@@ -106,95 +114,35 @@ class GpuLayer:
         """The CUDA IPC handle engines map (None in host mode: they map host_region)."""
         return self.tier.export_handle() if self.host_region is None else None
 
-    def policy(self, slot_bytes: int) -> EvictionPolicy:
-        policy = self.policies.get(slot_bytes)
-        if policy is None:
-            policy = self.policies[slot_bytes] = make_policy(
-                self.manager.config.dram.eviction_policy
-            )
-        return policy
+    @property
+    def owner(self) -> dict[int, Block]:
+        """Pool offset -> block (pending, committed, or a move's target)."""
+        return self.pool.owner
 
-    def allocate(self, ns: Namespace) -> int | None:
-        """A pool slot for one block of ns, demoting cold unpinned blocks if needed."""
-        offset = self.tier.allocator.alloc(ns.slot_bytes)
+    def reserve(self, block: Block) -> int | None:
+        """A pool slot for ``block``, demoting cold unpinned blocks to DRAM if needed."""
+        p = self.placement
+        offset = p.reserve_gpu(block)
         if offset is not None:
             return offset
-        if self._demote_one(ns.slot_bytes) or self._demote_chunk(ns.slot_bytes):
-            return self.tier.allocator.alloc(ns.slot_bytes)
-        return None
-
-    def take(self, block: Block, offset: int) -> None:
-        self.owner[offset] = block
-        block.gpu_offset = offset
-
-    def free(self, block: Block) -> None:
-        """Give back a block's pool slot (it is leaving the tier)."""
-        del self.owner[block.gpu_offset]
-        self.tier.free(block.gpu_offset)
-        block.gpu_offset = -1
+        slot_bytes = block.namespace.slot_bytes
+        victim = p.gpu_victim(slot_bytes)
+        victims = [victim] if victim is not None else p.gpu_chunk_victims(slot_bytes)
+        if not victims:
+            return None
+        for victim in victims:
+            self.demote(victim)
+        return p.reserve_gpu(block)
 
     # ------------------------------------------------------------- demotion
 
-    def _demote_one(self, slot_bytes: int) -> bool:
-        victims = cast("Iterator[Block]", self.policy(slot_bytes).victims())
-        for block in list(itertools.islice(victims, VICTIM_WINDOW)):
-            if block.pins == 0:
-                self.demote(block)
-                return True
-        return False
-
-    def _demote_chunk(self, slot_bytes: int) -> bool:
-        """Empty a whole chunk held by another slot size whose blocks can all move."""
-        alloc = self.tier.allocator
-        for other in alloc.size_classes():
-            if other == slot_bytes:
-                continue
-            for chunk in alloc.chunks_of(other):
-                blocks = [b for off in alloc.chunk_slots(chunk) if (b := self.owner.get(off))]
-                if all(
-                    b.pins == 0 and b.gpu_offset >= 0 and b in self.policy(other) for b in blocks
-                ):
-                    for block in blocks:
-                        self.demote(block)
-                    return True
-        return False
-
     def demote(self, block: Block) -> None:
         """Move a committed, unpinned block down to DRAM now (or drop its GPU copy)."""
-        m = self.manager
-        ns = block.namespace
-        offset = m._allocate(ns)
-        self.policy(ns.slot_bytes).remove(block)
+        p = self.placement
+        offset = p.reserve_dram(block)
         if offset is not None:
-            self._copy([(block.gpu_offset, offset)], ns.block_bytes, up=False)
-            self._into_dram(block, offset)
-            m.counters.demoted_blocks += 1
-            m.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
-        elif block.disk_slot >= 0:
-            block.tier = Tier.DISK  # DRAM full of pinned blocks: the disk copy remains
-            m.counters.demoted_blocks += 1
-        else:
-            self.free(block)
-            del ns.blocks[block.block_hash]
-            m.counters.evicted_blocks += 1
-            m.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
-            return
-        self.free(block)
-        m.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
-
-    def _into_dram(self, block: Block, offset: int) -> None:
-        m = self.manager
-        ns = block.namespace
-        m._slot_owner[offset] = block
-        ns.used_bytes += ns.slot_bytes
-        block.offset = offset
-        block.tier = Tier.DRAM
-        m._policy(ns.slot_bytes).insert(block)
-        if m.disk is not None:
-            if block.disk_slot >= 0:
-                m.disk.clean_bytes += ns.slot_bytes
-            else:
-                m.disk.committed([block])
+            self._copy([(block.gpu_offset, offset)], block.namespace.block_bytes, up=False)
+        p.vacate_gpu(block, offset)
 
     # ---------------------------------------------------------------- moves
 
@@ -211,14 +159,14 @@ class GpuLayer:
         Returns how many this call moved. The copy runs in a task that owns its
         blocks' holds and reserved slots and always finishes (a cancelled load
         stops waiting for it, nothing more), so no slot is lost or freed early."""
-        m = self.manager
+        p = self.placement
         source = Tier.DRAM if tier is Tier.GPU else Tier.GPU
         if all(b.tier is not source for b in prefix) and not any(
             id(b) in self._moving for b in prefix
         ):
             return 0
         for block in prefix:
-            m.hold(block)  # nothing in the prefix is evicted meanwhile
+            p.hold(block)  # nothing in the prefix is evicted meanwhile
         try:
             waits: list[asyncio.Task[int]] = []
             planned: list[tuple[Block, int]] = []
@@ -229,20 +177,16 @@ class GpuLayer:
                     continue
                 if block.tier is not source:
                     continue
-                if not m.movable(block):
+                if not p.movable(block):
                     break  # pinned where it is: it stays, and the prefix in `tier` ends
-                offset = self.allocate(ns) if tier is Tier.GPU else m._allocate(ns)
+                offset = self.reserve(block) if tier is Tier.GPU else p.reserve_dram(block)
                 if offset is None:
                     break  # the tier is full of pinned blocks: the prefix ends here
-                if tier is Tier.GPU:
-                    self.owner[offset] = block
-                else:
-                    m._slot_owner[offset] = block
                 planned.append((block, offset))
             mine: asyncio.Task[int] | None = None
             if planned:
                 for block, _ in planned:
-                    m.hold(block)  # the move's own hold, released when it is done
+                    p.hold(block)  # the move's own hold, released when it is done
                 mine = asyncio.get_running_loop().create_task(self._run_move(ns, planned, tier))
                 for block, _ in planned:
                     self._moving[id(block)] = mine
@@ -254,13 +198,13 @@ class GpuLayer:
             return mine.result()
         finally:
             for block in prefix:
-                m.unhold(block)
+                p.unhold(block)
 
     async def _run_move(self, ns: Namespace, planned: list[tuple[Block, int]], tier: Tier) -> int:
         """Copy planned blocks into their reserved slots in `tier`, then switch each
         block over if nothing pinned it at the source meanwhile; every slot of a
         block that does not switch goes back. Returns how many switched."""
-        m = self.manager
+        p = self.placement
         moved = 0
         copied = False
         try:
@@ -277,45 +221,17 @@ class GpuLayer:
                 self._moving.pop(id(block), None)
                 # A reader that pinned the block at its source during the copy
                 # still reads there: the source stays, the copy is dropped.
-                if copied and block.tier is source and m.movable(block):
-                    self._finish_move(block, offset, tier)
+                if copied and block.tier is source and p.movable(block):
+                    if tier is Tier.GPU:
+                        p.place_gpu(block, offset)
+                    else:
+                        p.vacate_gpu(block, offset)
                     moved += 1
-                elif tier is Tier.GPU:
-                    del self.owner[offset]
-                    self.tier.free(offset)
                 else:
-                    del m._slot_owner[offset]
-                    m.allocator.free(offset)
+                    p.unreserve(block, tier, offset)
             for block, _ in planned:
-                m.unhold(block)
+                p.unhold(block)
         return moved
-
-    def _finish_move(self, block: Block, offset: int, tier: Tier) -> None:
-        m = self.manager
-        ns = block.namespace
-        if tier is Tier.GPU:
-            # Leave DRAM (the disk copy, if any, stays), enter the pool.
-            m._policy(ns.slot_bytes).remove(block)
-            m._free_slot(block)
-            if m.disk is not None:
-                if block.disk_slot >= 0:
-                    m.disk.clean_bytes -= ns.slot_bytes
-                else:
-                    m.disk.forget(block)
-            block.offset = -1
-            block.gpu_offset = offset
-            block.tier = Tier.GPU
-            self.policy(ns.slot_bytes).insert(block)
-            m.counters.promoted_blocks += 1
-            m.sink.blocks_stored(ns, [block.block_hash], Tier.GPU.medium, None, None)
-            m.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
-        else:
-            self.policy(ns.slot_bytes).remove(block)
-            self.free(block)
-            self._into_dram(block, offset)
-            m.counters.demoted_blocks += 1
-            m.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
-            m.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
 
     def _copy_off_loop(self, pairs: list[tuple[int, int]], nbytes: int, up: bool) -> None:
         """_copy in a worker thread (the moves a load asks for)."""
@@ -376,7 +292,7 @@ class GpuLayer:
         """Up to DEMOTE_BATCH coldest movable blocks, by namespace (one copy size each)."""
         need = self._need_bytes()
         batch: dict[Namespace, list[Block]] = {}
-        for slot_bytes, policy in self.policies.items():
+        for slot_bytes, policy in self.pool.policies.items():
             for block in cast("Iterator[Block]", policy.victims()):
                 if need <= 0 or sum(map(len, batch.values())) >= DEMOTE_BATCH:
                     return batch
@@ -397,7 +313,7 @@ class GpuLayer:
         return self.tier.used_bytes
 
     def committed_blocks(self) -> int:
-        return sum(len(p) for p in self.policies.values())
+        return self.pool.committed_blocks()
 
     async def aclose(self) -> None:
         """Stop the background demoter and let running moves finish; with warm restart,
@@ -410,19 +326,14 @@ class GpuLayer:
         for running in list(self._moving.values()):
             with contextlib.suppress(BaseException):
                 await running
-        if self.manager.config.dram.warm_restart:
+        if self.warm_restart:
             self.demote_all()
         self.close()
 
     def demote_all(self) -> int:
         """Move every unpinned pool block down, coldest first (so DRAM's own eviction,
         if it must make room, drops colder blocks before hotter ones). Returns the count."""
-        blocks = [
-            b
-            for policy in self.policies.values()
-            for b in cast("Iterator[Block]", policy.victims())
-            if b.pins == 0
-        ]
+        blocks = [b for b in self.pool.coldest() if b.pins == 0]
         for block in blocks:
             self.demote(block)
         if blocks:
@@ -434,7 +345,7 @@ class GpuLayer:
             import torch
 
             with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(self.manager.region.array.ctypes.data)
+                torch.cuda.cudart().cudaHostUnregister(self.region.array.ctypes.data)
         if self.host_region is not None:
             self.host_region.close(unlink=True)
             with contextlib.suppress(FileNotFoundError):

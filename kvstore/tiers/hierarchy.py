@@ -1,7 +1,11 @@
 """Demotion and promotion between the DRAM region and the disk tier.
 
-The manager stays synchronous (every call atomic on the event loop); the disk
-moves bytes asynchronously. The two meet through *clean* blocks:
+A mover: it decides what to copy and does the I/O; every change of where a
+block lives goes through ``kvstore.placement.Placement`` (it pins through it,
+reads or writes, then reports the copy placed or vacated). It never imports
+the manager. The placement stays synchronous (every call atomic on the event
+loop); the disk moves bytes asynchronously. The two meet through *clean*
+blocks:
 
 - A background demoter copies DRAM blocks to disk ahead of need, the ones
   DRAM would evict soonest first (then oldest commit first), keeping at least
@@ -41,24 +45,18 @@ import time
 from typing import TYPE_CHECKING, cast
 
 from kvstore.errors import CapacityExhausted, ConfigError, DataCorruption, KVStoreError
-from kvstore.eviction import make_policy
-from kvstore.eviction.base import EvictionPolicy
-from kvstore.namespace import Block, BlockState, Namespace
+from kvstore.namespace import Block, Namespace
+from kvstore.placement import Placement
 from kvstore.tiers import Tier
-from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
+from kvstore.tiers.disk import DiskTier, align_up
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from kvstore.config import DiskConfig
-    from kvstore.manager import BlockManager
+    from kvstore.tiers.dram import Region
 
 log = logging.getLogger(__name__)
-
-# Victims looked at for a clean one before a dirty block is dropped instead.
-CLEAN_VICTIM_WINDOW = 64
-# Disk victims looked at per slot the demoter needs.
-DISK_VICTIM_WINDOW = 64
 # DRAM blocks the demoter looks at from the cold end of each DRAM eviction
 # order per pass, for the dirty blocks DRAM would drop soonest. Bounded: once
 # demoted, blocks stay at the cold end (clean) until evicted, so an unbounded
@@ -83,14 +81,15 @@ READAHEAD_MAX_BLOCKS = 65536
 
 
 class DiskLayer:
-    """The disk tier as the manager's lower tier: demoter, promoter, recovery."""
+    """The disk tier below DRAM: demoter, promoter, readahead, disk-full state."""
 
-    def __init__(self, manager: BlockManager, config: DiskConfig) -> None:
+    def __init__(self, placement: Placement, region: Region, config: DiskConfig) -> None:
         if not 0.0 <= config.demote_free_fraction <= 1.0:
             raise ConfigError("disk.demote_free_fraction must be within [0, 1]")
         if config.capacity_bytes <= 0:
             raise ConfigError(f"disk tier path {config.path}: disk.capacity_bytes must be > 0")
-        self.manager = manager
+        self.placement = placement
+        self.region = region
         self.config = config
         self.tier = DiskTier(
             config.path,
@@ -99,16 +98,11 @@ class DiskLayer:
             io_threads=config.io_threads,
             direct_io=config.direct_io,
         )
-        self.policies: dict[int, EvictionPolicy] = {}  # by disk slot size
-        self.parked: dict[str, dict[int, DiskEntry]] = {}
-        for entry in self.tier.recover():
-            self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
-        self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
-        # DRAM blocks with no disk copy, oldest commit first: what the demoter
-        # copies down. It takes them in the DRAM policy's cold order first (see
-        # _candidates), this FIFO after: a block committed long ago but hit
-        # since is not the one DRAM drops next.
-        self.dirty: dict[Block, None] = {}
+        # The placement owns the disk's slots, eviction order, recovered
+        # entries and the dirty FIFO; this layer moves bytes.
+        placement.attach_disk(self.tier, config.eviction_policy)
+        placement.on_dirty = self.wake
+        placement.on_leave = self.forget
         self.max_inflight = max(1, 2 * config.io_threads)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -128,100 +122,28 @@ class DiskLayer:
 
     @property
     def parked_blocks(self) -> int:
-        return sum(len(p) for p in self.parked.values())
+        return sum(len(p) for p in self.placement.parked.values())
+
+    @property
+    def dirty(self) -> dict[Block, None]:
+        """DRAM blocks with no disk copy, oldest commit first: what the demoter
+        copies down. It takes them in the DRAM policy's cold order first (see
+        _candidates), this FIFO after: a block committed long ago but hit since
+        is not the one DRAM drops next."""
+        return self.placement.dirty
+
+    @property
+    def clean_bytes(self) -> int:
+        return self.placement.clean_bytes
 
     def attach(self, ns: Namespace) -> list[int]:
-        """Adopt the recovered disk blocks of a namespace just declared; their hashes."""
-        entries = self.parked.pop(ns.namespace_id, None)
-        if not entries:
-            return []
-        adopted = []
-        for h, entry in entries.items():
-            if entry.nbytes != ns.block_bytes:
-                self.tier.free(entry.slot)  # a block of another layout: stale
-                continue
-            block = ns.blocks.get(h)
-            if block is not None:
-                if block.disk_slot >= 0:
-                    self.tier.free(entry.slot)
-                    continue
-                block.disk_slot = entry.slot  # in DRAM already (warm restart): now clean
-                self.dirty.pop(block, None)
-                block.checksum = entry.checksum
-                self.clean_bytes += ns.slot_bytes
-            else:
-                block = Block(ns, h, Tier.DISK, -1, BlockState.COMMITTED, checksum=entry.checksum)
-                block.disk_slot = entry.slot
-                ns.blocks[h] = block
-            self._policy(ns).insert(block)
-            adopted.append(h)
-        return adopted
-
-    # ------------------------------------------------------------ eviction
-
-    def _policy(self, ns: Namespace) -> EvictionPolicy:
-        size = align_up(ns.block_bytes)
-        policy = self.policies.get(size)
-        if policy is None:
-            policy = self.policies[size] = make_policy(self.config.eviction_policy)
-        return policy
+        """Adopt the recovered disk blocks of a namespace just declared (BlockStored
+        DISK for them); their hashes."""
+        return self.placement.adopt_disk(ns)
 
     def drop_dram_copy(self, block: Block) -> None:
         """DRAM eviction of a clean block: it stays, on disk only."""
-        m = self.manager
-        ns = block.namespace
-        m._policy(ns.slot_bytes).remove(block)
-        m._free_slot(block)
-        self.clean_bytes -= ns.slot_bytes
-        block.offset = -1
-        block.tier = Tier.DISK
-        m.counters.demoted_blocks += 1
-        m.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
-
-    def unlist(self, block: Block) -> None:
-        """The block left the index: its disk copy is no eviction victim any more
-        (its slot is freed with drop_disk_copy once nothing reads it)."""
-        self._policy(block.namespace).remove(block)
-
-    def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
-        """Forget a block's disk copy (it must not be pinned by a disk read)."""
-        self._policy(block.namespace).remove(block)
-        self.tier.free(block.disk_slot)
-        block.disk_slot = -1
-        if block.offset >= 0:
-            self.clean_bytes -= block.namespace.slot_bytes
-        if emit:
-            self.manager.sink.blocks_removed(block.namespace, [block.block_hash], Tier.DISK.medium)
-
-    def _disk_slot(self, ns: Namespace) -> int | None:
-        """A disk slot for one block of ns, dropping the disk's coldest copies if needed."""
-        slot = self.tier.allocate(ns.block_bytes)
-        if slot is not None:
-            return slot
-        m = self.manager
-        policy = self._policy(ns)
-        coldest = itertools.islice(policy.victims(), DISK_VICTIM_WINDOW)
-        victims = [b for b in cast("Iterator[Block]", coldest) if not b.pins]
-        for victim in victims:
-            if victim.offset >= 0 or victim.gpu_offset >= 0:
-                self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
-            else:
-                m._remove(victim, emit=True)  # its only copy: the block leaves the store
-                m.counters.evicted_blocks += 1
-            slot = self.tier.allocate(ns.block_bytes)
-            if slot is not None:
-                return slot
-        # Recovered blocks nobody declared yet are the coldest of all.
-        for ns_id in list(self.parked):
-            entries = self.parked[ns_id]
-            while entries:
-                _, entry = entries.popitem()
-                self.tier.free(entry.slot)
-                slot = self.tier.allocate(ns.block_bytes)
-                if slot is not None:
-                    return slot
-            del self.parked[ns_id]
-        return None
+        self.placement.vacate_dram(block)
 
     # ------------------------------------------------------------ disk full
 
@@ -231,6 +153,17 @@ class DiskLayer:
         self.full_reason = reason
         self._full_at_s = time.monotonic()
 
+    @property
+    def full_reason(self) -> str:
+        """Why the disk cannot take writes now ("" = it can)."""
+        return self._full_reason
+
+    @full_reason.setter
+    def full_reason(self, reason: str) -> None:
+        self._full_reason = reason
+        # What DRAM admission reads (kvstore.placement): see keeps_dirty.
+        self.placement.keep_dirty = bool(reason) and self.config.when_full == "reject"
+
     def keeps_dirty(self) -> bool:
         """True while DRAM must not drop blocks that are not on disk yet to make room.
 
@@ -238,7 +171,7 @@ class DiskLayer:
         "reject": such a drop would lose a block the disk could not save, so the
         store that needs the room fails instead (and is retried by its client).
         """
-        return bool(self.full_reason) and self.config.when_full == "reject"
+        return self.placement.keep_dirty
 
     def full_message(self) -> str:
         """Why a store found no room while keeps_dirty(): for its RESOURCE_EXHAUSTED."""
@@ -250,14 +183,8 @@ class DiskLayer:
 
     # ------------------------------------------------------------ demotion
 
-    def committed(self, blocks: list[Block]) -> None:
-        """New DRAM blocks: queue them for demotion and nudge the demoter."""
-        self.dirty.update(dict.fromkeys(blocks))
-        self.wake()
-
     def forget(self, block: Block) -> None:
-        """The block left the store."""
-        self.dirty.pop(block, None)
+        """The block left the store (or DRAM for the GPU pool): not a readahead block."""
         self._ahead.pop(id(block), None)
 
     def wake(self) -> None:
@@ -276,9 +203,9 @@ class DiskLayer:
 
     def _need_bytes(self) -> int:
         """DRAM bytes still to make clean (free + clean + being written vs the target)."""
-        alloc = self.manager.allocator
-        target = int(self.config.demote_free_fraction * alloc.capacity_bytes)
-        have = alloc.capacity_bytes - alloc.used_bytes + self.clean_bytes + self._inflight_bytes
+        dram = self.placement.dram
+        target = int(self.config.demote_free_fraction * dram.capacity_bytes)
+        have = dram.free_bytes + self.placement.clean_bytes + self._inflight_bytes
         return target - have
 
     async def _run(self) -> None:
@@ -320,7 +247,7 @@ class DiskLayer:
         look = 16 * self.max_inflight
         dirty = self.dirty
         cold: list[list[Block]] = []
-        for policy in self.manager._policies.values():
+        for policy in self.placement.dram.policies.values():
             coldest = itertools.islice(policy.coldest(), COLD_SCAN_BLOCKS)
             found = filter(dirty.__contains__, coldest)  # the skip runs in C
             cold.append(list(cast("Iterator[Block]", itertools.islice(found, look))))
@@ -331,7 +258,7 @@ class DiskLayer:
         return ordered
 
     def _start_writes(self) -> None:
-        m = self.manager
+        p = self.placement
         if time.monotonic() < self._paused_until_s:
             return
         if len(self._inflight) >= self.max_inflight or self._need_bytes() <= 0:
@@ -341,14 +268,14 @@ class DiskLayer:
                 return
             if block.pins or block.offset < 0:
                 continue
-            slot = self._disk_slot(block.namespace)
+            slot = p.reserve_disk(block.namespace)
             if slot is None:
                 self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
                 self._set_full(
                     f"every slot of the disk tier at {self.config.path} is busy or pinned"
                 )
                 return
-            m.pin(block)  # its DRAM bytes are read in place by the write: it stays put
+            p.pin(block)  # its DRAM bytes are read in place by the write: it stays put
             self._inflight_bytes += block.namespace.slot_bytes
             task = asyncio.get_running_loop().create_task(
                 self._demote(block, slot, block.offset, block.dram_generation)
@@ -358,10 +285,10 @@ class DiskLayer:
 
     async def _demote(self, block: Block, slot: int, offset: int, generation: int) -> None:
         """Write the DRAM copy at ``offset`` (of ``generation``) to disk ``slot``."""
-        m = self.manager
+        p = self.placement
         ns = block.namespace
         try:
-            view = m.region.view(offset, ns.block_bytes)
+            view = self.region.view(offset, ns.block_bytes)
             checksum = await self.tier.write(slot, view, (ns.namespace_id, block.block_hash))
         except Exception as exc:
             if isinstance(exc, CapacityExhausted):
@@ -372,28 +299,18 @@ class DiskLayer:
             # The disk copy is the block's only if the DRAM copy it was read from
             # is still the block's (same slot, never freed meanwhile: the pin
             # keeps it there, the generation proves it).
-            if (
-                ns.blocks.get(block.block_hash) is block
-                and block.offset == offset
-                and block.dram_generation == generation
-                and block.disk_slot < 0
+            if not p.place_disk(
+                block, slot, checksum, dram_offset=offset, dram_generation=generation
             ):
-                self.dirty.pop(block, None)
-                block.disk_slot = slot
-                block.checksum = checksum
-                self.clean_bytes += ns.slot_bytes
-                self._policy(ns).insert(block)
-                m.sink.blocks_stored(ns, [block.block_hash], Tier.DISK.medium, None, None)
-            else:
-                self.tier.free(slot)  # deleted while it was written
+                p.unreserve_disk(slot)  # deleted while it was written
             if self.full_reason and (
-                not self.dirty or time.monotonic() - self._full_at_s >= DISK_FULL_CLEAR_S
+                not p.dirty or time.monotonic() - self._full_at_s >= DISK_FULL_CLEAR_S
             ):
                 log.warning("disk tier %s takes writes again", self.config.path)
                 self.full_reason = ""
         finally:
             self._inflight_bytes -= ns.slot_bytes
-            m.unpin(block)
+            p.unpin(block)
             # Leave the in-flight set before waking the loop (a done callback
             # would run only after the loop looked, and it would sleep forever).
             task = asyncio.current_task()
@@ -413,9 +330,9 @@ class DiskLayer:
             if hits and prefix[-1].disk_slot >= 0:
                 self._read_ahead(ns, prefix[-1], hits * ns.block_bytes)
             return
-        m = self.manager
+        p = self.placement
         for block in prefix:
-            m.hold(block)  # nothing in the prefix is evicted while the reads run
+            p.hold(block)  # nothing in the prefix is evicted while the reads run
         try:
             waits: dict[int, asyncio.Task[None]] = {}  # by id(task): each batch once
             batch: list[tuple[Block, int]] = []
@@ -428,14 +345,12 @@ class DiskLayer:
                     waits[id(task)] = task
                     waited += 1
                     continue
-                offset = m._allocate(ns)
+                offset = p.reserve_dram(block)
                 if offset is None:
                     break  # DRAM full of pinned blocks: the prefix ends here
-                m._slot_owner[offset] = block
-                ns.used_bytes += ns.slot_bytes
                 # The read's own pin: the disk copy and the reserved slot stay the
                 # block's until the read has landed, even if this load is cancelled.
-                m.pin(block)
+                p.pin(block)
                 batch.append((block, offset))
             if batch:
                 # One task reads the whole batch: neighbouring disk slots become
@@ -455,15 +370,12 @@ class DiskLayer:
                 self._read_ahead(ns, prefix[-1], window * ns.block_bytes)
         finally:
             for block in prefix:
-                m.unhold(block)
+                p.unhold(block)
 
     def _read_ahead(self, ns: Namespace, last: Block, window_bytes: int) -> None:
         """Promote the disk-only blocks of ns in the disk slots after ``last``'s, into free DRAM."""
-        m = self.manager
-        alloc = m.allocator
-        free_bytes = alloc.capacity_bytes - alloc.used_bytes
-        budget = min(max(window_bytes, ns.block_bytes), READAHEAD_MAX_BYTES, free_bytes // 2)
-        quota = m.config.limits.namespace_quota_bytes
+        p = self.placement
+        budget = min(max(window_bytes, ns.block_bytes), READAHEAD_MAX_BYTES, p.dram.free_bytes // 2)
         step = align_up(ns.block_bytes)
         slot = last.disk_slot + step
         batch: list[tuple[Block, int]] = []
@@ -482,14 +394,11 @@ class DiskLayer:
                 or id(block) in self._promoting
             ):
                 break
-            if quota and ns.used_bytes + ns.slot_bytes > quota:
-                break
-            offset = alloc.alloc(ns.slot_bytes)  # free room only: readahead never evicts
+            # free room within the quota only: readahead never evicts
+            offset = p.reserve_dram(block, evict=False)
             if offset is None:
                 break
-            m._slot_owner[offset] = block
-            ns.used_bytes += ns.slot_bytes
-            m.pin(block)  # not dropped from disk or deleted under the read
+            p.pin(block)  # not dropped from disk or deleted under the read
             batch.append((block, offset))
             budget -= ns.block_bytes
             slot += step
@@ -508,49 +417,32 @@ class DiskLayer:
         from then on and lands or gives back every slot, then unpins, whatever
         happens to the load that started it. ``ahead``: readahead blocks, to be
         remembered as such once they land."""
-        m = self.manager
+        p = self.placement
         results: list[KVStoreError | None] | None = None
         try:
             results = await self.tier.read_many(
-                [(b.disk_slot, m.region.view(offset, ns.block_bytes)) for b, offset in batch]
+                [(b.disk_slot, self.region.view(offset, ns.block_bytes)) for b, offset in batch]
             )
         finally:
-            promoted: list[int] = []
-            dropped: list[int] = []
+            landed: list[tuple[Block, int]] = []
+            missed: list[tuple[Block, int, bool]] = []
             for i, (block, offset) in enumerate(batch):
                 error = results[i] if results is not None else None
                 self._promoting.pop(id(block), None)
-                # Deleted while it was read: the slot goes back, the block is gone.
-                if results is not None and error is None and not block.doomed:
-                    block.offset = offset
-                    block.tier = Tier.DRAM
-                    self.clean_bytes += ns.slot_bytes
-                    m._policy(ns.slot_bytes).insert(block)
-                    promoted.append(block.block_hash)
-                    if ahead:
-                        self._ahead[id(block)] = None
+                if results is not None and error is None:
+                    landed.append((block, offset))
                     continue
-                del m._slot_owner[offset]
-                m.allocator.free(offset)
-                ns.used_bytes -= ns.slot_bytes
                 if isinstance(error, DataCorruption):
-                    # The tier dropped its copy. The block had no other: it leaves
-                    # the index now, its slots at its last unpin (this read's).
-                    log.error("%s", error)
-                    self._policy(ns).remove(block)
-                    block.disk_slot = -1
-                    if not block.doomed:
-                        m.doom(block)
-                        dropped.append(block.block_hash)
+                    log.error("%s", error)  # the tier dropped its copy
                 elif error is not None:
                     log.warning("promotion of a block failed: %s", error)
+                missed.append((block, offset, isinstance(error, DataCorruption)))
+            promoted = p.promoted(ns, landed, missed)
+            if ahead:
+                for block in promoted:
+                    self._ahead[id(block)] = None
             for block, _ in batch:
-                m.unpin(block)
-            if promoted:
-                m.counters.promoted_blocks += len(promoted)
-                m.sink.blocks_stored(ns, promoted, Tier.DRAM.medium, None, None)
-            if dropped:
-                m.sink.blocks_removed(ns, dropped, Tier.DISK.medium)
+                p.unpin(block)
 
     # --------------------------------------------------------------- stats
 

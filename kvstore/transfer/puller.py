@@ -439,12 +439,10 @@ class Puller:
             if verified:
                 self.manager.commit_store(plan.lease_id, verified)
                 blocks = self.manager.namespace(ns_id).blocks
-                for h, c in zip(
-                    verified, np.asarray(landed, dtype=np.uint64)[good].tolist(), strict=True
-                ):
-                    block = blocks.get(h)
-                    if block is not None:
-                        block.checksum = c  # verified: the next peer need not rehash
+                sums = np.asarray(landed, dtype=np.uint64)[good].tolist()
+                # verified: the next peer need not rehash
+                kept = [(b, c) for h, c in zip(verified, sums, strict=True) if (b := blocks.get(h))]
+                self.manager.set_checksums([b for b, _ in kept], [c for _, c in kept])
             else:
                 self.manager.release([plan.lease_id])
         except KVStoreError:

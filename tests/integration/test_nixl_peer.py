@@ -408,6 +408,60 @@ def test_stream_refuses_offsets_outside_the_pin(peer_daemon) -> None:  # type: i
     assert leases_and_used(a)[0] == 0
 
 
+def test_peer_pins_and_local_leases_never_release_each_other(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Peer pins are ordinary load leases with their own owner: a peer's ReleasePull
+    cannot end a local client's lease, and a local client's Release cannot end a
+    peer's pin (each is answered as for an id never issued)."""
+    a = peer_daemon("node-a")
+    block = 4096
+    ns = put(a, [1, 2, 3], block)
+    md = (("x-kvstore-cluster-secret", SECRET),)
+    from kvstore.errors import LeaseNotFound
+    from kvstore.v1 import store_pb2
+
+    spec = make_spec(block)
+    with Client(a.address) as c, grpc.insecure_channel(a.tcp_address) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        local = c.prepare_load(ns, [1, 2, 3])
+        assert local.found == 3
+        pin = stub.PinForPull(
+            peer_pb2.PinForPullRequest(
+                spec=store_pb2.NamespaceSpec(
+                    **{f: getattr(spec, f) for f in spec.__struct_fields__}
+                ),
+                block_hashes=np.asarray([1, 2], dtype="<u8").tobytes(),
+            ),
+            metadata=md,
+            timeout=5,
+        )
+        assert pin.found_blocks == 2 and pin.lease_id
+        assert leases_and_used(a)[0] == 2
+        # The peer names the local lease: nothing is released.
+        released = stub.ReleasePull(
+            peer_pb2.ReleasePullRequest(lease_ids=[local.lease_id]), metadata=md, timeout=5
+        ).released
+        assert released == 0 and leases_and_used(a)[0] == 2
+        # The local client names the peer's pin: not found, and the pin still streams.
+        with pytest.raises(LeaseNotFound):
+            c.release(pin.lease_id)
+        data = b"".join(
+            chunk.data
+            for chunk in stub.StreamBlocks(
+                peer_pb2.StreamBlocksRequest(lease_id=pin.lease_id, offsets=pin.offsets),
+                metadata=md,
+                timeout=5,
+            )
+        )
+        assert data == blocks_for([1, 2], block).tobytes()
+        # Each ends its own.
+        c.release(local)
+        released = stub.ReleasePull(
+            peer_pb2.ReleasePullRequest(lease_ids=[pin.lease_id]), metadata=md, timeout=5
+        ).released
+        assert released == 1
+    assert leases_and_used(a)[0] == 0
+
+
 def test_bad_fetch_requests_get_precise_errors(peer_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
     a = peer_daemon("node-a")
     b = DaemonProcess(

@@ -103,7 +103,7 @@ class Node:
         assert len(m.gpu.owner) == len(gpu_blocks)
         assert m.gpu.used_bytes == len(gpu_blocks) * self.ns.slot_bytes
         assert m.allocator.used_bytes == len(dram_blocks) * self.ns.slot_bytes
-        assert len(m.leases) == 0 and m._pinned_blocks == 0
+        assert len(m.leases) == 0 and m.placement.pinned_blocks == 0
 
     async def close(self):
         await self.m.close()

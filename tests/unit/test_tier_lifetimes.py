@@ -192,7 +192,7 @@ async def test_a_dram_load_cancelled_mid_copy_leaks_no_slot(tmp_path):
     gate.open()
     await until(lambda: not gpu._moving, "the move to finish")
     node.check_accounting()
-    assert len(node.m._slot_owner) == sum(b.offset >= 0 for b in node.ns.blocks.values())
+    assert len(node.m.placement.dram.owner) == sum(b.offset >= 0 for b in node.ns.blocks.values())
     assert same(await node.get([1, 2, 3, 4], tier=Tier.DRAM), [1, 2, 3, 4])
     node.check_accounting()
     await node.close()
@@ -218,8 +218,8 @@ async def test_a_promotion_cancelled_mid_read_leaves_no_zombie(tmp_path):
     assert m.lookup(ns_id, [1, 2, 3, 4]).prefix_blocks == 0
     gate.open()
     await until(lambda: not m.disk._promoting, "the read to land")
-    assert m._pinned_blocks == 0
-    assert len(m._policy(node.ns.slot_bytes)) == 0 and m.allocator.used_bytes == 0
+    assert m.placement.pinned_blocks == 0
+    assert len(m.placement.dram.policy(node.ns.slot_bytes)) == 0 and m.allocator.used_bytes == 0
     assert m.disk.blocks() == 0  # their disk copies went at the last unpin
     # Eviction runs over a consistent index (a zombie made every such store fail).
     for start in range(100, 140, 8):

@@ -1,0 +1,667 @@
+"""The one owner of block placement: where each block lives and what pins it.
+
+Every change to a block's copies or pins goes through ``Placement``: reserve a
+slot (admission and eviction), commit a store, place a copy in a tier, vacate
+a tier, remove, pin/unpin/hold, set a checksum. Each transition updates the
+block, the pools (``kvstore.tiers.pool.SlabPool`` for DRAM and the GPU pool,
+the disk tier's slots), the counters, and emits its KV events, so no other
+module writes a block's offsets, a pool's owner map or a namespace's used
+bytes, and the 19 ways of getting one of them wrong are one.
+
+Who calls it (see docs/architecture.md): ``kvstore.manager`` (the API: stores,
+loads, deletes), and the movers under it, ``kvstore.tiers.hierarchy`` (disk
+demotion and promotion), ``kvstore.tiers.gpu_layer`` (GPU <-> DRAM moves) and
+``kvstore.tiers.warm`` (warm restart). A mover pins or holds through the
+placement, does its I/O, then reports ``place``/``vacate``; it never imports
+the manager. ``Placement`` itself does no I/O and never awaits: each call is
+atomic on the daemon's event loop.
+
+Pins and holds (docs/slot-lifetimes.md): a *pin* says "something reads or
+writes this block's bytes where they are"; a *hold* (counted in ``pins`` too)
+only "keep this block in the store": a held block may change tiers. A slot is
+reused only when nothing can still touch it: a pinned block is never evicted,
+freed or moved; a doomed block's slots go at its last unpin.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+from kvstore.events.sink import EventSink
+from kvstore.eviction import make_policy
+from kvstore.eviction.base import EvictionPolicy
+from kvstore.namespace import Block, BlockState, Namespace, Tier
+from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
+from kvstore.tiers.dram import SlabAllocator
+from kvstore.tiers.pool import GpuSlabPool, SlabPool
+
+log = logging.getLogger(__name__)
+
+# DRAM victims looked at for a clean one (also on disk) before a dirty block
+# is dropped instead.
+CLEAN_VICTIM_WINDOW = 64
+# Disk victims looked at per slot a demotion needs.
+DISK_VICTIM_WINDOW = 64
+# GPU victims looked at per slot a store needs before giving up.
+GPU_VICTIM_WINDOW = 64
+
+# One event batch of a commit: hashes, parent hash, token ids (see kvstore.events).
+StoredBatch = tuple[Sequence[int], int | None, Sequence[int] | None]
+
+
+@dataclass(slots=True)
+class Counters:
+    lookup_hit_blocks: int = 0
+    lookup_miss_blocks: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    evicted_blocks: int = 0
+    expired_leases: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+
+
+class Placement:
+    """Blocks' copies in DRAM, the GPU pool and on disk; pins; counters; KV events."""
+
+    def __init__(
+        self,
+        dram_allocator: SlabAllocator,
+        sink: EventSink,
+        *,
+        eviction_policy: str,
+        quota_bytes: int = 0,
+    ) -> None:
+        self.sink = sink
+        self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
+        self.eviction_policy = eviction_policy
+        self.dram = SlabPool(dram_allocator, eviction_policy)
+        self.gpu: GpuSlabPool | None = None
+        self.counters = Counters()
+        self.pinned_blocks = 0
+        # --- the disk tier's slots, when there is one (attach_disk)
+        self.disk: DiskTier | None = None
+        self.disk_policies: dict[int, EvictionPolicy] = {}  # by disk slot size
+        self.disk_eviction_policy = eviction_policy
+        # Recovered disk blocks no namespace declared yet, by namespace id.
+        self.parked: dict[str, dict[int, DiskEntry]] = {}
+        # DRAM blocks with no disk copy, oldest commit first: what the demoter
+        # copies down (kvstore.tiers.hierarchy).
+        self.dirty: dict[Block, None] = {}
+        self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
+        # While the disk cannot take writes and disk.when_full is "reject", DRAM
+        # must not drop a block that is not on disk yet (set by the disk mover).
+        self.keep_dirty = False
+        # Told of new dirty blocks (the disk mover's demoter wakes) and of blocks
+        # that left the store (a mover forgets what it remembered of them).
+        self.on_dirty: Callable[[], None] | None = None
+        self.on_leave: Callable[[Block], None] | None = None
+
+    def attach_gpu(self, allocator: SlabAllocator) -> GpuSlabPool:
+        self.gpu = GpuSlabPool(allocator, self.eviction_policy)
+        return self.gpu
+
+    def attach_disk(self, tier: DiskTier, eviction_policy: str) -> None:
+        self.disk = tier
+        self.disk_eviction_policy = eviction_policy
+        for entry in tier.recover():
+            self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
+
+    def pool(self, tier: Tier) -> SlabPool:
+        if tier is Tier.GPU:
+            assert self.gpu is not None, "no GPU tier"
+            return self.gpu
+        return self.dram
+
+    # ------------------------------------------------------------ pins
+
+    def pin(self, block: Block) -> None:
+        """Pin a block's bytes where they are (see the module notes)."""
+        if block.pins == 0:
+            self.pinned_blocks += 1
+        block.pins += 1
+
+    def unpin(self, block: Block) -> None:
+        assert block.pins > 0, "unpin of an unpinned block"
+        block.pins -= 1
+        if block.pins == 0:
+            self.pinned_blocks -= 1
+            if block.doomed:
+                self._free_copies(block)
+
+    def hold(self, block: Block) -> None:
+        """Keep a block in the store while a tier move works; it may still move."""
+        block.holds += 1
+        self.pin(block)
+
+    def unhold(self, block: Block) -> None:
+        assert block.holds > 0, "unhold of a block not held"
+        block.holds -= 1
+        self.unpin(block)
+
+    @staticmethod
+    def movable(block: Block) -> bool:
+        """True when a tier move may take the block from its slot: it is still in the
+        store and nothing reads or writes its bytes where they are (only holds)."""
+        return block.pins == block.holds and not block.doomed
+
+    def touch(self, block: Block) -> None:
+        if block.state is BlockState.COMMITTED:
+            self.dram.policy(block.namespace.slot_bytes).touch(block)
+
+    @staticmethod
+    def set_checksum(block: Block, checksum: int) -> None:
+        """Record a committed block's verified xxh3-64 (its bytes never change)."""
+        block.checksum = checksum
+
+    # ------------------------------------------------------- admission
+
+    def reserve_dram(self, block: Block, *, evict: bool = True) -> int | None:
+        """A DRAM slot for ``block`` (a new store, a promotion or a move landing there),
+        evicting cold unpinned blocks if ``evict``; None when there is no room.
+
+        The slot counts against the namespace at once; ``occupy``/``place`` put
+        the block in it, ``unreserve`` gives it back."""
+        ns = block.namespace
+        if evict:
+            offset = self._allocate(ns)
+        elif self.quota_bytes and ns.used_bytes + ns.slot_bytes > self.quota_bytes:
+            offset = None
+        else:
+            offset = self.dram.allocator.alloc(ns.slot_bytes)  # free room only
+        if offset is None:
+            return None
+        self.dram.owner[offset] = block
+        ns.used_bytes += ns.slot_bytes
+        return offset
+
+    def reserve_gpu(self, block: Block) -> int | None:
+        """A free GPU pool slot for ``block`` (making room is the GPU mover's: it must copy)."""
+        assert self.gpu is not None, "no GPU tier"
+        return self.gpu.alloc(block)
+
+    def unreserve(self, block: Block, tier: Tier, offset: int) -> None:
+        """Give back a slot reserved for a block that never moved into it."""
+        owner = self.pool(tier).free(offset)
+        assert owner is block, "unreserving another block's slot"
+        if tier is Tier.DRAM:
+            block.namespace.used_bytes -= block.namespace.slot_bytes
+
+    def occupy(self, block: Block, tier: Tier, offset: int) -> None:
+        """A new store's block takes its reserved slot (pending until commit)."""
+        if tier is Tier.GPU:
+            block.gpu_offset = offset
+        else:
+            block.offset = offset
+        block.namespace.pending[block.block_hash] = block
+
+    # ---------------------------------------------------------- stores
+
+    def commit(
+        self,
+        blocks: Sequence[Block],
+        committed: Sequence[Block],
+        tier: Tier,
+        batches: Iterable[StoredBatch],
+    ) -> None:
+        """A store lease ends in a commit: ``committed`` (of the lease's ``blocks``)
+        become loadable in ``tier``, the others' slots are freed; one BlockStored
+        per batch."""
+        if not blocks:
+            return
+        ns = blocks[0].namespace
+        chosen = set(map(id, committed))
+        policy = self.pool(tier).policy(ns.slot_bytes)
+        for block in blocks:
+            del ns.pending[block.block_hash]
+            if id(block) in chosen:
+                block.state = BlockState.COMMITTED
+                ns.blocks[block.block_hash] = block
+                policy.insert(block)
+            else:
+                self.abort(block)
+        self.counters.stored_blocks += len(committed)
+        for hashes, parent, token_ids in batches:
+            self.sink.blocks_stored(ns, hashes, tier.medium, parent, token_ids)
+        if self.disk is not None and committed and tier is Tier.DRAM:
+            self._dirty(committed)  # GPU blocks reach disk through DRAM
+
+    def abort(self, block: Block) -> None:
+        """Give back the slot of a block whose store was aborted (or expired)."""
+        if block.gpu_offset >= 0:
+            self._free_gpu_slot(block)
+        else:
+            self._free_dram_slot(block)
+
+    def _free_dram_slot(self, block: Block) -> None:
+        self.dram.free(block.offset)
+        block.namespace.used_bytes -= block.namespace.slot_bytes
+        block.dram_generation += 1
+        block.offset = -1
+
+    def _free_gpu_slot(self, block: Block) -> None:
+        assert self.gpu is not None
+        self.gpu.free(block.gpu_offset)
+        block.gpu_offset = -1
+
+    def _dirty(self, blocks: Iterable[Block]) -> None:
+        self.dirty.update(dict.fromkeys(blocks))
+        if self.on_dirty is not None:
+            self.on_dirty()
+
+    # -------------------------------------------------------- removal
+
+    def remove(self, block: Block, *, emit: bool) -> list[str]:
+        """Drop a committed, unpinned block from the index and free its slots.
+
+        Returns the media it left (for the caller's events when ``emit`` is False).
+        """
+        assert block.pins == 0, "removing a pinned block"
+        media = self._unindex(block)
+        self._free_copies(block)
+        if emit:
+            for medium in media:
+                self.sink.blocks_removed(block.namespace, [block.block_hash], medium)
+        return media
+
+    def doom(self, block: Block) -> list[str]:
+        """Delete of a pinned block: out of the index now, slots at the last unpin.
+        Returns the media it left."""
+        block.doomed = True
+        return self._unindex(block)
+
+    def delete(self, ns: Namespace, blocks: Iterable[Block]) -> tuple[int, int]:
+        """Delete committed blocks (pinned ones are doomed); one BlockRemoved per medium.
+        Returns (removed now, doomed)."""
+        deleted = busy = 0
+        removed: dict[str, list[int]] = {}
+        for block in blocks:
+            if block.pins:
+                media = self.doom(block)
+                busy += 1
+            else:
+                media = self.remove(block, emit=False)
+                deleted += 1
+            for medium in media:
+                removed.setdefault(medium, []).append(block.block_hash)
+        for medium, hashes in removed.items():
+            self.sink.blocks_removed(ns, hashes, medium)
+        return deleted, busy
+
+    def drop(self, block: Block) -> None:
+        """The block must leave the store (its only copy failed verification, say):
+        removed now if nothing pins it, else doomed; BlockRemoved for each medium."""
+        if block.doomed:
+            return
+        if block.pins:
+            self.doom(block)
+        else:
+            self.remove(block, emit=True)
+
+    def _unindex(self, block: Block) -> list[str]:
+        """Take a committed block out of the index and every eviction order (its
+        slots stay its own). Returns the media it was in, for BlockRemoved."""
+        ns = block.namespace
+        if ns.blocks.get(block.block_hash) is block:
+            del ns.blocks[block.block_hash]
+        media = []
+        if self.disk is not None:
+            self.dirty.pop(block, None)
+            if self.on_leave is not None:
+                self.on_leave(block)
+            if block.disk_slot >= 0:
+                self.disk_policy(ns).remove(block)
+                media.append(Tier.DISK.medium)
+        if block.offset >= 0:
+            self.dram.policy(ns.slot_bytes).remove(block)
+            media.append(Tier.DRAM.medium)
+        if block.gpu_offset >= 0 and self.gpu is not None:
+            self.gpu.policy(ns.slot_bytes).remove(block)
+            media.append(Tier.GPU.medium)
+        return media
+
+    def _free_copies(self, block: Block) -> None:
+        """Free every slot of a block that left the index and that nothing pins."""
+        assert block.pins == 0, "freeing the slots of a pinned block"
+        if block.disk_slot >= 0 and self.disk is not None:
+            self.drop_disk_copy(block, emit=False)
+        if block.offset >= 0:
+            self._free_dram_slot(block)
+        if block.gpu_offset >= 0 and self.gpu is not None:
+            self._free_gpu_slot(block)
+
+    # -------------------------------------------------------- DRAM eviction
+
+    def _evict(self, block: Block) -> None:
+        if self.disk is not None and block.disk_slot >= 0:
+            self.vacate_dram(block)  # demoted: it lives on, on disk
+            return
+        self.remove(block, emit=True)
+        self.counters.evicted_blocks += 1
+
+    def _allocate(self, ns: Namespace) -> int | None:
+        """A DRAM slot for one block of ns, evicting cold unpinned blocks if needed."""
+        quota = self.quota_bytes
+        # A disk that cannot take writes (disk.when_full = "reject"): never drop
+        # a block that is not on disk yet; the store fails instead.
+        keep_dirty = self.disk is not None and self.keep_dirty
+        if (
+            quota
+            and ns.used_bytes + ns.slot_bytes > quota
+            and not self._evict_one(ns.slot_bytes, only=ns, clean_only=keep_dirty)
+        ):
+            return None
+        alloc = self.dram.allocator
+        offset = alloc.alloc(ns.slot_bytes)
+        if offset is not None:
+            return offset
+        # With a disk tier a dirty block is dropped only as a last resort: first
+        # a clean one of this size, then a chunk of another size.
+        if self.disk is not None and (
+            self._evict_one(ns.slot_bytes, clean_only=True)
+            or self._steal_chunk(ns.slot_bytes, clean_only=keep_dirty)
+        ):
+            return alloc.alloc(ns.slot_bytes)
+        if keep_dirty:
+            return None
+        if self._evict_one(ns.slot_bytes) or self._steal_chunk(ns.slot_bytes):
+            return alloc.alloc(ns.slot_bytes)
+        return None
+
+    @staticmethod
+    def _clean(block: Block) -> bool:
+        return block.disk_slot >= 0
+
+    def _evict_one(
+        self, slot_bytes: int, only: Namespace | None = None, *, clean_only: bool = False
+    ) -> bool:
+        """Evict the coldest unpinned block of this slot size (of one namespace if given)."""
+        # With a disk tier, prefer a clean victim (its DRAM copy goes, the block
+        # stays on disk) among the coldest few before dropping a dirty one.
+        if self.disk is not None:
+            victim = self.dram.victim(
+                slot_bytes,
+                4 * CLEAN_VICTIM_WINDOW,
+                only=only,
+                prefer=self._clean,
+                window=CLEAN_VICTIM_WINDOW,
+                prefer_only=clean_only,
+            )
+        else:
+            victim = self.dram.victim(slot_bytes, 4, only=only)
+        if victim is None:
+            return False
+        self._evict(victim)
+        return True
+
+    def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False) -> bool:
+        """Free a whole chunk held by another slot size whose blocks are all evictable."""
+        victims = self.dram.chunk_victims(slot_bytes, self._clean if clean_only else None)
+        if victims is None:
+            return False
+        for block in victims:
+            self._evict(block)
+        return True
+
+    # ------------------------------------------------------ DRAM <-> disk
+
+    def disk_policy(self, ns: Namespace) -> EvictionPolicy:
+        size = align_up(ns.block_bytes)
+        policy = self.disk_policies.get(size)
+        if policy is None:
+            policy = self.disk_policies[size] = make_policy(self.disk_eviction_policy)
+        return policy
+
+    def adopt_disk(self, ns: Namespace) -> list[int]:
+        """Adopt the recovered disk blocks of a namespace just declared (or restored
+        by a warm restart); BlockStored DISK for them. Returns their hashes."""
+        entries = self.parked.pop(ns.namespace_id, None)
+        if not entries:
+            return []
+        assert self.disk is not None
+        adopted = []
+        for h, entry in entries.items():
+            if entry.nbytes != ns.block_bytes:
+                self.disk.free(entry.slot)  # a block of another layout: stale
+                continue
+            block = ns.blocks.get(h)
+            if block is not None:
+                if block.disk_slot >= 0:
+                    self.disk.free(entry.slot)
+                    continue
+                block.disk_slot = entry.slot  # in DRAM already (warm restart): now clean
+                self.dirty.pop(block, None)
+                block.checksum = entry.checksum
+                self.clean_bytes += ns.slot_bytes
+            else:
+                block = Block(ns, h, state=BlockState.COMMITTED, checksum=entry.checksum)
+                block.disk_slot = entry.slot
+                ns.blocks[h] = block
+            self.disk_policy(ns).insert(block)
+            adopted.append(h)
+        if adopted:
+            self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
+        return adopted
+
+    def vacate_dram(self, block: Block) -> None:
+        """DRAM eviction of a clean block: it stays, on disk only."""
+        ns = block.namespace
+        self.dram.policy(ns.slot_bytes).remove(block)
+        self._free_dram_slot(block)
+        self.clean_bytes -= ns.slot_bytes
+        self.counters.demoted_blocks += 1
+        self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
+
+    def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
+        """Forget a block's disk copy (it must not be pinned by a disk read)."""
+        assert self.disk is not None
+        self.disk_policy(block.namespace).remove(block)
+        self.disk.free(block.disk_slot)
+        block.disk_slot = -1
+        if block.offset >= 0:
+            self.clean_bytes -= block.namespace.slot_bytes
+        if emit:
+            self.sink.blocks_removed(block.namespace, [block.block_hash], Tier.DISK.medium)
+
+    def reserve_disk(self, ns: Namespace) -> int | None:
+        """A disk slot for one block of ns, dropping the disk's coldest copies if needed."""
+        disk = self.disk
+        assert disk is not None
+        slot = disk.allocate(ns.block_bytes)
+        if slot is not None:
+            return slot
+        for victim in self._disk_victims(ns):
+            if victim.offset >= 0 or victim.gpu_offset >= 0:
+                self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
+            else:
+                self.remove(victim, emit=True)  # its only copy: the block leaves the store
+                self.counters.evicted_blocks += 1
+            slot = disk.allocate(ns.block_bytes)
+            if slot is not None:
+                return slot
+        # Recovered blocks nobody declared yet are the coldest of all.
+        for ns_id in list(self.parked):
+            entries = self.parked[ns_id]
+            while entries:
+                _, entry = entries.popitem()
+                disk.free(entry.slot)
+                slot = disk.allocate(ns.block_bytes)
+                if slot is not None:
+                    return slot
+            del self.parked[ns_id]
+        return None
+
+    def _disk_victims(self, ns: Namespace) -> list[Block]:
+        """The unpinned ones among the disk's coldest copies of ns's size (a list:
+        dropping them changes the order being walked)."""
+        coldest = itertools.islice(self.disk_policy(ns).victims(), DISK_VICTIM_WINDOW)
+        return [b for b in cast("Iterator[Block]", coldest) if not b.pins]
+
+    def unreserve_disk(self, slot: int) -> None:
+        """Give back a disk slot whose write did not become a block's copy."""
+        assert self.disk is not None
+        self.disk.free(slot)
+
+    def place_disk(
+        self, block: Block, slot: int, checksum: int, *, dram_offset: int, dram_generation: int
+    ) -> bool:
+        """A demotion's write of the DRAM copy at ``dram_offset`` (of that generation)
+        landed in disk ``slot``: the block is clean now; BlockStored DISK.
+
+        False (nothing changes: the caller frees the slot) when that DRAM copy is
+        no longer the block's, or the block left the store meanwhile."""
+        ns = block.namespace
+        if not (
+            ns.blocks.get(block.block_hash) is block
+            and block.offset == dram_offset
+            and block.dram_generation == dram_generation
+            and block.disk_slot < 0
+        ):
+            return False
+        self.dirty.pop(block, None)
+        block.disk_slot = slot
+        block.checksum = checksum
+        self.clean_bytes += ns.slot_bytes
+        self.disk_policy(ns).insert(block)
+        self.sink.blocks_stored(ns, [block.block_hash], Tier.DISK.medium, None, None)
+        return True
+
+    def promoted(
+        self,
+        ns: Namespace,
+        landed: Sequence[tuple[Block, int]],
+        missed: Sequence[tuple[Block, int, bool]],
+    ) -> list[Block]:
+        """A promotion batch's reads ended. Each ``landed`` block (read into its
+        reserved DRAM slot) is placed there unless it was deleted meanwhile; each
+        ``missed`` one's slot goes back, and when its flag says its disk copy
+        failed verification (the disk dropped it) the block, with no other copy,
+        leaves the store. One BlockStored DRAM and one BlockRemoved DISK per
+        batch. Returns the blocks placed. The reads' pins are the caller's to
+        drop after."""
+        promoted: list[Block] = []
+        dropped: list[int] = []
+        for block, offset in landed:
+            if block.doomed:
+                self.unreserve(block, Tier.DRAM, offset)  # deleted while it was read
+                continue
+            block.offset = offset
+            self.clean_bytes += ns.slot_bytes
+            self.dram.policy(ns.slot_bytes).insert(block)
+            promoted.append(block)
+        for block, offset, corrupt in missed:
+            self.unreserve(block, Tier.DRAM, offset)
+            if corrupt:
+                self.disk_policy(ns).remove(block)
+                block.disk_slot = -1
+                if not block.doomed:
+                    # It leaves the index now, its slots at its last unpin (the read's).
+                    assert block.pins, "a promotion read's block is pinned by the read"
+                    self.doom(block)
+                    dropped.append(block.block_hash)
+        if promoted:
+            self.counters.promoted_blocks += len(promoted)
+            self.sink.blocks_stored(
+                ns, [b.block_hash for b in promoted], Tier.DRAM.medium, None, None
+            )
+        if dropped:
+            self.sink.blocks_removed(ns, dropped, Tier.DISK.medium)
+        return promoted
+
+    # ------------------------------------------------------ GPU <-> DRAM
+
+    def gpu_victim(self, slot_bytes: int) -> Block | None:
+        """The coldest unpinned GPU block of a size (to demote for room)."""
+        assert self.gpu is not None
+        return self.gpu.victim(slot_bytes, GPU_VICTIM_WINDOW)
+
+    def gpu_chunk_victims(self, slot_bytes: int) -> list[Block] | None:
+        """The GPU blocks of the coldest chunk of another size that can all move."""
+        assert self.gpu is not None
+        return self.gpu.chunk_victims(slot_bytes)
+
+    def vacate_gpu(self, block: Block, dram_offset: int | None) -> None:
+        """A committed GPU block leaves the pool: into its reserved DRAM slot
+        ``dram_offset`` (its bytes copied there), else onto its disk copy, else out
+        of the store. Its KV events; a demotion or an eviction counted."""
+        assert self.gpu is not None
+        ns = block.namespace
+        self.gpu.policy(ns.slot_bytes).remove(block)
+        if dram_offset is None and block.disk_slot < 0:
+            self.remove(block, emit=True)
+            self.counters.evicted_blocks += 1
+            return
+        self._free_gpu_slot(block)
+        if dram_offset is not None:
+            self._into_dram(block, dram_offset)
+            self.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
+        # else: DRAM full of pinned blocks: the disk copy remains
+        self.counters.demoted_blocks += 1
+        self.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
+
+    def place_gpu(self, block: Block, gpu_offset: int) -> None:
+        """A DRAM block's bytes were copied into its reserved pool slot: it leaves
+        DRAM (a disk copy stays) and enters the pool."""
+        assert self.gpu is not None
+        ns = block.namespace
+        self.dram.policy(ns.slot_bytes).remove(block)
+        self._free_dram_slot(block)
+        if self.disk is not None:
+            if block.disk_slot >= 0:
+                self.clean_bytes -= ns.slot_bytes
+            else:
+                self.dirty.pop(block, None)
+                if self.on_leave is not None:
+                    self.on_leave(block)
+        block.gpu_offset = gpu_offset
+        self.gpu.policy(ns.slot_bytes).insert(block)
+        self.counters.promoted_blocks += 1
+        self.sink.blocks_stored(ns, [block.block_hash], Tier.GPU.medium, None, None)
+        self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
+
+    def _into_dram(self, block: Block, offset: int) -> None:
+        ns = block.namespace
+        block.offset = offset
+        self.dram.policy(ns.slot_bytes).insert(block)
+        if self.disk is not None:
+            if block.disk_slot >= 0:
+                self.clean_bytes += ns.slot_bytes
+            else:
+                self._dirty([block])
+
+    # ------------------------------------------------------- warm restart
+
+    def restore_dram(
+        self, blocks: Sequence[tuple[Namespace, int, int, int]]
+    ) -> tuple[list[Block], int]:
+        """Rebuild the DRAM index from a warm-restart manifest's ``(namespace, hash,
+        offset, checksum)``, on an empty pool. Returns the blocks restored (no
+        events: the caller announces each namespace's) and how many were refused."""
+        alloc = self.dram.allocator
+        rejected = set(alloc.rebuild((offset, ns.slot_bytes) for ns, _, offset, _ in blocks))
+        restored: list[Block] = []
+        dropped = 0
+        for ns, block_hash, offset, checksum in blocks:
+            if (offset, ns.slot_bytes) in rejected or block_hash in ns.blocks:
+                dropped += 1
+                if block_hash in ns.blocks and (offset, ns.slot_bytes) not in rejected:
+                    alloc.free(offset)  # a duplicate key: keep the first
+                continue
+            block = Block(ns, block_hash, offset, BlockState.COMMITTED, checksum=checksum)
+            self.dram.owner[offset] = block
+            ns.blocks[block_hash] = block
+            ns.used_bytes += ns.slot_bytes
+            self.dram.policy(ns.slot_bytes).insert(block)
+            restored.append(block)
+            if self.disk is not None:
+                self.dirty[block] = None
+        return restored, dropped
+
+    def announce(self, ns: Namespace, blocks: Sequence[int], tier: Tier) -> None:
+        """Tell the cluster what this node holds (after a restart)."""
+        if blocks:
+            self.sink.blocks_stored(ns, blocks, tier.medium, None, None)
