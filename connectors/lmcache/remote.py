@@ -175,7 +175,8 @@ class KVStoreConnector(RemoteConnector):
 
     def _put_all(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> int:
         def put() -> int:
-            return self._store.put([self._chunk(k, o) for k, o in zip(keys, objs, strict=True)])
+            chunks = [self._chunk(k, o) for k, o in zip(keys, objs, strict=True)]
+            return self._store.put(chunks).stored
 
         return self._guard("store", put, 0)
 

@@ -1,7 +1,7 @@
 """The LMCache connectors' link to the daemon: chunks in, chunks out, misses on failure.
 
     store = ChunkStore(address, meta_bytes=m)
-    store.put([Chunk(spec, block_hash, meta, payload), ...])     -> chunks newly stored
+    store.put([Chunk(spec, block_hash, meta, payload), ...])     -> PutReport(stored, ok)
     store.prefix([(spec, block_hash), ...])                        -> leading chunks present
     store.get([(spec, block_hash), ...], make, drop)               -> made objects, a prefix
 
@@ -48,6 +48,12 @@ class Chunk:
     block_hash: int
     meta: bytes  # LMCache's RemoteMetadata of the chunk
     payload: np.ndarray  # uint8, the MemoryObj's bytes (a view, not a copy)
+
+
+@dataclass(frozen=True, slots=True)
+class PutReport:
+    stored: int  # chunks new in the daemon (already-present ones are not counted)
+    ok: bool  # False: some chunks were not stored (daemon down, full, refused)
 
 
 def _delete(client: Client, ns: Namespace, hashes: list[int]) -> tuple[int, int]:
@@ -120,16 +126,17 @@ class ChunkStore:
                 break
         return found
 
-    def put(self, chunks: Sequence[Chunk]) -> int:
-        """Store ``chunks`` (already-present ones are skipped); returns how many were new."""
-        stored = 0
+    def put(self, chunks: Sequence[Chunk]) -> PutReport:
+        """Store ``chunks`` (already-present ones are skipped, not rewritten)."""
+        stored, ok = 0, True
         for run in _runs(chunks, lambda c: c.spec):
             with self._lock:
                 n = self._session.call_in(
                     "store", run[0].spec, lambda c, ns, r=run: self._put(c, ns, r)
                 )
             stored += n or 0
-        return stored
+            ok = ok and n is not None
+        return PutReport(stored, ok)
 
     def get(
         self,

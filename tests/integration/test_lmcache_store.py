@@ -10,7 +10,7 @@ import pytest
 
 from connectors.lmcache.blocks import PREFIX_BYTES, read_block, slot_bytes, write_block
 from connectors.lmcache.keys import ChunkLayout, block_hash, tenant_of
-from connectors.lmcache.store import Chunk, ChunkStore
+from connectors.lmcache.store import Chunk, ChunkStore, PutReport
 from kvstore import errors
 from kvstore.client import Client
 from kvstore.namespace import MAX_NAME_CHARS
@@ -51,11 +51,11 @@ def test_chunks_round_trip_with_prefix_semantics_across_namespaces(daemon, map_r
     try:
         run_a = [chunk(a, h) for h in (11, 12)]
         run_b = [chunk(b, 21), chunk(b, 22, nbytes=FULL // 4)]  # a partial last chunk
-        assert store.put(run_a + run_b[:1]) == 3
-        assert store.put(run_a) == 0  # already there: skipped, not rewritten
+        assert store.put(run_a + run_b[:1]).stored == 3
+        assert store.put(run_a).stored == 0  # already there: skipped, not rewritten
         keys = [(c.spec, c.block_hash) for c in run_a + run_b]
         assert store.prefix(keys) == 3  # stops at the first missing one
-        assert store.put(run_b) == 1
+        assert store.put(run_b).stored == 1
         assert store.prefix(keys) == 4
         # same hash, other tenant: a miss
         assert store.prefix([(b, 11)]) == 0
@@ -96,7 +96,7 @@ def test_daemon_gone_means_misses_and_one_warning(tmp_path, caplog):
     spec = layout().spec("m", 1, 0, "")
     store = ChunkStore(f"unix:{tmp_path}/none.sock", meta_bytes=META, timeout_s=0.5)
     with caplog.at_level(logging.WARNING):
-        assert store.put([chunk(spec, 1)]) == 0
+        assert store.put([chunk(spec, 1)]) == PutReport(0, False)
         assert store.prefix([(spec, 1)]) == 0
         assert store.get([(spec, 1)], made, lambda x: None) == []
     assert caplog.text.count("unusable") == 1
