@@ -40,6 +40,7 @@ from kvstore.namespace import NamespaceSpec
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ChunkKey = tuple[NamespaceSpec, int]
+MAX_NAMESPACES = 4096  # declared namespaces remembered per connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +102,9 @@ class ChunkStore:
             map_region=map_region,
         )
         self._lock = threading.Lock()
+        self._refusals_seen: set[tuple[str, str]] = set()
+        self._declared: dict[NamespaceSpec, Namespace] = {}
+        self._declared_for = -1  # the session generation _declared belongs to
 
     @property
     def failures(self) -> int:
@@ -112,13 +116,47 @@ class ChunkStore:
 
     # ------------------------------------------------------------ calls
 
+    def _call(
+        self, what: str, spec: NamespaceSpec, fn: Callable[[Client, Namespace], T]
+    ) -> T | None:
+        """``fn(client, namespace)`` through the session (so None on any failure),
+        plus a warning the first time the daemon refuses a kind of call for a
+        reason: the session logs refusals at debug level only, and one such as
+        "TCP needs the cluster secret" must not be silent."""
+
+        def watched(client: Client) -> T:
+            try:
+                return fn(client, self._namespace(client, spec))
+            except (
+                errors.PermissionDenied,
+                errors.InvalidRequest,
+                errors.CapacityExhausted,
+            ) as exc:
+                reason = (what, type(exc).__name__)
+                if reason not in self._refusals_seen and len(self._refusals_seen) < 64:
+                    self._refusals_seen.add(reason)
+                    log.warning("kvstore: the daemon refused an LMCache %s: %s", what, exc)
+                raise
+
+        return self._session.call(what, watched)
+
+    def _namespace(self, client: Client, spec: NamespaceSpec) -> Namespace:
+        """``spec`` declared on the daemon ``client`` talks to (once per connection)."""
+        if self._declared_for != self._session.generation or len(self._declared) > MAX_NAMESPACES:
+            self._declared.clear()
+            self._declared_for = self._session.generation
+        ns = self._declared.get(spec)
+        if ns is None:
+            ns = self._declared[spec] = client.declare_namespace(spec)
+        return ns
+
     def prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` the daemon holds (0 while it is down)."""
         found = 0
         for run in _runs(keys, lambda k: k[0]):
             hashes = [h for _, h in run]
             with self._lock:
-                n = self._session.call_in(
+                n = self._call(
                     "lookup", run[0][0], lambda c, ns, h=hashes: c.lookup(ns, h).prefix_blocks
                 )
             found += n or 0
@@ -131,9 +169,7 @@ class ChunkStore:
         stored, ok = 0, True
         for run in _runs(chunks, lambda c: c.spec):
             with self._lock:
-                n = self._session.call_in(
-                    "store", run[0].spec, lambda c, ns, r=run: self._put(c, ns, r)
-                )
+                n = self._call("store", run[0].spec, lambda c, ns, r=run: self._put(c, ns, r))
             stored += n or 0
             ok = ok and n is not None
         return PutReport(stored, ok)
@@ -154,7 +190,7 @@ class ChunkStore:
         for run in _runs(keys, lambda k: k[0]):
             hashes = [h for _, h in run]
             with self._lock:
-                got = self._session.call_in(
+                got = self._call(
                     "load", run[0][0], lambda c, ns, h=hashes: self._get(c, ns, h, make, drop)
                 )
             got = got or []
@@ -168,9 +204,7 @@ class ChunkStore:
         for run in _runs(keys, lambda k: k[0]):
             hashes = [h for _, h in run]
             with self._lock:
-                n = self._session.call_in(
-                    "delete", run[0][0], lambda c, ns, h=hashes: _delete(c, ns, h)
-                )
+                n = self._call("delete", run[0][0], lambda c, ns, h=hashes: _delete(c, ns, h))
             deleted += n[0] if n else 0
         return deleted
 

@@ -38,11 +38,11 @@ def _env() -> dict[str, str]:
 class DriverProc:
     """One driver process; ``call(op, **args)`` -> its JSON answer (errors raise)."""
 
-    def __init__(self, module: str, *args: str) -> None:
+    def __init__(self, module: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [lmcache_python(), "-m", module, *args],
             cwd=ROOT,
-            env=_env(),
+            env={**_env(), **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -100,11 +100,18 @@ class DriverProc:
 class LMCacheEngineProc(DriverProc):
     """A real LMCacheEngine on CPU with kvstore as its remote backend."""
 
-    def __init__(self, address: str, *, model: str = "tiny-lmcache", **opts: Any) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        model: str = "tiny-lmcache",
+        env: dict[str, str] | None = None,
+        **opts: Any,
+    ) -> None:
         args = [address, "--model", model]
         for k, v in opts.items():
             args += [f"--{k.replace('_', '-')}", str(v)]
-        super().__init__("tests.lmcache.driver", *args)
+        super().__init__("tests.lmcache.driver", *args, env=env)
 
 
 class LMCacheMPServer:

@@ -16,6 +16,7 @@ from kvstore.client import Client
 from tests.integration._lmcache import LMCacheEngineProc
 
 pytestmark = pytest.mark.timeout(600)
+SECRET = "lmcache-test-secret"
 
 
 @pytest.fixture
@@ -32,8 +33,18 @@ def engines():
         e.close()
 
 
-def test_store_then_retrieve_from_kvstore_bit_exact_local_copy_keeps_one_ref(daemon, engines):
-    eng = engines(daemon.address)
+@pytest.mark.parametrize("path", ["region", "grpc"])
+def test_store_then_retrieve_from_kvstore_bit_exact_local_copy_keeps_one_ref(
+    daemon_factory, engines, path
+):
+    """region: a local daemon over its Unix socket, bytes through the shared region;
+    grpc: as from another host (TCP with the cluster secret, bytes inline in gRPC)."""
+    if path == "region":
+        daemon = daemon_factory()
+        eng = engines(daemon.address)
+    else:
+        daemon = daemon_factory(settings={"peer.secret": SECRET})
+        eng = engines(daemon.tcp_address, map_region="false", env={"KVSTORE_SECRET": SECRET})
     stored = eng.call("store", seed=1, tokens=40)
     assert stored["chunks"] == 3
     assert stored["put_failed"] == 0
@@ -50,6 +61,14 @@ def test_store_then_retrieve_from_kvstore_bit_exact_local_copy_keeps_one_ref(dae
     # a prompt never stored: no hit
     assert eng.call("lookup", seed=2, tokens=40)["hit"] == 0
     assert not [w for w in eng.warnings() if "kvstore" in w]
+
+
+def test_tcp_without_the_secret_misses_with_a_warning_saying_why(daemon, engines):
+    eng = engines(daemon.tcp_address, map_region="false")
+    assert eng.call("store", seed=1, tokens=16)["put_failed"] == 0
+    assert eng.call("clear_local")["left"] == 0
+    assert eng.call("lookup", seed=1, tokens=16)["hit"] == 0
+    assert any("refused" in w and "secret" in w for w in eng.warnings()), eng.tail()
 
 
 def test_two_engines_share_chunks_through_one_daemon_tenants_do_not(daemon, engines):

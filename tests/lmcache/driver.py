@@ -80,7 +80,9 @@ def kv_of(seed: int, n: int) -> torch.Tensor:
     return torch.randn((2, LAYERS, n, HEADS * HEAD_DIM), generator=g).to(DTYPE)
 
 
-def build(address: str, model: str, instance: str, cpu_gib: float, retry_initial_s: float) -> Any:
+def build(
+    address: str, model: str, instance: str, cpu_gib: float, retry_initial_s: float, map_region: str
+) -> Any:
     config = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK,
         local_cpu=True,
@@ -94,6 +96,7 @@ def build(address: str, model: str, instance: str, cpu_gib: float, retry_initial
             "remote_storage_plugin.kvstore.address": address,
             "remote_storage_plugin.kvstore.timeout_s": 2.0,
             "remote_storage_plugin.kvstore.retry_initial_s": retry_initial_s,
+            "remote_storage_plugin.kvstore.map_region": map_region,
         },
     )
     metadata = LMCacheMetadata(
@@ -187,10 +190,13 @@ def main() -> None:
     ap.add_argument("--instance", default="kvstore-test")
     ap.add_argument("--cpu-gib", type=float, default=0.05)
     ap.add_argument("--retry-initial-s", type=float, default=1.0)
+    ap.add_argument("--map-region", default="true", help="false: bytes inline over gRPC")
     args = ap.parse_args()
     # The connector's own warnings (daemon down, reconnected) next to LMCache's.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    engine = build(args.address, args.model, args.instance, args.cpu_gib, args.retry_initial_s)
+    engine = build(
+        args.address, args.model, args.instance, args.cpu_gib, args.retry_initial_s, args.map_region
+    )
     driver = Driver(engine)
     print("@@ " + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
