@@ -14,16 +14,15 @@ stdout (LMCache logs go to the same streams; the marker tells them apart):
 
 Everything is LMCache's own (LMCacheEngineBuilder, StorageManager,
 LocalCPUBackend, RemoteBackend loading the plugin by module path) except the
-GPU connector: LMCache's are CUDA kernels, so this one copies the engine's
-"KV cache" (a CPU tensor per request, [2, layers, tokens, heads*head_dim])
-in and out of the memory objects with torch. KV bytes are a function of the
+GPU connector: LMCache's are CUDA kernels, so the bench's CPU one copies the
+engine's "KV cache" (a CPU tensor per request, [2, layers, tokens,
+heads*head_dim]) in and out of the memory objects with torch. KV bytes are a function of the
 seed, so another process knows what a retrieve must return.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import sys
@@ -33,41 +32,15 @@ from typing import Any
 import torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.gpu_connector import GPUConnectorInterface
 from lmcache.v1.metadata import LMCacheMetadata
 
+from bench.compare_lmcache import gpu_connector_class, wait_remote_puts
 from connectors.lmcache.keys import block_hash
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
 DTYPE = torch.float16
 PUT_WAIT_S = 20.0
-
-
-class CPUKVConnector(GPUConnectorInterface):
-    """Copies between memory objects and kwargs["kv"] ([2, L, T, H*D]) on CPU."""
-
-    def __init__(self) -> None:
-        self.kvcaches = None
-
-    def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-        memory_obj.tensor.copy_(kw["kv"][:, :, start:end])
-
-    def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
-        kw["kv"][:, :, start:end].copy_(memory_obj.tensor)
-
-    def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.from_gpu(m, s, e, **kw)
-
-    def batched_to_gpu(
-        self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kw: Any
-    ) -> None:
-        for m, s, e in zip(memory_objs, starts, ends, strict=True):
-            self.to_gpu(m, s, e, **kw)
-
-    def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([2, LAYERS, num_tokens, HEADS * HEAD_DIM])
 
 
 def tokens_of(seed: int, n: int) -> list[int]:
@@ -110,7 +83,12 @@ def build(
         chunk_size=CHUNK,
     )
     engine = LMCacheEngineBuilder.get_or_create(
-        instance, config, metadata, CPUKVConnector(), lambda t, r: None, lambda o, r: o
+        instance,
+        config,
+        metadata,
+        gpu_connector_class()(LAYERS, HEADS * HEAD_DIM),
+        lambda t, r: None,
+        lambda o, r: o,
     )
     engine.post_init()
     return engine
@@ -135,7 +113,7 @@ class Driver:
         tokens, configs = tokens_of(cmd["seed"], cmd["tokens"]), self._configs(cmd)
         self.engine.store(tokens, kv=kv_of(cmd["seed"], cmd["tokens"]), request_configs=configs)
         keys = self._keys(tokens, configs)
-        self.wait_puts()
+        wait_remote_puts(self.remote, PUT_WAIT_S)
         refcounts = []
         with self.local.cpu_lock:
             for k in keys:
@@ -147,22 +125,6 @@ class Driver:
             "refcounts": refcounts,
             "put_failed": self.remote.put_failed_count,
         }
-
-    def wait_puts(self) -> None:
-        """Until the remote puts LMCache has in flight are done (they run as tasks on
-        its RemoteBackend's loop; its put_tasks set does not track batched puts)."""
-
-        async def drain() -> None:
-            puts = [
-                t
-                for t in asyncio.all_tasks()
-                if t is not asyncio.current_task()
-                and t.get_coro().__qualname__.rsplit(".", 1)[-1] in ("put", "batched_put")
-            ]
-            if puts:
-                await asyncio.wait(puts, timeout=PUT_WAIT_S)
-
-        asyncio.run_coroutine_threadsafe(drain(), self.remote.loop).result(PUT_WAIT_S + 5)
 
     def retrieve(self, cmd: dict[str, Any]) -> dict[str, Any]:
         n = cmd["tokens"]
