@@ -15,6 +15,7 @@ from tests.integration._lmcache import DriverProc, LMCacheMPServer
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK_BYTES = 64 * 1024  # one LMCache chunk (256 tokens) of the client's layout
+MODEL = f"kvstore-bench/compare-{BLOCK_BYTES}"  # the model bench.compare_lmcache registers
 STORE_RETRY_S = 30.0
 
 
@@ -41,7 +42,18 @@ def _wait_for(address: str, cond, timeout_s: float = 30.0) -> None:  # type: ign
 
 
 def test_mp_server_serves_chunks_evicted_from_its_l1_out_of_kvstore(daemon_factory, tmp_path):
-    daemon = daemon_factory(dram_bytes=256 << 20)
+    from kvstore.events.wire import BlockStored, full_decoder
+    from tests.integration._events import EventTap
+
+    daemon = daemon_factory(
+        dram_bytes=256 << 20,
+        settings={
+            "events.enabled": True,
+            "events.publish_address": "tcp://127.0.0.1:0",
+            "events.replay_address": "",
+        },
+    )
+    tap = EventTap(daemon.address, daemon.info["events_publish_address"], b"kv@")
     servers: list[LMCacheMPServer] = []
     clients: list[DriverProc] = []
     try:
@@ -51,6 +63,20 @@ def test_mp_server_serves_chunks_evicted_from_its_l1_out_of_kvstore(daemon_facto
         _store(c, "first", 8)
         # the server's store controller writes L2 in the background
         _wait_for(daemon.address, lambda st: st.stored_blocks >= 8)
+        # ... and they reach the daemon's KV events like any other block
+        dec = full_decoder()
+        hashes: set[int] = set()
+
+        def stored_events() -> bool:
+            hashes.clear()
+            for topic, _, payload in tap.frames:
+                if topic.endswith(f"@{MODEL}".encode()):
+                    for e in dec.decode(payload).events:
+                        if isinstance(e, BlockStored):
+                            hashes.update(e.block_hashes)
+            return len(hashes) >= 8
+
+        tap.collect(stored_events)
         # 25 MiB more through a 20 MiB L1: "first" (least recently used) is evicted
         for j in range(40):
             _store(c, f"fill{j}", 10)
@@ -70,6 +96,7 @@ def test_mp_server_serves_chunks_evicted_from_its_l1_out_of_kvstore(daemon_facto
         clients.append(DriverProc("tests.lmcache.mp_driver", servers[1].url, str(BLOCK_BYTES)))
         assert clients[1].call("load", name="fill39", chunks=10) == {"exact": True}
     finally:
+        tap.close()
         for cl in clients:
             cl.close()
         for s in servers:
