@@ -10,6 +10,10 @@ Systems, each in its usual per-node deployment on this machine:
   lmcache-mp    LMCache's per-node MP server (`lmcache server`, CPU L1) and
                 its engine-driven shared-memory transfer path.
   lmcache-cpu   LMCache's in-process CPU engine (LocalCPUBackend).
+  lmcache-local, lmcache-kvstore, lmcache-redis
+                a whole LMCacheEngine storing and retrieving the same chunks:
+                CPU tier only; kvstore as its remote backend (connectors/lmcache);
+                LMCache's own Redis connector. Not in the default set (--systems).
   mooncake      Mooncake Store: mooncake_master + a holder client that mounts
                 the memory segment + the measured client (tcp on loopback,
                 registered buffers, batch_put_from / batch_get_into).
@@ -41,14 +45,21 @@ from typing import Any
 
 from bench import _common
 
-SYSTEMS = ("kvstore", "redis", "lmcache-mp", "lmcache-cpu", "mooncake")
+DEFAULT_SYSTEMS = ("kvstore", "redis", "lmcache-mp", "lmcache-cpu", "mooncake")
+# LMCache + kvstore against LMCache alone and LMCache + Redis (docs/lmcache.md)
+LMCACHE_ENGINE_SYSTEMS = ("lmcache-local", "lmcache-kvstore", "lmcache-redis")
+SYSTEMS = DEFAULT_SYSTEMS + LMCACHE_ENGINE_SYSTEMS
 WORKER = Path(__file__).resolve().parent / "compare_worker.py"
 START_TIMEOUT_S = 60.0
 WORKER_TIMEOUT_S = 600.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    p.add_argument(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"comma-separated, of {','.join(SYSTEMS)}",
+    )
     p.add_argument("--block-sizes", default="65536,2097152", help="bytes, comma-separated")
     p.add_argument("--total-bytes", type=int, default=256 << 20, help="bytes per store/load batch")
     p.add_argument("--repeats", type=int, default=7)
@@ -94,7 +105,37 @@ def _service(
     procs: list[subprocess.Popen] = []
     log = open(tmp / f"{system}.log", "wb")  # noqa: SIM115 - closed below
     try:
-        if system == "kvstore":
+        if system in LMCACHE_ENGINE_SYSTEMS:
+            py = _common.env_python("lmcache")
+            if not py:
+                raise RuntimeError("no .venv-lmcache: run bash bench/setup_peers.sh")
+            params = {"python": py, "capacity_bytes": capacity_bytes}
+            if system == "lmcache-kvstore":
+                with _service("kvstore", tmp, capacity_bytes) as svc:
+                    yield {**svc, **params}
+            elif system == "lmcache-redis":
+                exe = shutil.which("redis-server")
+                if not exe:
+                    raise RuntimeError("redis-server not installed (apt-get install redis-server)")
+                port = _free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                         "--appendonly", "no", "--maxmemory", str(capacity_bytes * 2),
+                         "--maxmemory-policy", "allkeys-lru", "--dir", str(tmp)],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )  # fmt: skip
+                _wait_for(
+                    lambda: socket.create_connection(("127.0.0.1", port), 1).close() is None,
+                    "redis-server",
+                    procs[0],
+                )
+                yield {**params, "redis_port": port}
+            else:
+                yield params
+        elif system == "kvstore":
             sock = tmp / "kvstore.sock"
             procs.append(
                 subprocess.Popen(
@@ -275,13 +316,21 @@ def _run_worker(params: dict[str, Any]) -> dict[str, Any]:
     py = params.pop("python")
     env = params.pop("env", None) or dict(os.environ)
     env["PYTHONPATH"] = str(_common.repo_root()) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [py, str(WORKER), json.dumps(params)],
-        capture_output=True,
-        timeout=WORKER_TIMEOUT_S,
-        env=env,
-        cwd=_common.repo_root(),
-    )
+    try:
+        proc = subprocess.run(
+            [py, str(WORKER), json.dumps(params)],
+            capture_output=True,
+            timeout=WORKER_TIMEOUT_S,
+            env=env,
+            cwd=_common.repo_root(),
+        )
+    except subprocess.TimeoutExpired:
+        # This block size's error only: the system's other sizes keep their results.
+        return {
+            "system": params["system"],
+            "block_bytes": params["block_bytes"],
+            "error": f"worker did not finish in {WORKER_TIMEOUT_S:.0f} s",
+        }
     for line in proc.stdout.decode(errors="replace").splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -388,14 +437,15 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             for name, r in rows.items()
         }
         entry: dict[str, Any] = {"systems": per}
-        peers = {k: v for k, v in per.items() if k != "kvstore"}
+        # lmcache-kvstore is kvstore behind LMCache: not a peer of kvstore.
+        peers = {k: v for k, v in per.items() if k not in ("kvstore", "lmcache-kvstore")}
         if "kvstore" in per and peers:
             best = max(peers, key=lambda k: peers[k]["load_vs_memcpy"])
             entry["best_peer_load"] = best
             entry["kvstore_load_over_best_peer"] = (
                 per["kvstore"]["load_vs_memcpy"] / peers[best]["load_vs_memcpy"]
             )
-            services = {k: v for k, v in peers.items() if k != "lmcache-cpu"}
+            services = {k: v for k, v in peers.items() if k not in ("lmcache-cpu", "lmcache-local")}
             if services:
                 # Peers that, like kvstore, serve the node from another process.
                 best_svc = max(services, key=lambda k: services[k]["load_vs_memcpy"])
@@ -408,5 +458,17 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             entry["kvstore_store_over_best_peer"] = (
                 per["kvstore"]["store_vs_memcpy"] / peers[best_s]["store_vs_memcpy"]
             )
+        if "lmcache-kvstore" in per:
+            # What an LMCache user sees: the same engine with kvstore behind it,
+            # against LMCache alone and LMCache with Redis behind it.
+            mine = per["lmcache-kvstore"]
+            entry["lmcache_kvstore_over"] = {
+                other: {
+                    "load": mine["load_vs_memcpy"] / per[other]["load_vs_memcpy"],
+                    "store": mine["store_vs_memcpy"] / per[other]["store_vs_memcpy"],
+                }
+                for other in ("lmcache-local", "lmcache-redis")
+                if other in per
+            }
         out[str(bb)] = entry
     return out

@@ -2,6 +2,13 @@
 
 lmcache-cpu: LMCache's in-process CPU tier (see LMCacheCPUSystem).
 
+lmcache-local / lmcache-kvstore / lmcache-redis: a whole LMCacheEngine (what
+a vLLM worker's LMCache runs) storing and retrieving the same chunks with its
+CPU tier only, with kvstore as its remote backend (connectors.lmcache.remote
+over the daemon's Unix socket), or with LMCache's own Redis connector
+(resp://, its native Redis client). The remote variants keep no local copy (local_cpu: false, the CPU
+backend is only their buffer), so every retrieve comes from the remote.
+
 lmcache-mp: LMCache's per-node MP server (`lmcache server
 --supported-transfer-mode engine_driven`) through the path a vLLM worker
 uses: the worker registers its KV cache layout (engine-driven shared-memory
@@ -212,7 +219,176 @@ class LMCacheCPUSystem:
         }
 
 
+def gpu_connector_class() -> Any:
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+
+    class CPUKVConnector(GPUConnectorInterface):
+        """LMCache's GPU connector, on CPU: copies between memory objects and
+        kwargs["kv"] ([2, layers, tokens, hidden]); LMCache's own are CUDA kernels."""
+
+        def __init__(self, layers: int, hidden: int) -> None:
+            self.kvcaches = None
+            self._layers, self._hidden = layers, hidden
+
+        def from_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            memory_obj.tensor.copy_(kw["kv"][:, :, start:end])
+
+        def to_gpu(self, memory_obj: Any, start: int, end: int, **kw: Any) -> None:
+            kw["kv"][:, :, start:end].copy_(memory_obj.tensor)
+
+        def batched_from_gpu(self, memory_objs: Any, starts: Any, ends: Any, **kw: Any) -> None:
+            for m, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.from_gpu(m, s, e, **kw)
+
+        def batched_to_gpu(
+            self, memory_objs: Any = None, starts: Any = None, ends: Any = None, **kw: Any
+        ) -> None:
+            for m, s, e in zip(memory_objs, starts, ends, strict=True):
+                self.to_gpu(m, s, e, **kw)
+
+        def get_shape(self, num_tokens: int) -> Any:
+            import torch
+
+            return torch.Size([2, self._layers, num_tokens, self._hidden])
+
+    return CPUKVConnector
+
+
+def wait_remote_puts(remote_backend: Any, timeout_s: float) -> None:
+    """Until the puts an LMCache RemoteBackend has in flight are done: they run as
+    tasks on its event loop, and its put_tasks set does not track batched puts."""
+    import asyncio
+
+    async def drain() -> None:
+        puts = [
+            t
+            for t in asyncio.all_tasks()
+            if t is not asyncio.current_task()
+            and t.get_coro().__qualname__.rsplit(".", 1)[-1] in ("put", "batched_put")
+        ]
+        if puts:
+            await asyncio.wait(puts, timeout=timeout_s)
+
+    asyncio.run_coroutine_threadsafe(drain(), remote_backend.loop).result(timeout_s + 5)
+
+
+class LMCacheEngineSystem:
+    """A real LMCacheEngine on CPU; one LMCache chunk (256 tokens) = one block."""
+
+    def __init__(self, p: dict[str, Any]) -> None:
+        import torch
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        self.name = p["system"]
+        self.torch = torch
+        bb = p["block_bytes"]
+        if bb % (2 * CHUNK_TOKENS * 2):
+            raise ValueError(f"block_bytes {bb} is not a multiple of {4 * CHUNK_TOKENS}")
+        self.head_dim = bb // (2 * CHUNK_TOKENS * 2)
+        remote = self.name != "lmcache-local"
+        extra: dict[str, Any] = {}
+        kw: dict[str, Any] = {}
+        if self.name == "lmcache-kvstore":
+            kw["remote_storage_plugins"] = ["kvstore"]
+            extra = {
+                "remote_storage_plugin.kvstore.module_path": "connectors.lmcache.remote",
+                "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
+                "remote_storage_plugin.kvstore.address": p["address"],
+            }
+        elif self.name == "lmcache-redis":
+            # resp://: LMCache's native Redis client. Its redis:// (redis-py)
+            # connector did not finish 128 x 64 KiB chunks in 120 s here.
+            kw["remote_url"] = f"resp://127.0.0.1:{p['redis_port']}"
+            extra = {"save_chunk_meta": False}  # RESP requires it
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK_TOKENS,
+            local_cpu=not remote,
+            max_local_cpu_size=int(p["capacity_bytes"]) / 2**30,
+            remote_serde="naive",
+            save_unfull_chunk=False,
+            extra_config=extra or None,
+            **kw,
+        )
+        metadata = LMCacheMetadata(
+            model_name=f"{MODEL}-{bb}",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.float16,
+            kv_shape=(1, 2, CHUNK_TOKENS, 1, self.head_dim),
+            chunk_size=CHUNK_TOKENS,
+        )
+        self.engine = LMCacheEngineBuilder.get_or_create(
+            f"bench-{self.name}-{bb}",
+            config,
+            metadata,
+            gpu_connector_class()(1, self.head_dim),
+            lambda t, r: None,
+            lambda o, r: o,
+        )
+        self.engine.post_init()
+        backends = self.engine.storage_manager.storage_backends
+        self._remote = next((b for n, b in backends.items() if n.startswith("RemoteBackend")), None)
+        if remote and self._remote is None:
+            raise RuntimeError(f"{self.name}: LMCache created no remote backend")
+
+    def _tokens(self, keys: list[str]) -> list[int]:
+        base = zlib.crc32(keys[0].encode()) % (1 << 30)
+        return list(range(base, base + len(keys) * CHUNK_TOKENS))
+
+    def _as_kv(self, blocks: np.ndarray):
+        n = len(blocks)
+        flat = self.torch.from_numpy(blocks.reshape(-1))
+        return flat.view(self.torch.float16).view(2, 1, n * CHUNK_TOKENS, self.head_dim)
+
+    def store(self, keys: list[str], blocks: np.ndarray) -> None:
+        self.engine.store(self._tokens(keys), kv=self._as_kv(blocks))
+        if self._remote is not None:  # done = in the remote, as for every other system
+            wait_remote_puts(self._remote, TIMEOUT_S)
+
+    def load(self, keys: list[str], out: np.ndarray) -> None:
+        tokens = self._tokens(keys)
+        mask = self.engine.retrieve(tokens, kv=self._as_kv(out))
+        got = int(mask.sum().item())
+        if got != len(tokens):
+            raise RuntimeError(f"{self.name}: retrieved {got} of {len(tokens)} tokens")
+
+    def remove(self, keys: list[str]) -> None:
+        if self.name == "lmcache-redis":
+            # LMCache's Redis connectors cannot remove (NotImplementedError, logged
+            # per key); Redis runs with an LRU maxmemory policy instead.
+            return
+        self.engine.clear(self._tokens(keys))
+
+    def close(self) -> None:
+        if self.name == "lmcache-redis":
+            # LMCache 0.5.6's RedisConnector.close deadlocks (its job executor's
+            # shutdown, run on the loop, waits for a future of that same loop);
+            # the worker exits with os._exit right after the result anyway.
+            return
+        self.engine.close()
+
+    def settings(self) -> dict[str, Any]:
+        where = {
+            "lmcache-local": "LocalCPUBackend only (local_cpu: true)",
+            "lmcache-kvstore": "remote = kvstore (connectors.lmcache.remote, Unix socket)",
+            "lmcache-redis": "remote = LMCache's RESP connector (resp://, TCP loopback)",
+        }[self.name]
+        return {
+            "engine": f"LMCacheEngine, chunk {CHUNK_TOKENS} tokens, CPU copy as GPU connector",
+            "storage": where,
+        }
+
+
+ENGINE_SYSTEMS = ("lmcache-local", "lmcache-kvstore", "lmcache-redis")
+
+
 def make(p: dict[str, Any]) -> Any:
     if p["system"] == "lmcache-mp":
         return LMCacheMPSystem(p)
+    if p["system"] in ENGINE_SYSTEMS:
+        return LMCacheEngineSystem(p)
     return LMCacheCPUSystem(p)

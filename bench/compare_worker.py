@@ -238,7 +238,7 @@ def make_system(p: dict[str, Any]) -> System:
         return RedisSystem(p)
     if kind == "mooncake":
         return MooncakeSystem(p)
-    if kind in ("lmcache-mp", "lmcache-cpu"):
+    if kind.startswith("lmcache-"):
         from bench import compare_lmcache  # only in the LMCache venv
 
         return compare_lmcache.make(p)

@@ -83,6 +83,12 @@ def compare_report(
                 f"**{entry['kvstore_load_over_best_service_peer']:.2f}x** the best "
                 f"({entry['best_service_peer_load']})."
             )
+    for bb, entry in summary.items():
+        for other, r in entry.get("lmcache_kvstore_over", {}).items():
+            lines.append(
+                f"- {_size(int(bb))} chunks, LMCache + kvstore vs {other}: loads "
+                f"**{r['load']:.2f}x**, stores {r['store']:.2f}x."
+            )
     goal = summary.get(str(2 << 20), {}).get("kvstore_load_over_best_peer")
     if goal is not None:
         lines.append(

@@ -6,7 +6,8 @@
 #                   Its own venv: its pins (numpy<=2.2.6, prometheus_client<=0.24.1)
 #                   clash with vLLM's. A plain `pip install lmcache` would pull a
 #                   multi-GB CUDA stack, so its runtime needs are listed here and
-#                   lmcache itself goes in with --no-deps.
+#                   lmcache itself goes in with --no-deps. kvstore goes in too
+#                   (editable, --no-deps), for connectors/lmcache and its tests.
 #   .venv-mooncake  Mooncake Store (mooncake-transfer-engine-non-cuda), which
 #                   needs libibverbs1 from apt even without RDMA hardware.
 #
@@ -69,6 +70,19 @@ if want lmcache; then
             aiofiles redis nvtx "setuptools>=77.0.3,<81"
         "$VENV/bin/pip" install -q --no-deps "lmcache==${LMCACHE_VERSION}"
         "$VENV/bin/python" -c "import lmcache, torch; print('[setup_peers] lmcache', lmcache.__file__)"
+    fi
+    # kvstore itself, for its LMCache connector (connectors/lmcache) and the tests'
+    # engine driver: its runtime needs (pyproject.toml) within LMCache's pins, then
+    # the package with --no-deps (a plain install would re-resolve numpy and
+    # prometheus_client past them). protobuf 7: kvstore's generated code needs
+    # it; LMCache declares <7 but its own generated code (6.31) loads under 7.
+    if ! (cd / && "$VENV/bin/python" -c "import kvstore.client, connectors.lmcache.store") 2>/dev/null; then
+        echo "[setup_peers] installing kvstore into $VENV"
+        "$VENV/bin/pip" install -q "grpcio>=1.60" "grpcio-health-checking>=1.60" \
+            "grpcio-reflection>=1.60" "protobuf>=7.35" "msgspec>=0.18" "pyzmq>=25" \
+            "xxhash>=3.4" "numpy<=2.2.6" "prometheus_client>=0.19,<=0.24.1"
+        "$VENV/bin/pip" install -q --no-deps -e "$ROOT"
+        (cd / && "$VENV/bin/python" -c "import kvstore.client, connectors.lmcache.remote; print('[setup_peers] kvstore ok')")
     fi
 fi
 

@@ -3,7 +3,8 @@
 #
 #   bash scripts/install.sh          # the daemon, client and CLI (seconds)
 #   bash scripts/install.sh --full   # + everything the test suite uses: torch (CPU),
-#                                    #   vLLM CPU build, NIXL, Redis, validators (~3-5 min)
+#                                    #   vLLM CPU build, NIXL, Redis, validators,
+#                                    #   LMCache in .venv-lmcache (~4-6 min)
 #
 # Order matters on CPU-only machines: torch==2.13.0 first (a bare `torch`
 # requirement pulls a multi-GB CUDA build), NIXL with --no-deps after it.
@@ -54,4 +55,8 @@ log "SGLang 0.5.23 in its own .venv-sglang (its pins clash with vLLM's)"
 bash scripts/setup_sglang_venv.sh
 log "kvstore with dev and test extras"
 pip install -q -e '.[dev,redis,deploy,bench,router]'
+# LMCache 0.5.6 in its own venv (its pins clash with vLLM's), kvstore inside it:
+# tests/integration/test_lmcache.py runs real LMCache engines there (~1-2 min).
+log "LMCache 0.5.6 in .venv-lmcache"
+PYTHON="$PYTHON" bash bench/setup_peers.sh --only lmcache
 log "done"
