@@ -1,0 +1,325 @@
+"""The daemon's end of the lean local channel (kvstore.local_wire), on the daemon's loop.
+
+One asyncio Unix-socket server at ``<server.socket_path>.lean``. Each connection
+reads frames, runs their requests in order through ``kvstore.handling`` (the
+code the gRPC service runs) and writes one reply frame per request frame.
+
+Auth is the Unix socket's, as for gRPC's socket (docs/security.md): local
+only, the socket file made ``0600`` (``0660`` of ``server.file_group`` when
+one is named: its members map the region anyway) before it appears at its
+path (bound in a private directory, then renamed), a stale one replaced, a
+live one never stolen; a peer whose uid (SO_PEERCRED) is neither this
+daemon's nor root is refused when no group is named.
+
+Bounds: a frame over ``server.max_message_bytes`` is answered with an
+``invalid_request`` Error and the connection closed (its bytes are not read);
+at most ``MAX_MESSAGES_PER_FRAME`` requests a frame; at most
+``server.local_max_connections`` connections (one more is answered
+``capacity_exhausted`` and closed). A malformed frame, an unknown op or a
+field of the wrong type is answered with an ``invalid_request`` Error naming
+the problem, and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+from typing import Any
+
+import msgspec
+
+from kvstore import errors
+from kvstore.files import FilePolicy, claim_socket_path
+from kvstore.handling import Chain, StoreRequests
+from kvstore.local_wire import (
+    HEADER,
+    REQUEST_TAGS,
+    CommitStore,
+    Committed,
+    Declare,
+    Declared,
+    Error,
+    Hello,
+    HelloReply,
+    LoadPrepared,
+    Looked,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+    Release,
+    Released,
+    StorePrepared,
+    raw_decoder,
+    request_decoder,
+)
+
+log = logging.getLogger("kvstore.local")
+
+LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
+SUFFIX = ".lean"
+
+
+def local_socket_path(socket_path: str) -> str:
+    """Where the lean channel of the daemon serving gRPC at ``socket_path`` listens."""
+    return socket_path + SUFFIX
+
+
+def _bind_private(path: str, mode: int, policy: FilePolicy) -> socket.socket:
+    """A listening socket at ``path`` that was never reachable with a wider mode:
+    bound in a fresh 0700 directory beside it, given its mode, then renamed in."""
+    parent = os.path.dirname(path) or "."
+    tmpdir = tempfile.mkdtemp(prefix=".kvstore-lean-", dir=parent)
+    tmp = os.path.join(tmpdir, "s")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(tmp)
+        os.chmod(tmp, mode)
+        if policy.gid >= 0 and mode & 0o070:
+            os.chown(tmp, -1, policy.gid)
+        os.rename(tmp, path)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmpdir)
+    return sock
+
+
+def _peer_uid(sock: Any) -> int | None:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid
+
+
+def _unknown_ops(body: bytes) -> list[str]:
+    """The op names of a frame that no request has (for a precise error)."""
+    try:
+        raw = raw_decoder.decode(body)
+    except msgspec.DecodeError:
+        return []
+    if not isinstance(raw, list):
+        return []
+    return [
+        repr(m[0])[:64]
+        for m in raw
+        if isinstance(m, list) and m and isinstance(m[0], str) and m[0] not in REQUEST_TAGS
+    ]
+
+
+class LocalServer:
+    def __init__(
+        self,
+        requests: StoreRequests,
+        path: str,
+        *,
+        node_id: str,
+        region_id: Any,
+        max_frame_bytes: int,
+        max_connections: int,
+        policy: FilePolicy,
+    ) -> None:
+        self.requests = requests
+        self.path = path
+        self.node_id = node_id
+        self._region_id = region_id  # () -> int: the region answers name
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.policy = policy
+        self.connections = 0
+        self.frames = 0  # request frames served (tests count them)
+        self._server: asyncio.AbstractServer | None = None
+        self._handlers: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        claim_socket_path(self.path, "server.socket_path (lean channel)")
+        sock = _bind_private(self.path, self.policy.shared_mode, self.policy)
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._handlers):
+                task.cancel()
+            for task in list(self._handlers):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    # ------------------------------------------------------------ connections
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self.connections += 1
+        try:
+            refusal = self._refusal(writer)
+            if refusal is not None:
+                self._send(writer, [Error(0, refusal.reason, str(refusal))])
+                await writer.drain()
+                return
+            await self._session(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away (killed, closed): its leases expire
+        finally:
+            self.connections -= 1
+            self._handlers.discard(task)
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def _refusal(self, writer: asyncio.StreamWriter) -> errors.KVStoreError | None:
+        if self.connections > self.max_connections:
+            return errors.CapacityExhausted(
+                f"{self.max_connections} lean-channel connections are open "
+                "(server.local_max_connections); use gRPC or close one"
+            )
+        uid = _peer_uid(writer.get_extra_info("socket"))
+        if self.policy.gid < 0 and uid is not None and uid not in (os.geteuid(), 0):
+            return errors.PermissionDenied(
+                f"uid {uid} may not use this daemon's lean channel (no server.file_group)"
+            )
+        return None
+
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        client = ""  # the lease-count key, from Hello; "" until then
+        while True:
+            header = await reader.readexactly(HEADER.size)
+            (size,) = HEADER.unpack(header)
+            if size > self.max_frame_bytes:
+                # Its bytes are not read (a 4 GiB claim would cost 4 GiB): answer, then close.
+                self._send(
+                    writer,
+                    [
+                        Error(
+                            0,
+                            errors.InvalidRequest.reason,
+                            f"frame of {size} bytes exceeds server.max_message_bytes="
+                            f"{self.max_frame_bytes}; closing the connection",
+                        )
+                    ],
+                )
+                await writer.drain()
+                return
+            body = await reader.readexactly(size)
+            self.frames += 1
+            try:
+                messages = request_decoder.decode(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                unknown = _unknown_ops(body)
+                text = (
+                    f"unknown op {', '.join(unknown)} (known: {', '.join(REQUEST_TAGS)})"
+                    if unknown
+                    else f"malformed frame: {exc}"
+                )
+                self._send(writer, [Error(0, errors.InvalidRequest.reason, text[:1024])])
+                await writer.drain()
+                continue
+            replies: list[Any] = []
+            for message in messages:
+                if isinstance(message, Hello):
+                    client = "id:" + message.client_id
+                    reply: Any = self._hello(message)
+                elif not client:
+                    reply = Error(message.seq, errors.StateConflict.reason, "send hello first")
+                else:
+                    reply = await self._one(message, client)
+                if message.seq:
+                    replies.append(reply)
+                elif isinstance(reply, Error):
+                    log.debug(
+                        "lean channel: unanswered %s failed: %s",
+                        type(message).__name__,
+                        reply.message,
+                    )
+            if replies:
+                self._send(writer, replies)
+                await writer.drain()
+
+    def _hello(self, message: Hello) -> Any:
+        if message.version != 1:
+            return Error(
+                message.seq,
+                errors.StateConflict.reason,
+                f"lean channel version {message.version} is not served here (1 is)",
+            )
+        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
+
+    @staticmethod
+    def _send(writer: asyncio.StreamWriter, replies: list[Any]) -> None:
+        body = msgspec.msgpack.encode(replies)
+        writer.write(HEADER.pack(len(body)) + body)
+
+    async def _one(self, m: Any, client: str) -> Any:
+        r = self.requests
+        try:
+            if isinstance(m, Lookup):
+                result = r.lookup(m.namespace_id, m.block_hashes)
+                return Looked(
+                    m.seq, result.prefix_blocks, [(int(t), n) for t, n in result.by_tier.items()]
+                )
+            if isinstance(m, PrepareStore):
+                p = r.prepare_store(
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                )
+                return StorePrepared(
+                    m.seq, p.lease_id, p.statuses, p.offsets, p.tier, p.lease_ttl_s, p.region_id
+                )
+            if isinstance(m, CommitStore):
+                n = r.commit_store(
+                    m.lease_id,
+                    m.block_hashes,
+                    m.parent_block_hash,
+                    m.token_ids,
+                    [Chain(c.blocks, c.parent_block_hash, c.token_ids) for c in m.chains],
+                    LOCAL_OWNER,
+                )
+                return Committed(m.seq, n)
+            if isinstance(m, PrepareLoad):
+                q = await r.prepare_load(
+                    m.namespace_id,
+                    m.block_hashes,
+                    m.lease_ttl_s,
+                    m.tier,
+                    "",
+                    0.0,
+                    LOCAL_OWNER,
+                    client,
+                )
+                return LoadPrepared(
+                    m.seq,
+                    q.lease_id,
+                    q.found_blocks,
+                    q.offsets,
+                    q.checksums,
+                    q.tier,
+                    q.lease_ttl_s,
+                    q.region_id,
+                )
+            if isinstance(m, Release):
+                return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
+            if isinstance(m, Declare):
+                d = r.declare_namespace(m.spec)
+                return Declared(m.seq, d.namespace_id, d.block_bytes, d.sibling_layouts)
+            raise AssertionError(f"unhandled lean request {type(m).__name__}")
+        except errors.KVStoreError as exc:
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
+            log.exception("lean channel: %s failed", type(m).__name__)
+            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
