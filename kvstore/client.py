@@ -74,6 +74,9 @@ LEASE_MARGIN_S = 0.25
 # machines glibc copies only big pieces with non-temporal stores, and 8-64 MiB
 # pieces of a long run copied ~40% slower than one memcpy (load ~7, 2 cores).
 COPY_CHUNK_BYTES = 256 * 1024 * 1024
+# While the daemon's lean channel cannot be connected to, a new try at most this often
+# (gRPC carries the calls meanwhile).
+LOCAL_RETRY_S = 1.0
 
 
 def normalise_address(address: str) -> str:
@@ -248,8 +251,12 @@ class Client:
         self._lock = threading.RLock()
         self.local: LocalChannel | None = None
         self._local_lost = False
-        if use_local and self.info.socket_path:
+        self._local_wanted = bool(use_local and self.info.socket_path)
+        self._local_retry_at = 0.0
+        if self._local_wanted:
             self.local = self._open_local(self.info.socket_path)
+            if self.local is None:
+                self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
         if map_region:
             self._mmap, self.region, self._region_identity = _map_file(
                 self.info.region_path, self.info.region_bytes
@@ -268,22 +275,32 @@ class Client:
             return None
 
     def _local_call(self, make: Callable[[int], Any], *, ns: Namespace | None = None) -> Any:
-        """One lean-channel call; with ``ns``, re-declared and retried once as _call does."""
-        local = self.local
-        assert local is not None
-        with self._lock:
+        """One lean-channel call. With ``ns``, a namespace the daemon dropped is
+        declared again and the call retried once (as _call does); a request that
+        could not even be sent (the daemon went away: a restart) is sent once more
+        on a fresh connection, as gRPC reconnects."""
+        redeclared = resent = False
+        while True:
+            local = self._local()
+            if local is None:
+                raise errors.Unavailable("lean channel to the daemon: cannot connect again")
             try:
-                return local.call(make)
+                with self._lock:
+                    return local.call(make)
             except errors.NamespaceNotFound:
-                if ns is None:
+                if ns is None or redeclared:
                     raise
-        again = self.declare_namespace(ns.spec)
-        if again.namespace_id != ns.namespace_id:
-            raise errors.StateConflict(
-                f"namespace {ns.namespace_id} came back as {again.namespace_id}: another daemon version?"
-            )
-        with self._lock:
-            return local.call(make)
+                redeclared = True
+                again = self.declare_namespace(ns.spec)
+                if again.namespace_id != ns.namespace_id:
+                    raise errors.StateConflict(
+                        f"namespace {ns.namespace_id} came back as {again.namespace_id}: "
+                        "another daemon version?"
+                    ) from None
+            except errors.Unavailable:
+                if resent or not local.failed_unsent:
+                    raise
+                resent = True
 
     @property
     def using_local_channel(self) -> bool:
@@ -292,23 +309,30 @@ class Client:
 
     @property
     def local_channel_lost(self) -> bool:
-        """Whether the lean channel broke (the daemon went away, or a timeout): calls
-        go over gRPC since; a long-lived user may want a fresh Client."""
+        """Whether the lean channel broke since this client was made (the daemon went
+        away, or a timeout): the connector's session then starts a fresh client."""
         return self._local_lost or (self.local is not None and self.local.broken is not None)
 
     def _local(self) -> LocalChannel | None:
-        """The lean channel while it works; once broken (its error was raised to the
-        call that met it), gRPC carries on."""
+        """The lean channel while it works. Once broken (its error went to the call
+        that met it) a new connection is tried, at most every LOCAL_RETRY_S while
+        none can be made; gRPC carries the calls meanwhile."""
         local = self.local
-        if local is None:
+        if local is not None and local.broken is None:
+            return local
+        if not self._local_wanted:
             return None
-        if local.broken is not None:
+        if local is not None:
             self.local = None
             self._local_lost = True
             with self._lock:
                 local.close()
+        elif time.monotonic() < self._local_retry_at:
             return None
-        return local
+        self.local = self._open_local(self.info.socket_path)
+        if self.local is None:
+            self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
+        return self.local
 
     def _call(
         self,
@@ -470,6 +494,7 @@ class Client:
     def close(self) -> None:
         """Flush what was sent without waiting (commits land), then close the channels."""
         local, self.local = self.local, None
+        self._local_wanted = False
         if local is not None:
             with self._lock:
                 local.close()

@@ -65,6 +65,8 @@ class LocalChannel:
         self.node_id = ""
         self._pending: collections.deque[Any] = collections.deque()  # read, not yet consumed
         self.broken: errors.KVStoreError | None = None
+        # broken while sending: the daemon never got the frame (safe to send again)
+        self.failed_unsent = False
         self.frames_sent = 0  # request frames written (tests count them)
 
     @classmethod
@@ -104,6 +106,8 @@ class LocalChannel:
         try:
             self._sock.sendall(HEADER.pack(len(body)) + body)
         except OSError as exc:
+            if self.broken is None:
+                self.failed_unsent = True
             raise self._break(f"sending failed: {exc}") from None
         self.frames_sent += 1
 

@@ -29,6 +29,7 @@ import os
 import socket
 import struct
 import tempfile
+import time
 from typing import Any
 
 import msgspec
@@ -57,9 +58,19 @@ from kvstore.local_wire import (
     raw_decoder,
     request_decoder,
 )
+from kvstore.metrics import RpcMetrics
 
 log = logging.getLogger("kvstore.local")
 
+# each request as the gRPC method it stands for (metrics)
+_RPC_NAMES: dict[type, str] = {
+    Declare: "DeclareNamespace",
+    Lookup: "Lookup",
+    PrepareStore: "PrepareStore",
+    CommitStore: "CommitStore",
+    PrepareLoad: "PrepareLoad",
+    Release: "Release",
+}
 LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
 SUFFIX = ".lean"
 
@@ -130,6 +141,7 @@ class LocalServer:
         max_frame_bytes: int,
         max_connections: int,
         policy: FilePolicy,
+        metrics: RpcMetrics | None = None,
     ) -> None:
         self.requests = requests
         self.path = path
@@ -138,6 +150,8 @@ class LocalServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_connections = max_connections
         self.policy = policy
+        # Counted as the gRPC call of the same name (kvstore_rpc_*): one view of the load.
+        self._metrics = metrics
         self.connections = 0
         self.frames = 0  # request frames served (tests count them)
         self._server: asyncio.AbstractServer | None = None
@@ -239,7 +253,10 @@ class LocalServer:
                 elif not client:
                     reply = Error(message.seq, errors.StateConflict.reason, "send hello first")
                 else:
+                    start_s = time.perf_counter()
                     reply = await self._one(message, client)
+                    if self._metrics is not None:
+                        self._count(message, reply, time.perf_counter() - start_s)
                 if message.seq:
                     replies.append(reply)
                 elif isinstance(reply, Error):
@@ -251,6 +268,15 @@ class LocalServer:
             if replies:
                 self._send(writer, replies)
                 await writer.drain()
+
+    def _count(self, message: Any, reply: Any, duration_s: float) -> None:
+        assert self._metrics is not None
+        method = _RPC_NAMES[type(message)]
+        self._metrics.duration.labels(method).observe(duration_s)
+        code = "OK"
+        if isinstance(reply, Error):
+            code = errors.BY_REASON.get(reply.reason, errors.KVStoreError).status.name
+        self._metrics.requests.labels(method, code).inc()
 
     def _hello(self, message: Hello) -> Any:
         if message.version != 1:

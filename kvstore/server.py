@@ -107,8 +107,9 @@ class Daemon:
             ("grpc.max_send_message_length", cfg.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        rpc_metrics = RpcMetrics(self.registry)  # the lean channel's calls count here too
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            MetricsInterceptor(RpcMetrics(self.registry)),
+            MetricsInterceptor(rpc_metrics),
             ParseGuardInterceptor(),
         ]
         # Always: without a secret it keeps every data call off TCP (kvstore/auth.py).
@@ -160,6 +161,7 @@ class Daemon:
                 max_frame_bytes=cfg.server.max_message_bytes,
                 max_connections=cfg.server.local_max_connections,
                 policy=FilePolicy.from_group(cfg.server.file_group),
+                metrics=rpc_metrics,
             )
             await self.local.start()
 
