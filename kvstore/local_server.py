@@ -39,6 +39,7 @@ from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.handling import Chain, StoreRequests
 from kvstore.local_wire import (
     HEADER,
+    PROTOCOL_VERSION,
     REQUEST_TAGS,
     CommitStore,
     Committed,
@@ -84,7 +85,7 @@ def _bind_private(path: str, mode: int, policy: FilePolicy) -> socket.socket:
     """A listening socket at ``path`` that was never reachable with a wider mode:
     bound in a fresh 0700 directory beside it, given its mode, then renamed in."""
     parent = os.path.dirname(path) or "."
-    tmpdir = tempfile.mkdtemp(prefix=".kvstore-lean-", dir=parent)
+    tmpdir = tempfile.mkdtemp(prefix=".kvl", dir=parent)  # short: AF_UNIX paths stop at 107
     tmp = os.path.join(tmpdir, "s")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -279,11 +280,12 @@ class LocalServer:
         self._metrics.requests.labels(method, code).inc()
 
     def _hello(self, message: Hello) -> Any:
-        if message.version != 1:
+        if message.version != PROTOCOL_VERSION:
             return Error(
                 message.seq,
                 errors.StateConflict.reason,
-                f"lean channel version {message.version} is not served here (1 is)",
+                f"lean channel version {message.version} is not served here "
+                f"({PROTOCOL_VERSION} is)",
             )
         return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
 

@@ -163,7 +163,15 @@ class Daemon:
                 policy=FilePolicy.from_group(cfg.server.file_group),
                 metrics=rpc_metrics,
             )
-            await self.local.start()
+            try:
+                await self.local.start()
+            except OSError as exc:  # e.g. a path past AF_UNIX's 107 bytes: gRPC serves alone
+                log.warning(
+                    "lean local channel not served (%s); clients use gRPC",
+                    exc,
+                    extra={"fields": {"path": self.local.path}},
+                )
+                self.local = None
 
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
@@ -231,10 +239,12 @@ class Daemon:
         """Drain: refuse new calls, let in-flight ones finish, release everything."""
         for service in ("", STORE_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.server is not None:
+            # The lean channel keeps serving meanwhile: commits clients flush on
+            # their way out still land.
+            await self.server.stop(grace=self.config.server.drain_timeout_s)
         if self.local is not None:
             await self.local.close()
-        if self.server is not None:
-            await self.server.stop(grace=self.config.server.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
