@@ -30,6 +30,7 @@ import socket
 import struct
 import tempfile
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -131,6 +132,180 @@ def _unknown_ops(body: bytes) -> list[str]:
     ]
 
 
+def _run_now(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
+    """Run a coroutine as far as it goes without waiting: (True, its result), or
+    (False, a Task finishing it) when it had to wait (a load promoting from disk).
+
+    A load from DRAM never waits: answered in the same callback as the frame
+    that asked, with no task and no loop iteration in between.
+    """
+    try:
+        waited_on = coro.send(None)
+    except StopIteration as stop:
+        return True, stop.value
+    return False, asyncio.ensure_future(_finish(coro, waited_on))
+
+
+async def _finish(coro: Coroutine[Any, Any, Any], waited_on: Any) -> Any:
+    """Go on driving a coroutine that suspended on ``waited_on``, as asyncio.Task
+    would: wait for that future, resume the coroutine (which reads its result or
+    exception), until it returns."""
+    try:
+        while True:
+            if waited_on is None:  # a bare yield (asyncio.sleep(0))
+                await asyncio.sleep(0)
+            else:
+                waited_on._asyncio_future_blocking = False
+                await asyncio.wait((waited_on,))
+            try:
+                waited_on = coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+    finally:
+        coro.close()  # cancelled (daemon stopping): unwind the coroutine too
+
+
+class _Connection(asyncio.Protocol):
+    """One client's connection: frames parsed as they arrive, run in order."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.client = ""  # the lease-count key, from hello; "" until then
+        self.busy: asyncio.Task[Any] | None = None  # a load that had to wait
+        self.paused = False  # the client is not reading its answers: read no more
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server.opened(self)
+        refusal = self.server.refusal(transport.get_extra_info("socket"))
+        if refusal is not None:
+            self._refuse(Error(0, refusal.reason, str(refusal)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The client went away (closed, or killed: its leases expire).
+        self.closed = True
+        if self.busy is not None:
+            self.busy.cancel()
+        self.server.lost(self)
+
+    def pause_writing(self) -> None:
+        # Answers pile up unread: stop reading requests until they drain (bounded).
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            self._process()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._process()
+
+    def _refuse(self, error: Error) -> None:
+        """Answer ``error`` and close: the rest of the stream cannot be trusted."""
+        self._reply([error])
+        self.closed = True
+        assert self.transport is not None
+        self.transport.close()
+
+    def _reply(self, replies: list[Any]) -> None:
+        assert self.transport is not None
+        body = msgspec.msgpack.encode(replies)
+        self.transport.write(HEADER.pack(len(body)) + body)
+
+    def _process(self) -> None:
+        server = self.server
+        buf = self.buf
+        while self.busy is None and not self.closed and not self.paused:
+            if len(buf) < HEADER.size:
+                return
+            (size,) = HEADER.unpack_from(buf)
+            if size > server.max_frame_bytes:
+                # Not read on (a 4 GiB claim would cost 4 GiB): answer, then close.
+                self._refuse(
+                    Error(
+                        0,
+                        errors.InvalidRequest.reason,
+                        f"frame of {size} bytes exceeds server.max_message_bytes="
+                        f"{server.max_frame_bytes}; closing the connection",
+                    )
+                )
+                return
+            end = HEADER.size + size
+            if len(buf) < end:
+                return
+            body = bytes(buf[HEADER.size : end])
+            del buf[:end]
+            server.frames += 1
+            try:
+                messages = request_decoder.decode(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                unknown = _unknown_ops(body)
+                text = (
+                    f"unknown op {', '.join(unknown)} (known: {', '.join(REQUEST_TAGS)})"
+                    if unknown
+                    else f"malformed frame: {exc}"
+                )
+                self._reply([Error(0, errors.InvalidRequest.reason, text[:1024])])
+                continue
+            self._run(messages, 0, [])
+
+    def _run(self, messages: list[Any], start: int, replies: list[Any]) -> None:
+        """Requests ``messages[start:]`` in order; their answers in one frame. A load
+        that has to wait holds the rest (and later frames) until it is done."""
+        for i in range(start, len(messages)):
+            message = messages[i]
+            started_s = time.perf_counter()
+            done, out = self.server.handle(self, message)
+            if not done:
+                self.busy = out
+                out.add_done_callback(
+                    lambda task, i=i, t=started_s: self._resumed(task, messages, i, replies, t)
+                )
+                return
+            self._keep(message, out, replies, started_s)
+        if replies:
+            self._reply(replies)
+
+    def _resumed(
+        self,
+        task: asyncio.Task[Any],
+        messages: list[Any],
+        i: int,
+        replies: list[Any],
+        started_s: float,
+    ) -> None:
+        self.busy = None
+        if self.closed or task.cancelled():
+            return
+        self._keep(messages[i], task.result(), replies, started_s)
+        self._run(messages, i + 1, replies)
+        self._process()
+
+    def _keep(self, message: Any, reply: Any, replies: list[Any], started_s: float) -> None:
+        self.server.count(message, reply, time.perf_counter() - started_s)
+        if message.seq:
+            replies.append(reply)
+        elif isinstance(reply, Error):
+            log.debug(
+                "lean channel: unanswered %s failed: %s", type(message).__name__, reply.message
+            )
+
+    def close(self) -> None:
+        self.closed = True
+        if self.busy is not None:
+            self.busy.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+
 class LocalServer:
     def __init__(
         self,
@@ -156,128 +331,68 @@ class LocalServer:
         self.connections = 0
         self.frames = 0  # request frames served (tests count them)
         self._server: asyncio.AbstractServer | None = None
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._connections: set[_Connection] = set()
 
     async def start(self) -> None:
         claim_socket_path(self.path, "server.socket_path (lean channel)")
         sock = _bind_private(self.path, self.policy.shared_mode, self.policy)
-        self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._handlers):
-                task.cancel()
-            for task in list(self._handlers):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     # ------------------------------------------------------------ connections
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        self.connections += 1
-        try:
-            refusal = self._refusal(writer)
-            if refusal is not None:
-                self._send(writer, [Error(0, refusal.reason, str(refusal))])
-                await writer.drain()
-                return
-            await self._session(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away (killed, closed): its leases expire
-        finally:
-            self.connections -= 1
-            self._handlers.discard(task)
-            with contextlib.suppress(Exception):
-                writer.close()
+    def opened(self, conn: _Connection) -> None:
+        self._connections.add(conn)
+        self.connections = len(self._connections)
 
-    def _refusal(self, writer: asyncio.StreamWriter) -> errors.KVStoreError | None:
+    def lost(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
+        self.connections = len(self._connections)
+
+    def refusal(self, sock: Any) -> errors.KVStoreError | None:
         if self.connections > self.max_connections:
             return errors.CapacityExhausted(
                 f"{self.max_connections} lean-channel connections are open "
                 "(server.local_max_connections); use gRPC or close one"
             )
-        uid = _peer_uid(writer.get_extra_info("socket"))
+        uid = _peer_uid(sock)
         if self.policy.gid < 0 and uid is not None and uid not in (os.geteuid(), 0):
             return errors.PermissionDenied(
                 f"uid {uid} may not use this daemon's lean channel (no server.file_group)"
             )
         return None
 
-    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        client = ""  # the lease-count key, from Hello; "" until then
-        while True:
-            header = await reader.readexactly(HEADER.size)
-            (size,) = HEADER.unpack(header)
-            if size > self.max_frame_bytes:
-                # Its bytes are not read (a 4 GiB claim would cost 4 GiB): answer, then close.
-                self._send(
-                    writer,
-                    [
-                        Error(
-                            0,
-                            errors.InvalidRequest.reason,
-                            f"frame of {size} bytes exceeds server.max_message_bytes="
-                            f"{self.max_frame_bytes}; closing the connection",
-                        )
-                    ],
-                )
-                await writer.drain()
-                return
-            body = await reader.readexactly(size)
-            self.frames += 1
-            try:
-                messages = request_decoder.decode(body)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                unknown = _unknown_ops(body)
-                text = (
-                    f"unknown op {', '.join(unknown)} (known: {', '.join(REQUEST_TAGS)})"
-                    if unknown
-                    else f"malformed frame: {exc}"
-                )
-                self._send(writer, [Error(0, errors.InvalidRequest.reason, text[:1024])])
-                await writer.drain()
-                continue
-            replies: list[Any] = []
-            for message in messages:
-                if isinstance(message, Hello):
-                    client = "id:" + message.client_id
-                    reply: Any = self._hello(message)
-                elif not client:
-                    reply = Error(message.seq, errors.StateConflict.reason, "send hello first")
-                else:
-                    start_s = time.perf_counter()
-                    reply = await self._one(message, client)
-                    if self._metrics is not None:
-                        self._count(message, reply, time.perf_counter() - start_s)
-                if message.seq:
-                    replies.append(reply)
-                elif isinstance(reply, Error):
-                    log.debug(
-                        "lean channel: unanswered %s failed: %s",
-                        type(message).__name__,
-                        reply.message,
-                    )
-            if replies:
-                self._send(writer, replies)
-                await writer.drain()
-
-    def _count(self, message: Any, reply: Any, duration_s: float) -> None:
-        assert self._metrics is not None
+    def count(self, message: Any, reply: Any, duration_s: float) -> None:
+        if self._metrics is None or isinstance(message, Hello):
+            return
         method = _RPC_NAMES[type(message)]
         self._metrics.duration.labels(method).observe(duration_s)
         code = "OK"
         if isinstance(reply, Error):
             code = errors.BY_REASON.get(reply.reason, errors.KVStoreError).status.name
         self._metrics.requests.labels(method, code).inc()
+
+    def handle(self, conn: _Connection, m: Any) -> tuple[bool, Any]:
+        """(True, the answer), or (False, a Task giving it: a load that had to wait)."""
+        if isinstance(m, Hello):
+            conn.client = "id:" + m.client_id
+            return True, self._hello(m)
+        if not conn.client:
+            return True, Error(m.seq, errors.StateConflict.reason, "send hello first")
+        if isinstance(m, PrepareLoad):
+            done, out = _run_now(self._load(m, conn.client))
+            return done, out
+        return True, self._one(m, conn.client)
 
     def _hello(self, message: Hello) -> Any:
         if message.version != PROTOCOL_VERSION:
@@ -289,12 +404,28 @@ class LocalServer:
             )
         return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
 
-    @staticmethod
-    def _send(writer: asyncio.StreamWriter, replies: list[Any]) -> None:
-        body = msgspec.msgpack.encode(replies)
-        writer.write(HEADER.pack(len(body)) + body)
+    async def _load(self, m: PrepareLoad, client: str) -> Any:
+        try:
+            q = await self.requests.prepare_load(
+                m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, "", 0.0, LOCAL_OWNER, client
+            )
+        except errors.KVStoreError as exc:
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
+            log.exception("lean channel: PrepareLoad failed")
+            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
+        return LoadPrepared(
+            m.seq,
+            q.lease_id,
+            q.found_blocks,
+            q.offsets,
+            q.checksums,
+            q.tier,
+            q.lease_ttl_s,
+            q.region_id,
+        )
 
-    async def _one(self, m: Any, client: str) -> Any:
+    def _one(self, m: Any, client: str) -> Any:
         r = self.requests
         try:
             if isinstance(m, Lookup):
@@ -319,27 +450,6 @@ class LocalServer:
                     LOCAL_OWNER,
                 )
                 return Committed(m.seq, n)
-            if isinstance(m, PrepareLoad):
-                q = await r.prepare_load(
-                    m.namespace_id,
-                    m.block_hashes,
-                    m.lease_ttl_s,
-                    m.tier,
-                    "",
-                    0.0,
-                    LOCAL_OWNER,
-                    client,
-                )
-                return LoadPrepared(
-                    m.seq,
-                    q.lease_id,
-                    q.found_blocks,
-                    q.offsets,
-                    q.checksums,
-                    q.tier,
-                    q.lease_ttl_s,
-                    q.region_id,
-                )
             if isinstance(m, Release):
                 return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
             if isinstance(m, Declare):
