@@ -234,6 +234,10 @@ class Client:
                 # for long; an idle timeout would read as a dropped link
                 # (watch_connection) and restart the session for nothing.
                 *((("grpc.client_idle_timeout_ms", 2**31 - 1),) if use_local else ()),
+                # Its own connections: a Client made after a daemon restart connects
+                # now instead of sharing a closed client's connection and its
+                # reconnect backoff (a cached "no such file" from the restart).
+                ("grpc.use_local_subchannel_pool", 1),
             ],
         )
         self._stub = pb_grpc.StoreServiceStub(self._channel)
