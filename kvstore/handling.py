@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -240,6 +241,34 @@ class StoreRequests:
         plan = await self.manager.prepare_load_async(
             namespace_id, hashes, lease_ttl_s, tier_of(tier), owner, client=client
         )
+        return self._prepared_load(plan)
+
+    @property
+    def loads_may_wait(self) -> bool:
+        """Whether a load may have to move blocks between tiers first (a disk or a
+        GPU tier: BlockManager.prepare_load_async awaits those moves); without
+        either, prepare_load_async is prepare_load and load_now answers at once."""
+        return self.manager.disk is not None or self.manager.gpu is not None
+
+    def load_now(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        lease_ttl_s: float,
+        tier: int,
+        owner: str,
+        client: str,
+    ) -> PreparedLoad:
+        """prepare_load without a peer hint, for a node where nothing has to move
+        (not loads_may_wait): no await, no task."""
+        assert not self.loads_may_wait
+        hashes = self.hashes(block_hashes)
+        plan = self.manager.prepare_load(
+            namespace_id, hashes, lease_ttl_s, tier_of(tier), owner, client=client
+        )
+        return self._prepared_load(plan)
+
+    def _prepared_load(self, plan: Any) -> PreparedLoad:
         return PreparedLoad(
             plan.lease_id,
             len(plan.blocks),

@@ -30,7 +30,6 @@ import socket
 import struct
 import tempfile
 import time
-from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -132,39 +131,6 @@ def _unknown_ops(body: bytes) -> list[str]:
     ]
 
 
-def _run_now(coro: Coroutine[Any, Any, Any]) -> tuple[bool, Any]:
-    """Run a coroutine as far as it goes without waiting: (True, its result), or
-    (False, a Task finishing it) when it had to wait (a load promoting from disk).
-
-    A load from DRAM never waits: answered in the same callback as the frame
-    that asked, with no task and no loop iteration in between.
-    """
-    try:
-        waited_on = coro.send(None)
-    except StopIteration as stop:
-        return True, stop.value
-    return False, asyncio.ensure_future(_finish(coro, waited_on))
-
-
-async def _finish(coro: Coroutine[Any, Any, Any], waited_on: Any) -> Any:
-    """Go on driving a coroutine that suspended on ``waited_on``, as asyncio.Task
-    would: wait for that future, resume the coroutine (which reads its result or
-    exception), until it returns."""
-    try:
-        while True:
-            if waited_on is None:  # a bare yield (asyncio.sleep(0))
-                await asyncio.sleep(0)
-            else:
-                waited_on._asyncio_future_blocking = False
-                await asyncio.wait((waited_on,))
-            try:
-                waited_on = coro.send(None)
-            except StopIteration as stop:
-                return stop.value
-    finally:
-        coro.close()  # cancelled (daemon stopping): unwind the coroutine too
-
-
 class _Connection(asyncio.Protocol):
     """One client's connection: frames parsed as they arrive, run in order."""
 
@@ -173,7 +139,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.client = ""  # the lease-count key, from hello; "" until then
-        self.busy: asyncio.Task[Any] | None = None  # a load that had to wait
+        self.busy: asyncio.Task[Any] | None = None  # a load that may wait (moves between tiers)
         self.paused = False  # the client is not reading its answers: read no more
         self.closed = False
 
@@ -383,15 +349,16 @@ class LocalServer:
         self._metrics.requests.labels(method, code).inc()
 
     def handle(self, conn: _Connection, m: Any) -> tuple[bool, Any]:
-        """(True, the answer), or (False, a Task giving it: a load that had to wait)."""
+        """(True, the answer), or (False, a Task giving it: a load that may wait)."""
         if isinstance(m, Hello):
             conn.client = "id:" + m.client_id
             return True, self._hello(m)
         if not conn.client:
             return True, Error(m.seq, errors.StateConflict.reason, "send hello first")
-        if isinstance(m, PrepareLoad):
-            done, out = _run_now(self._load(m, conn.client))
-            return done, out
+        if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
+            # Moves between tiers first (disk promotion): a task; the connection's
+            # later requests wait for it, in order.
+            return False, asyncio.ensure_future(self._load(m, conn.client))
         return True, self._one(m, conn.client)
 
     def _hello(self, message: Hello) -> Any:
@@ -450,6 +417,20 @@ class LocalServer:
                     LOCAL_OWNER,
                 )
                 return Committed(m.seq, n)
+            if isinstance(m, PrepareLoad):  # nothing to move on this node: no await
+                q = r.load_now(
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                )
+                return LoadPrepared(
+                    m.seq,
+                    q.lease_id,
+                    q.found_blocks,
+                    q.offsets,
+                    q.checksums,
+                    q.tier,
+                    q.lease_ttl_s,
+                    q.region_id,
+                )
             if isinstance(m, Release):
                 return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
             if isinstance(m, Declare):
