@@ -213,7 +213,7 @@ def test_connections_are_bounded_and_the_client_falls_back(daemon_factory):
     for r in held:
         r.hello()
     extra = Raw(d)
-    ((tag, seq, reason, message),) = extra.read()
+    ((tag, _, reason, message),) = extra.read()
     assert (tag, reason) == ("error", "capacity_exhausted") and "local_max_connections" in message
     assert extra.read() is None
     extra.close()
@@ -322,7 +322,13 @@ def _rpc_total(daemon) -> float:
 
 def test_a_decode_step_with_nothing_to_load_or_save_sends_nothing(daemon_factory):
     pytest.importorskip("torch")
-    from tests.integration.test_vllm_connector_daemon import BS, Engine, Req, RunningRequest, _tokens
+    from tests.integration.test_vllm_connector_daemon import (
+        BS,
+        Engine,
+        Req,
+        RunningRequest,
+        _tokens,
+    )
 
     d = daemon_factory(metrics=True)
     eng = Engine(d.address, seed=3)
@@ -336,9 +342,7 @@ def test_a_decode_step_with_nothing_to_load_or_save_sends_nothing(daemon_factory
     for _ in range(BS - 2):  # decode tokens that complete no block
         req.all_token_ids.append(5)
         req.rehash()
-        eng.step(
-            running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1}
-        )
+        eng.step(running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1})
         assert eng.worker.take_load_errors() == set()
     assert (worker.local.frames_sent, scheduler.local.frames_sent) == sent
     assert _rpc_total(d) == calls  # nor a gRPC call (the daemon counts both channels)
