@@ -386,3 +386,21 @@ def test_daemon_killed_mid_step_degrades_to_recompute(daemon_factory):
     # Down: no hit (vLLM computes), nothing raised, no call attempted for a while.
     assert b.scheduler.hit_tokens(Req("again", list(req.all_token_ids)), 0) == 0
     assert not b.worker.session.connected
+
+
+def test_a_lease_taken_on_one_channel_ends_on_the_other(daemon):
+    """Same owner ("unix") on both local front-ends: a client that falls back to
+    gRPC mid-life can still commit or release what it prepared over the lean one."""
+    with Client(daemon.address) as lean, Client(daemon.address, local_channel=False) as rpc:
+        assert lean.using_local_channel and not rpc.using_local_channel
+        ns = lean.declare_namespace(make_spec(BLOCK))
+        store = lean.prepare_store(ns, [31, 32])
+        lean.view(int(store.offsets[0]), BLOCK)[:] = 1
+        lean.view(int(store.offsets[1]), BLOCK)[:] = 2
+        assert rpc.commit_store(store) == 2  # prepared on lean, committed on gRPC
+        load = rpc.prepare_load(rpc.declare_namespace(make_spec(BLOCK)), [31, 32])
+        assert load.found == 2
+        lean.release(load)  # pinned on gRPC, released on lean
+        assert rpc.stats().active_leases == 0
+        with pytest.raises(errors.LeaseNotFound):
+            lean.release(load)  # gone for both
