@@ -805,6 +805,10 @@ class Client:
             self._releaser = None
 
     def delete(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        if self._local() is not None:
+            packed = pack_hashes(hashes)
+            d = self._local_call(lambda seq: local_wire.Delete(seq, ns.namespace_id, packed), ns=ns)
+            return d.deleted, d.busy
         reply = self._call(
             self._stub.Delete,
             pb.DeleteRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),

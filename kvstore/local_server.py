@@ -45,6 +45,8 @@ from kvstore.local_wire import (
     Committed,
     Declare,
     Declared,
+    Delete,
+    Deleted,
     Error,
     Hello,
     HelloReply,
@@ -71,6 +73,7 @@ _RPC_NAMES: dict[type, str] = {
     CommitStore: "CommitStore",
     PrepareLoad: "PrepareLoad",
     Release: "Release",
+    Delete: "Delete",
 }
 LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
 SUFFIX = ".lean"
@@ -433,6 +436,9 @@ class LocalServer:
                 )
             if isinstance(m, Release):
                 return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
+            if isinstance(m, Delete):
+                deleted, busy = r.delete(m.namespace_id, m.block_hashes)
+                return Deleted(m.seq, deleted, busy)
             if isinstance(m, Declare):
                 d = r.declare_namespace(m.spec)
                 return Declared(m.seq, d.namespace_id, d.block_bytes, d.sibling_layouts)

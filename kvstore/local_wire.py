@@ -94,7 +94,12 @@ class Release(_Message, frozen=True, tag="release"):
     lease_ids: list[U64]
 
 
-Request = Hello | Declare | Lookup | PrepareStore | CommitStore | PrepareLoad | Release
+class Delete(_Message, frozen=True, tag="delete"):
+    namespace_id: Id
+    block_hashes: bytes
+
+
+Request = Hello | Declare | Lookup | PrepareStore | CommitStore | PrepareLoad | Release | Delete
 REQUEST_TAGS = (
     "hello",
     "declare",
@@ -103,6 +108,7 @@ REQUEST_TAGS = (
     "commit_store",
     "prepare_load",
     "release",
+    "delete",
 )
 
 # ---------------------------------------------------------------- replies
@@ -152,6 +158,11 @@ class Released(_Message, frozen=True, tag="released"):
     released: int
 
 
+class Deleted(_Message, frozen=True, tag="deleted"):
+    deleted: int
+    busy: int
+
+
 class Error(_Message, frozen=True, tag="error"):
     """A refused request: ``reason`` is the kvstore.errors class's reason code.
     ``seq`` 0: the frame itself was refused (malformed, oversize), not one request."""
@@ -160,7 +171,17 @@ class Error(_Message, frozen=True, tag="error"):
     message: str
 
 
-Reply = HelloReply | Declared | Looked | StorePrepared | Committed | LoadPrepared | Released | Error
+Reply = (
+    HelloReply
+    | Declared
+    | Looked
+    | StorePrepared
+    | Committed
+    | LoadPrepared
+    | Released
+    | Deleted
+    | Error
+)
 
 request_encoder = msgspec.msgpack.Encoder()
 reply_decoder = msgspec.msgpack.Decoder(list[Reply])

@@ -95,9 +95,11 @@ def test_client_uses_the_lean_channel_and_falls_back_to_grpc(daemon_factory):
         got = c.get(ns, [1, 2, 3, 4, 5])
         assert got.found == 4 and np.array_equal(got.data, data)
         assert c.lookup(ns, [1, 2, 9]).prefix_blocks == 2
+        assert c.delete(ns, [2, 99]) == (1, 0)
+        assert c.lookup(ns, [1, 2]).prefix_blocks == 1
     with Client(lean.address, local_channel=False) as c:  # the flag turns it off
         assert not c.using_local_channel
-        assert c.lookup(c.declare_namespace(make_spec(BLOCK)), [1, 2]).prefix_blocks == 2
+        assert c.lookup(c.declare_namespace(make_spec(BLOCK)), [1, 2]).prefix_blocks == 1
     off = daemon_factory("off", settings={"server.local_channel": False})
     assert not os.path.exists(local_socket_path(off.socket_path))
     with Client(off.address) as c:  # nothing to connect to: gRPC, silently
