@@ -47,8 +47,9 @@ import grpc
 import msgspec
 import numpy as np
 
-from kvstore import errors, memcopy
+from kvstore import errors, local_wire, memcopy
 from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
+from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
@@ -73,6 +74,9 @@ LEASE_MARGIN_S = 0.25
 # machines glibc copies only big pieces with non-temporal stores, and 8-64 MiB
 # pieces of a long run copied ~40% slower than one memcpy (load ~7, 2 cores).
 COPY_CHUNK_BYTES = 256 * 1024 * 1024
+# While the daemon's lean channel cannot be connected to, a new try at most this often
+# (gRPC carries the calls meanwhile).
+LOCAL_RETRY_S = 1.0
 
 
 def normalise_address(address: str) -> str:
@@ -205,6 +209,7 @@ class Client:
         max_message_bytes: int = 64 * 1024 * 1024,
         secret: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        local_channel: bool | None = None,
     ) -> None:
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
@@ -214,13 +219,25 @@ class Client:
         # Needed over TCP when the daemon has a cluster secret (see kvstore.auth).
         secret = secret if secret is not None else os.environ.get("KVSTORE_SECRET", "")
         # The id the daemon counts this client's leases against (limits.max_leases_per_client).
-        client_id = ((CLIENT_ID_METADATA_KEY, os.urandom(8).hex()),)
+        self.client_id = os.urandom(8).hex()
+        client_id = ((CLIENT_ID_METADATA_KEY, self.client_id),)
         self._metadata = (((SECRET_METADATA_KEY, secret),) if secret else ()) + client_id
+        if local_channel is None:
+            local_channel = os.environ.get("KVSTORE_LOCAL_CHANNEL", "1") not in ("0", "false")
+        use_local = local_channel and self.address.startswith("unix:")
         self._channel = grpc.insecure_channel(
             self.address,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
+                # With the lean channel carrying the hot path this one can sit idle
+                # for long; an idle timeout would read as a dropped link
+                # (watch_connection) and restart the session for nothing.
+                *((("grpc.client_idle_timeout_ms", 2**31 - 1),) if use_local else ()),
+                # Its own connections: a Client made after a daemon restart connects
+                # now instead of sharing a closed client's connection and its
+                # reconnect backoff (a cached "no such file" from the restart).
+                ("grpc.use_local_subchannel_pool", 1),
             ],
         )
         self._stub = pb_grpc.StoreServiceStub(self._channel)
@@ -233,12 +250,93 @@ class Client:
         self._map_region = map_region
         self._region_identity: FileIdentity | None = None
         self.info = self._call(self._stub.Hello, pb.HelloRequest())
+        # The lean local channel (kvstore.local_client) for the hot path, when the
+        # daemon serves one; None: every call goes over gRPC.
+        self._lock = threading.RLock()
+        self.local: LocalChannel | None = None
+        self._local_lost = False
+        self._local_wanted = bool(use_local and self.info.socket_path)
+        self._local_retry_at = 0.0
+        if self._local_wanted:
+            self.local = self._open_local(self.info.socket_path)
+            if self.local is None:
+                self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
         if map_region:
             self._mmap, self.region, self._region_identity = _map_file(
                 self.info.region_path, self.info.region_bytes
             )
 
     # ------------------------------------------------------------ plumbing
+
+    def _open_local(self, socket_path: str) -> LocalChannel | None:
+        from kvstore.local_server import local_socket_path
+
+        path = local_socket_path(socket_path)
+        try:
+            return LocalChannel.open(path, self.client_id, self.timeout_s)
+        except (OSError, errors.KVStoreError) as exc:
+            log.debug("kvstore: no lean channel at %s (%s); using gRPC", path, exc)
+            return None
+
+    def _local_call(self, make: Callable[[int], Any], *, ns: Namespace | None = None) -> Any:
+        """One lean-channel call. With ``ns``, a namespace the daemon dropped is
+        declared again and the call retried once (as _call does); a request that
+        could not even be sent (the daemon went away: a restart) is sent once more
+        on a fresh connection, as gRPC reconnects."""
+        redeclared = resent = False
+        while True:
+            local = self._local()
+            if local is None:
+                raise errors.Unavailable("lean channel to the daemon: cannot connect again")
+            try:
+                with self._lock:
+                    return local.call(make)
+            except errors.NamespaceNotFound:
+                if ns is None or redeclared:
+                    raise
+                redeclared = True
+                again = self.declare_namespace(ns.spec)
+                if again.namespace_id != ns.namespace_id:
+                    raise errors.StateConflict(
+                        f"namespace {ns.namespace_id} came back as {again.namespace_id}: "
+                        "another daemon version?"
+                    ) from None
+            except errors.Unavailable:
+                if resent or not local.failed_unsent:
+                    raise
+                resent = True
+
+    @property
+    def using_local_channel(self) -> bool:
+        """Whether hot-path calls go over the lean local channel (else gRPC)."""
+        return self.local is not None and self.local.broken is None
+
+    @property
+    def local_channel_lost(self) -> bool:
+        """Whether the lean channel broke since this client was made (the daemon went
+        away, or a timeout): the connector's session then starts a fresh client."""
+        return self._local_lost or (self.local is not None and self.local.broken is not None)
+
+    def _local(self) -> LocalChannel | None:
+        """The lean channel while it works. Once broken (its error went to the call
+        that met it) a new connection is tried, at most every LOCAL_RETRY_S while
+        none can be made; gRPC carries the calls meanwhile."""
+        local = self.local
+        if local is not None and local.broken is None:
+            return local
+        if not self._local_wanted:
+            return None
+        if local is not None:
+            self.local = None
+            self._local_lost = True
+            with self._lock:
+                local.close()
+        elif time.monotonic() < self._local_retry_at:
+            return None
+        self.local = self._open_local(self.info.socket_path)
+        if self.local is None:
+            self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
+        return self.local
 
     def _call(
         self,
@@ -398,6 +496,12 @@ class Client:
         return self.region[offset : offset + nbytes]
 
     def close(self) -> None:
+        """Flush what was sent without waiting (commits land), then close the channels."""
+        local, self.local = self.local, None
+        self._local_wanted = False
+        if local is not None:
+            with self._lock:
+                local.close()
         self._flush_releases()
         self.region = None
         self._gpu_pool = None
@@ -415,10 +519,13 @@ class Client:
     # ------------------------------------------------------------- control
 
     def declare_namespace(self, spec: NamespaceSpec) -> Namespace:
-        reply = self._call(
-            self._stub.DeclareNamespace,
-            pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**msgspec.structs.asdict(spec))),
-        )
+        if self._local() is not None:
+            reply: Any = self._local_call(lambda seq: local_wire.Declare(seq, spec))
+        else:
+            reply = self._call(
+                self._stub.DeclareNamespace,
+                pb.DeclareNamespaceRequest(spec=pb.NamespaceSpec(**msgspec.structs.asdict(spec))),
+            )
         ns = Namespace(reply.namespace_id, reply.block_bytes, spec, tuple(reply.sibling_layouts))
         mine = layout_hash_seed(spec.layout)
         others = sorted({layout_hash_seed(x) or "none" for x in ns.sibling_layouts} - {mine})
@@ -446,6 +553,12 @@ class Client:
     ) -> LookupResult:
         """Longest present prefix. peer_hint (node id or host:port): the daemon first
         pulls what it lacks from that peer (needs peer.enabled)."""
+        if not peer_hint and self._local() is not None:
+            packed = pack_hashes(hashes)
+            looked = self._local_call(
+                lambda seq: local_wire.Lookup(seq, ns.namespace_id, packed), ns=ns
+            )
+            return LookupResult(looked.prefix_blocks, {_tier_name(t): n for t, n in looked.by_tier})
         reply = self._call(
             self._stub.Lookup,
             pb.LookupRequest(
@@ -471,17 +584,26 @@ class Client:
     ) -> StoreHandle:
         """Reserve slots in `tier` ("dram", or "gpu": offsets into gpu_pool())."""
         packed = pack_hashes(hashes)
+        tier_value = _tier_value(tier)
         sent_s = self._clock()
-        reply = self._call(
-            self._stub.PrepareStore,
-            pb.PrepareStoreRequest(
-                namespace_id=ns.namespace_id,
-                block_hashes=packed,
-                lease_ttl_s=lease_ttl_s,
-                tier=_tier_value(tier),
-            ),
-            ns=ns,
-        )
+        if self._local() is not None:
+            reply: Any = self._local_call(
+                lambda seq: local_wire.PrepareStore(
+                    seq, ns.namespace_id, packed, lease_ttl_s, tier_value
+                ),
+                ns=ns,
+            )
+        else:
+            reply = self._call(
+                self._stub.PrepareStore,
+                pb.PrepareStoreRequest(
+                    namespace_id=ns.namespace_id,
+                    block_hashes=packed,
+                    lease_ttl_s=lease_ttl_s,
+                    tier=tier_value,
+                ),
+                ns=ns,
+            )
         self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
         return StoreHandle(
             reply.lease_id,
@@ -511,41 +633,82 @@ class Client:
         """
         if not handle.lease_id:
             return 0
-        request = pb.CommitStoreRequest(lease_id=handle.lease_id)
-        if hashes is not None:
-            request.block_hashes = pack_hashes(hashes)
-        if chains:
-            if parent_block_hash is not None:
-                raise errors.InvalidRequest("with chains, each chain names its own parent")
-            packed = b"" if token_ids is None else np.asarray(token_ids, dtype="<i4").tobytes()
-            total = sum(n for n, _ in chains)
-            if total <= 0 or len(packed) % total:
-                raise errors.InvalidRequest(
-                    f"{len(packed) // 4} token ids do not split evenly over {total} blocks"
-                )
-            per_block = len(packed) // total
-            start = 0
-            for count, parent in chains:
-                chain = request.chains.add(blocks=count)
-                if parent is not None:
-                    chain.has_parent_block_hash = True
-                    chain.parent_block_hash = parent
-                chain.token_ids = packed[start : start + count * per_block]
-                start += count * per_block
-            token_ids = None
-        if parent_block_hash is not None:
-            request.has_parent_block_hash = True
-            request.parent_block_hash = parent_block_hash
-        if token_ids is not None:
-            request.token_ids = np.asarray(token_ids, dtype="<i4").tobytes()
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains)
         try:
-            return int(self._call(self._stub.CommitStore, request).committed)
-        except errors.LeaseExpired:
-            raise
-        except errors.LeaseNotFound as exc:
-            if self.expired(handle):  # ours ran out (and its quarantine too, or an old daemon)
-                raise errors.LeaseExpired(f"lease expired before the commit: {exc}") from None
-            raise
+            if self._local() is not None:
+                message = _local_commit(handle.lease_id, fields)
+                return int(self._local_call(message).committed)
+            return int(
+                self._call(self._stub.CommitStore, _pb_commit(handle.lease_id, fields)).committed
+            )
+        except errors.KVStoreError as exc:
+            raise self._commit_error(handle, exc) from None
+
+    def commit_store_later(
+        self,
+        handle: StoreHandle,
+        hashes: Sequence[int] | np.ndarray | None = None,
+        *,
+        parent_block_hash: int | None = None,
+        token_ids: Sequence[int] | np.ndarray | None = None,
+        chains: Sequence[tuple[int, int | None]] | None = None,
+        on_done: Callable[[int | errors.KVStoreError], None] | None = None,
+    ) -> None:
+        """commit_store without waiting for the answer (over the lean channel).
+
+        ``on_done`` gets the committed count, or the error, when the answer is
+        read: at the next call of this client, at ``flush()``, or at ``close()``
+        (so the commit has landed once the client is closed). The daemon runs
+        one connection's requests in order, so this client's later calls see
+        the blocks committed. Over gRPC it is commit_store, answered at once.
+        Errors sending it raise here (on_done is not called then).
+        """
+        if not handle.lease_id:
+            if on_done is not None:
+                on_done(0)
+            return
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains)
+        local = self._local()
+        if local is None:
+            n = self.commit_store(
+                handle,
+                hashes,
+                parent_block_hash=parent_block_hash,
+                token_ids=token_ids,
+                chains=chains,
+            )
+            if on_done is not None:
+                on_done(n)
+            return
+
+        def done(reply: Any) -> None:
+            if on_done is not None:
+                on_done(
+                    self._commit_error(handle, reply)
+                    if isinstance(reply, errors.KVStoreError)
+                    else int(reply.committed)
+                )
+
+        with self._lock:
+            local.call_later(_local_commit(handle.lease_id, fields), done)
+
+    def flush(self) -> None:
+        """Send everything queued and wait for every answer not waited for yet
+        (commit_store_later, release(wait=False)): they have all landed after this."""
+        local = self._local()
+        if local is not None:
+            with self._lock:
+                local.collect()
+        self._flush_releases()
+
+    def _commit_error(self, handle: StoreHandle, exc: errors.KVStoreError) -> errors.KVStoreError:
+        if (
+            isinstance(exc, errors.LeaseNotFound)
+            and not isinstance(exc, errors.LeaseExpired)
+            and self.expired(handle)  # ours ran out (and its quarantine too, or an old daemon)
+        ):
+            return errors.LeaseExpired(f"lease expired before the commit: {exc}")
+        return exc
 
     def prepare_load(
         self,
@@ -559,20 +722,30 @@ class Client:
     ) -> LoadHandle:
         """Pin the longest present prefix (after pulling it from peer_hint, if given),
         moved into `tier` first ("gpu": offsets into gpu_pool())."""
+        packed = pack_hashes(hashes)
+        tier_value = _tier_value(tier)
         sent_s = self._clock()
-        reply = self._call(
-            self._stub.PrepareLoad,
-            pb.PrepareLoadRequest(
-                namespace_id=ns.namespace_id,
-                block_hashes=pack_hashes(hashes),
-                lease_ttl_s=lease_ttl_s,
-                peer_hint=peer_hint,
-                peer_timeout_s=peer_timeout_s,
-                tier=_tier_value(tier),
-            ),
-            timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
-            ns=ns,
-        )
+        if not peer_hint and self._local() is not None:
+            reply: Any = self._local_call(
+                lambda seq: local_wire.PrepareLoad(
+                    seq, ns.namespace_id, packed, lease_ttl_s, tier_value
+                ),
+                ns=ns,
+            )
+        else:
+            reply = self._call(
+                self._stub.PrepareLoad,
+                pb.PrepareLoadRequest(
+                    namespace_id=ns.namespace_id,
+                    block_hashes=packed,
+                    lease_ttl_s=lease_ttl_s,
+                    peer_hint=peer_hint,
+                    peer_timeout_s=peer_timeout_s,
+                    tier=tier_value,
+                ),
+                timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
+                ns=ns,
+            )
         self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
         return LoadHandle(
             reply.lease_id,
@@ -594,12 +767,32 @@ class Client:
         lease_id = handle if isinstance(handle, int) else handle.lease_id
         if not lease_id:
             return
+        self.release_all([lease_id], wait=wait)
+
+    def release_all(
+        self, handles: Sequence[LoadHandle | StoreHandle | int], *, wait: bool = True
+    ) -> None:
+        """End several leases in one message (wait=False: sent at once, not answered)."""
+        ids = [h if isinstance(h, int) else h.lease_id for h in handles]
+        ids = [i for i in ids if i]
+        if not ids:
+            return
+        local = self._local()
+        if local is not None:
+            if wait:
+                self._local_call(lambda seq: local_wire.Release(seq, ids))
+                return
+            with self._lock:
+                local.post(local_wire.Release(0, ids))
+                local.flush()  # now: pins held until a later call would delay eviction
+            return
         if wait:
-            self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=[lease_id]))
+            self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=ids))
             return
         if self._releaser is None:
             self._releaser = _Releaser(self._stub, self.timeout_s, self._metadata)
-        self._releaser.put(lease_id)
+        for lease_id in ids:
+            self._releaser.put(lease_id)
 
     def flush_releases(self) -> None:
         """Send the background releases queued so far and wait for them (wait=False
@@ -612,6 +805,10 @@ class Client:
             self._releaser = None
 
     def delete(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        if self._local() is not None:
+            packed = pack_hashes(hashes)
+            d = self._local_call(lambda seq: local_wire.Delete(seq, ns.namespace_id, packed), ns=ns)
+            return d.deleted, d.busy
         reply = self._call(
             self._stub.Delete,
             pb.DeleteRequest(namespace_id=ns.namespace_id, block_hashes=pack_hashes(hashes)),
@@ -1008,6 +1205,66 @@ class _Releaser:
                     )
                 except grpc.RpcError:
                     pass  # expired or daemon gone: nothing is held either way
+
+
+@dataclass(frozen=True, slots=True)
+class _CommitFields:
+    block_hashes: bytes
+    parent_block_hash: int | None
+    token_ids: bytes
+    chains: list[tuple[int, int | None, bytes]]  # (blocks, parent, packed token ids)
+
+
+def _commit_fields(
+    hashes: Sequence[int] | np.ndarray | None,
+    parent_block_hash: int | None,
+    token_ids: Sequence[int] | np.ndarray | None,
+    chains: Sequence[tuple[int, int | None]] | None,
+) -> _CommitFields:
+    """A commit's fields packed as both channels send them."""
+    packed_hashes = b"" if hashes is None else pack_hashes(hashes)
+    packed = b"" if token_ids is None else np.asarray(token_ids, dtype="<i4").tobytes()
+    split: list[tuple[int, int | None, bytes]] = []
+    if chains:
+        if parent_block_hash is not None:
+            raise errors.InvalidRequest("with chains, each chain names its own parent")
+        total = sum(n for n, _ in chains)
+        if total <= 0 or len(packed) % total:
+            raise errors.InvalidRequest(
+                f"{len(packed) // 4} token ids do not split evenly over {total} blocks"
+            )
+        per_block = len(packed) // total
+        start = 0
+        for count, parent in chains:
+            split.append((count, parent, packed[start : start + count * per_block]))
+            start += count * per_block
+        packed = b""
+    return _CommitFields(packed_hashes, parent_block_hash, packed, split)
+
+
+def _pb_commit(lease_id: int, f: _CommitFields) -> Any:
+    request = pb.CommitStoreRequest(lease_id=lease_id)
+    if f.block_hashes:
+        request.block_hashes = f.block_hashes
+    for count, parent, tokens in f.chains:
+        chain = request.chains.add(blocks=count)
+        if parent is not None:
+            chain.has_parent_block_hash = True
+            chain.parent_block_hash = parent
+        chain.token_ids = tokens
+    if f.parent_block_hash is not None:
+        request.has_parent_block_hash = True
+        request.parent_block_hash = f.parent_block_hash
+    if f.token_ids:
+        request.token_ids = f.token_ids
+    return request
+
+
+def _local_commit(lease_id: int, f: _CommitFields) -> Callable[[int], Any]:
+    chains = [local_wire.Chain(n, p, t) for n, p, t in f.chains]
+    return lambda seq: local_wire.CommitStore(
+        seq, lease_id, f.block_hashes, f.parent_block_hash, f.token_ids, chains
+    )
 
 
 def _store_too_slow(handle: StoreHandle, written: int, total: int) -> errors.LeaseExpired:

@@ -47,6 +47,12 @@ class ServerConfig(_Section):
     """On SIGTERM: how long in-flight calls may take before the daemon exits."""
     max_concurrent_rpcs: int = 1024
     """Calls beyond this are refused with RESOURCE_EXHAUSTED instead of queueing."""
+    local_channel: bool = True
+    """Also serve the lean local channel at <socket_path>.lean (msgpack frames, tens of
+    microseconds a call; see docs/local-channel.md): kvstore.client uses it for the hot
+    path when it can connect, gRPC otherwise. false = gRPC only."""
+    local_max_connections: int = 256
+    """Lean-channel connections open at once; one more is refused (RESOURCE_EXHAUSTED)."""
     file_group: str = ""
     """Group whose members may map the DRAM region (it becomes 0660, of this group). "" =
     the daemon's user only (0600). Manifest, disk and lock files are always 0600."""
@@ -427,6 +433,8 @@ def validate(config: Config) -> None:
         problems.append("dram.capacity_bytes must be at least dram.chunk_bytes")
     if not config.server.socket_path and not config.server.tcp_address:
         problems.append("server.socket_path and server.tcp_address are both off")
+    if config.server.local_max_connections <= 0:
+        problems.append("server.local_max_connections must be > 0")
     if config.leases.default_ttl_s <= 0 or config.leases.max_ttl_s < config.leases.default_ttl_s:
         problems.append("leases: need 0 < default_ttl_s <= max_ttl_s")
     if not config.leases.quarantine_s >= 0:

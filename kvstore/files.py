@@ -18,6 +18,7 @@ them, and several live in world-writable directories (``/dev/shm``). So:
     policy.open(path, flags, what=...)     -> fd, refused if another user owns it
     check_owned(fd_stat, path, what)       -> raise ConfigError naming the owner
     owner_name(uid)                        -> "uid 65534 (nobody)"
+    claim_socket_path(path)                -> remove a stale socket, refuse a live one
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import contextlib
 import grp
 import os
 import pwd
+import socket
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvstore.errors import ConfigError
 
@@ -141,3 +144,22 @@ class FilePolicy:
                     os.unlink(path)
             raise
         return fd
+
+
+def claim_socket_path(path: str, what: str = "server.socket_path") -> None:
+    """Remove a stale socket left by a crashed daemon; refuse to steal a live one."""
+    p = Path(path)
+    if not p.parent.is_dir():
+        raise ConfigError(f"{what}: directory {p.parent} does not exist")
+    if not p.exists() and not p.is_symlink():
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        p.unlink()  # nobody listens: stale
+        return
+    finally:
+        probe.close()
+    raise ConfigError(f"{what}: another process is serving on {path}")

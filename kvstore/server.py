@@ -14,9 +14,7 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -28,7 +26,8 @@ from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
-from kvstore.files import FilePolicy
+from kvstore.files import FilePolicy, claim_socket_path
+from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
 from kvstore.metrics import (
     ManagerCollector,
@@ -48,25 +47,6 @@ log = logging.getLogger("kvstore.server")
 STORE_SERVICE_NAME = store_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name
 
 
-def _claim_socket_path(path: str) -> None:
-    """Remove a stale socket left by a crashed daemon; refuse to steal a live one."""
-    p = Path(path)
-    if not p.parent.is_dir():
-        raise ConfigError(f"server.socket_path: directory {p.parent} does not exist")
-    if not p.exists() and not p.is_symlink():
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except OSError:
-        p.unlink()  # nobody listens: stale
-        return
-    finally:
-        probe.close()
-    raise ConfigError(f"server.socket_path: another process is serving on {path}")
-
-
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -83,6 +63,7 @@ class Daemon:
         self._sink: EventSink | None = None
         self._stopping = asyncio.Event()
         self._socket_bound = False
+        self.local: LocalServer | None = None  # the lean local channel (kvstore.local_server)
 
     def _make_sink(self) -> EventSink | None:
         if not self.config.events.enabled:
@@ -95,7 +76,7 @@ class Daemon:
         cfg = self.config
         if cfg.server.socket_path:
             # Before anything is allocated: a second daemon on one socket stops here.
-            _claim_socket_path(cfg.server.socket_path)
+            claim_socket_path(cfg.server.socket_path)
         self.region = Region(
             cfg.dram.path,
             cfg.dram.capacity_bytes,
@@ -127,8 +108,9 @@ class Daemon:
             ("grpc.max_send_message_length", cfg.server.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        rpc_metrics = RpcMetrics(self.registry)  # the lean channel's calls count here too
         interceptors: list[grpc.aio.ServerInterceptor] = [
-            MetricsInterceptor(RpcMetrics(self.registry)),
+            MetricsInterceptor(rpc_metrics),
             ParseGuardInterceptor(),
         ]
         # Always: without a secret it keeps every data call off TCP (kvstore/auth.py).
@@ -139,15 +121,13 @@ class Daemon:
             maximum_concurrent_rpcs=cfg.server.max_concurrent_rpcs,
         )
         peer_fill = self.peer.fill if self.peer is not None else None
-        store_pb2_grpc.add_StoreServiceServicer_to_server(
-            StoreService(
-                self.manager,
-                peer_fill,
-                peer_counters=peer_metrics.counters if peer_metrics is not None else None,
-                addresses=self.endpoints,
-            ),
-            self.server,
+        store_service = StoreService(
+            self.manager,
+            peer_fill,
+            peer_counters=peer_metrics.counters if peer_metrics is not None else None,
+            addresses=self.endpoints,
         )
+        store_pb2_grpc.add_StoreServiceServicer_to_server(store_service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_services = self.peer.add_to_server(self.server) if self.peer is not None else []
         reflection.enable_server_reflection(
@@ -172,6 +152,27 @@ class Daemon:
         await self.server.start()
         if cfg.server.socket_path:
             os.chmod(cfg.server.socket_path, 0o660)
+        if cfg.server.socket_path and cfg.server.local_channel:
+            region = self.region
+            self.local = LocalServer(
+                store_service.requests,  # the gRPC service's own handling
+                local_socket_path(cfg.server.socket_path),
+                node_id=self.manager.node_id,
+                region_id=lambda: region.region_id,
+                max_frame_bytes=cfg.server.max_message_bytes,
+                max_connections=cfg.server.local_max_connections,
+                policy=FilePolicy.from_group(cfg.server.file_group),
+                metrics=rpc_metrics,
+            )
+            try:
+                await self.local.start()
+            except OSError as exc:  # e.g. a path past AF_UNIX's 107 bytes: gRPC serves alone
+                log.warning(
+                    "lean local channel not served (%s); clients use gRPC",
+                    exc,
+                    extra={"fields": {"path": self.local.path}},
+                )
+                self.local = None
 
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
@@ -240,7 +241,11 @@ class Daemon:
         for service in ("", STORE_SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.server is not None:
+            # The lean channel keeps serving meanwhile: commits clients flush on
+            # their way out still land.
             await self.server.stop(grace=self.config.server.drain_timeout_s)
+        if self.local is not None:
+            await self.local.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

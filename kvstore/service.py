@@ -20,7 +20,15 @@ import numpy as np
 from kvstore import __version__, errors
 from kvstore.auth import CLIENT_ID_METADATA_KEY
 from kvstore.events.sink import SequencedSink
-from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager, StoreChain
+from kvstore.handling import (
+    Chain,
+    PeerFill,
+    StoreRequests,
+    pack_u64,
+    tier_of,
+)
+from kvstore.handling import unpack_u64 as unpack_u64  # peer_service and the benches use it
+from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
 from kvstore.v1 import store_pb2 as pb
@@ -46,33 +54,6 @@ async def call_async(context: grpc.aio.ServicerContext, fn: Callable[[], Awaitab
         await errors.abort(context, exc)
 
 
-def unpack_u64(data: bytes, what: str = "block_hashes", max_count: int | None = None) -> list[int]:
-    """Packed uint64 -> list; the count is checked first, so an oversize request
-    costs no unpacking (8 M hashes would be ~1.6 GB of Python ints)."""
-    if len(data) % 8:
-        raise errors.InvalidRequest(
-            f"{what} must be packed uint64 (a multiple of 8 bytes), got {len(data)} bytes"
-        )
-    if max_count is not None and len(data) // 8 > max_count:
-        raise errors.InvalidRequest(
-            f"{len(data) // 8} blocks in one request exceeds "
-            f"limits.max_blocks_per_request={max_count}"
-        )
-    return np.frombuffer(data, dtype="<u8").tolist()
-
-
-def pack_u64(values: list[int]) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
-
-
-def unpack_i32(data: bytes, what: str) -> list[int]:
-    if len(data) % 4:
-        raise errors.InvalidRequest(
-            f"{what} must be packed int32 (a multiple of 4 bytes), got {len(data)} bytes"
-        )
-    return np.frombuffer(data, dtype="<i4").tolist()
-
-
 def caller_of(context: grpc.aio.ServicerContext) -> str:
     """Who owns the leases a call takes: the peer's host over TCP ("ipv4:10.0.0.5",
     any port: a client's reconnect keeps its leases), "unix" on the local socket.
@@ -90,12 +71,7 @@ def caller_of(context: grpc.aio.ServicerContext) -> str:
 
 def tier_from_pb(value: int) -> Tier:
     """The tier a store or load asks for: UNSPECIFIED means DRAM."""
-    if value == pb.TIER_UNSPECIFIED:
-        return Tier.DRAM
-    try:
-        return Tier(value)
-    except ValueError:
-        raise errors.InvalidRequest(f"unknown tier {value}") from None
+    return tier_of(value)
 
 
 def spec_from_pb(spec: Any) -> NamespaceSpec:
@@ -113,20 +89,6 @@ def spec_from_pb(spec: Any) -> NamespaceSpec:
         pp_world_size=spec.pp_world_size or 1,
         tenant=spec.tenant,
         layout=spec.layout,
-    )
-
-
-def sibling_layouts(manager: BlockManager, spec: NamespaceSpec) -> list[str]:
-    """Layouts of the other namespaces declared on ``manager`` whose spec equals
-    ``spec`` but for the layout: engines that should share blocks and cannot (a
-    different hash seed or page format). One walk of the namespaces, at declare time."""
-    same = msgspec.structs.replace(spec, layout="")
-    return sorted(
-        {
-            ns.spec.layout
-            for ns in manager.namespaces.values()
-            if ns.spec.layout != spec.layout and msgspec.structs.replace(ns.spec, layout="") == same
-        }
     )
 
 
@@ -172,10 +134,6 @@ def held_by_tier(manager: BlockManager, model: str) -> dict[str, tuple[int, dict
     return out
 
 
-# fill(namespace_id, hashes, peer_hint, timeout_s): pull what the local prefix lacks
-PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
-
-
 MAX_CLIENT_ID_CHARS = 64
 
 
@@ -206,20 +164,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
         # the daemon's bound addresses (and peer transport), for Hello
         self.addresses = addresses or dict
         self.max_blocks = self.config.limits.max_blocks_per_request
+        # the handling both front-ends share (kvstore.handling)
+        self.requests = StoreRequests(manager, peer_fill)
 
     def _hashes(self, data: bytes) -> list[int]:
-        return unpack_u64(data, "block_hashes", self.max_blocks)
-
-    async def _fill_from_hint(self, request: Any, hashes: list[int]) -> None:
-        if not request.peer_hint:
-            return
-        if self.peer_fill is None:
-            raise errors.StateConflict("peer_hint needs peer transfer: peer.enabled is off here")
-        if request.peer_timeout_s < 0:
-            raise errors.InvalidRequest("peer_timeout_s must be >= 0")
-        await self.peer_fill(
-            request.namespace_id, hashes, request.peer_hint, request.peer_timeout_s
-        )
+        return self.requests.hashes(data)
 
     async def Hello(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         region = self.manager.region
@@ -253,75 +202,58 @@ class StoreService(pb_grpc.StoreServiceServicer):
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         if not request.HasField("spec"):
             await errors.abort(context, errors.InvalidRequest("spec is required"))
-        known = len(self.manager.namespaces)
-        ns = await call(context, lambda: self.manager.declare_namespace(spec_from_pb(request.spec)))
-        siblings = sibling_layouts(self.manager, ns.spec)
-        if siblings and len(self.manager.namespaces) > known:
-            log.warning(
-                "namespace %s of model %r differs from %d other namespace(s) only in its "
-                "layout (%r vs %s): their clients never share a block (hash seed or page format)",
-                ns.namespace_id,
-                ns.spec.model,
-                len(siblings),
-                ns.spec.layout,
-                ", ".join(repr(x) for x in siblings),
-            )
+        spec = await call(context, lambda: spec_from_pb(request.spec))
+        d = await call(context, lambda: self.requests.declare_namespace(spec))
         return pb.DeclareNamespaceResponse(
-            namespace_id=ns.namespace_id, block_bytes=ns.block_bytes, sibling_layouts=siblings
+            namespace_id=d.namespace_id,
+            block_bytes=d.block_bytes,
+            sibling_layouts=d.sibling_layouts,
         )
 
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        client = client_key(context)
-
         def run() -> Any:
-            hashes = self._hashes(request.block_hashes)
-            tier = tier_from_pb(request.tier)
-            plan = self.manager.prepare_store(
+            p = self.requests.prepare_store(
                 request.namespace_id,
-                hashes,
+                request.block_hashes,
                 request.lease_ttl_s,
-                tier,
+                request.tier,
                 caller_of(context),
-                client=client,
+                client_key(context),
             )
             return pb.PrepareStoreResponse(
-                lease_id=plan.lease_id,
-                statuses=bytes(plan.statuses),
-                offsets=pack_u64(plan.offsets),
-                tier=int(tier),  # type: ignore[arg-type]
-                lease_ttl_s=plan.ttl_s,
-                region_id=self.manager.region.region_id,
+                lease_id=p.lease_id,
+                statuses=p.statuses,
+                offsets=p.offsets,
+                tier=p.tier,  # type: ignore[arg-type]
+                lease_ttl_s=p.lease_ttl_s,
+                region_id=p.region_id,
             )
 
         return await call(context, run)
 
     async def CommitStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         def run() -> Any:
-            hashes = self._hashes(request.block_hashes) if request.block_hashes else None
-            tokens = unpack_i32(request.token_ids, "token_ids") if request.token_ids else None
-            parent = request.parent_block_hash if request.has_parent_block_hash else None
-            chains = [
-                StoreChain(
-                    c.blocks,
-                    c.parent_block_hash if c.has_parent_block_hash else None,
-                    unpack_i32(c.token_ids, "chains.token_ids") if c.token_ids else None,
-                )
-                for c in request.chains
-            ]
-            n = self.manager.commit_store(
+            n = self.requests.commit_store(
                 request.lease_id,
-                hashes,
-                parent_block_hash=parent,
-                token_ids=tokens,
-                chains=chains or None,
-                owner=caller_of(context),
+                request.block_hashes,
+                request.parent_block_hash if request.has_parent_block_hash else None,
+                request.token_ids,
+                [
+                    Chain(
+                        c.blocks,
+                        c.parent_block_hash if c.has_parent_block_hash else None,
+                        c.token_ids,
+                    )
+                    for c in request.chains
+                ],
+                caller_of(context),
             )
             return pb.CommitStoreResponse(committed=n)
 
         return await call(context, run)
 
-    def _lookup(self, namespace_id: str, hashes: list[int]) -> Any:
-        result = self.manager.lookup(namespace_id, hashes)
+    @staticmethod
+    def _lookup_response(result: Any) -> Any:
         return pb.LookupResponse(
             prefix_blocks=result.prefix_blocks,
             by_tier=[pb.TierCount(tier=int(t), blocks=n) for t, n in result.by_tier.items()],  # type: ignore[arg-type]
@@ -331,65 +263,59 @@ class StoreService(pb_grpc.StoreServiceServicer):
         if not request.peer_hint:  # the hot path: no await
             return await call(
                 context,
-                lambda: self._lookup(request.namespace_id, self._hashes(request.block_hashes)),
+                lambda: self._lookup_response(
+                    self.requests.lookup(request.namespace_id, request.block_hashes)
+                ),
             )
 
         async def pull_then_look() -> Any:
-            hashes = self._hashes(request.block_hashes)
-            await self._fill_from_hint(request, hashes)
-            return self._lookup(request.namespace_id, hashes)
+            result = await self.requests.lookup_hinted(
+                request.namespace_id,
+                request.block_hashes,
+                request.peer_hint,
+                request.peer_timeout_s,
+            )
+            return self._lookup_response(result)
 
         return await call_async(context, pull_then_look)
 
     async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        client = client_key(context)
-
         async def run() -> Any:
-            hashes = self._hashes(request.block_hashes)
-            await self._fill_from_hint(request, hashes)
-            plan = await self.manager.prepare_load_async(
+            p = await self.requests.prepare_load(
                 request.namespace_id,
-                hashes,
+                request.block_hashes,
                 request.lease_ttl_s,
-                tier_from_pb(request.tier),
+                request.tier,
+                request.peer_hint,
+                request.peer_timeout_s,
                 caller_of(context),
-                client=client,
+                client_key(context),
             )
             return pb.PrepareLoadResponse(
-                lease_id=plan.lease_id,
-                found_blocks=len(plan.blocks),
-                offsets=pack_u64(plan.offsets),
-                checksums=pack_u64([b.checksum for b in plan.blocks]),
-                tier=int(plan.tier),  # type: ignore[arg-type]
-                lease_ttl_s=plan.ttl_s,
-                region_id=self.manager.region.region_id,
+                lease_id=p.lease_id,
+                found_blocks=p.found_blocks,
+                offsets=p.offsets,
+                checksums=p.checksums,
+                tier=p.tier,  # type: ignore[arg-type]
+                lease_ttl_s=p.lease_ttl_s,
+                region_id=p.region_id,
             )
 
         return await call_async(context, run)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         owner = caller_of(context)
-
-        def run() -> int:
-            if len(request.lease_ids) > self.max_blocks:
-                raise errors.InvalidRequest(
-                    f"{len(request.lease_ids)} lease ids in one request exceeds "
-                    f"limits.max_blocks_per_request={self.max_blocks}"
-                )
-            return self.manager.release(list(request.lease_ids), owner)
-
-        n = await call(context, run)
+        n = await call(context, lambda: self.requests.release(list(request.lease_ids), owner))
         return pb.ReleaseResponse(released=n)
 
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         deleted, busy = await call(
-            context,
-            lambda: self.manager.delete(request.namespace_id, self._hashes(request.block_hashes)),
+            context, lambda: self.requests.delete(request.namespace_id, request.block_hashes)
         )
         return pb.DeleteResponse(deleted=deleted, busy=busy)
 
     async def Clear(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = await call(context, lambda: self.manager.clear(request.namespace_id))
+        n = await call(context, lambda: self.requests.clear(request.namespace_id))
         return pb.ClearResponse(removed=n)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

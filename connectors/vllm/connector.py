@@ -248,6 +248,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             retry_initial_s=self.config.retry_initial_s,
             retry_max_s=self.config.retry_max_s,
             map_region=map_region,
+            local_channel=self.config.local_channel,
         )
 
     @property

@@ -59,8 +59,10 @@ class DaemonSession:
         retry_max_s: float,
         map_region: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        local_channel: bool = True,
     ) -> None:
         self.address = address
+        self.local_channel = local_channel
         self.timeout_s = timeout_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
@@ -93,11 +95,12 @@ class DaemonSession:
     def client(self) -> Client | None:
         """The live client, connecting first when allowed; None while the daemon is down."""
         if self._client is not None:
-            if not self._link.reset:
+            if not self._link.reset and not self._client.local_channel_lost:
                 return self._client
             # The connection dropped since the last call (gRPC would silently
-            # reconnect, possibly to a restarted daemon with another region):
-            # start over with a fresh client, at once.
+            # reconnect, possibly to a restarted daemon with another region; the
+            # client would go on over gRPC without its lean channel): start over
+            # with a fresh client, at once.
             self.failures += 1
             self._broken_by = "the connection was reset"
             self.disconnect()
@@ -105,7 +108,12 @@ class DaemonSession:
         if now < self._retry_at:
             return None
         try:
-            client = Client(self.address, timeout_s=self.timeout_s, map_region=self.map_region)
+            client = Client(
+                self.address,
+                timeout_s=self.timeout_s,
+                map_region=self.map_region,
+                local_channel=self.local_channel,
+            )
         except (errors.KVStoreError, OSError, ValueError) as exc:
             self.failures += 1
             self._note_failure("connect", exc)

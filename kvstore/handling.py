@@ -1,0 +1,294 @@
+"""The store's request handling, shared by both front-ends.
+
+``kvstore.service`` (gRPC) and ``kvstore.local_server`` (the lean local
+channel) decode their own wire formats, then call the same methods here: the
+same validation (packed-field sizes, the per-request block bound, tiers,
+peer-hint rules), the same manager calls with the same lease owner and client
+key, the same errors (``kvstore.errors`` classes, raised for the front-end to
+send). Packed fields stay packed (little-endian uint64/int32 bytes) and are
+decoded with numpy in one call each, never element by element.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvstore import errors
+from kvstore.manager import BlockManager, LookupResult, StoreChain
+from kvstore.namespace import NamespaceSpec
+from kvstore.tiers import Tier
+
+log = logging.getLogger("kvstore.service")
+
+# fill(namespace_id, hashes, peer_hint, timeout_s): pull what the local prefix lacks
+PeerFill = Callable[[str, list[int], str, float], Awaitable[None]]
+
+TIER_UNSPECIFIED = 0  # kvstore.v1.Tier's zero value (and the lean channel's)
+
+
+def unpack_u64(data: bytes, what: str = "block_hashes", max_count: int | None = None) -> list[int]:
+    """Packed uint64 -> list; the count is checked first, so an oversize request
+    costs no unpacking (8 M hashes would be ~1.6 GB of Python ints)."""
+    if len(data) % 8:
+        raise errors.InvalidRequest(
+            f"{what} must be packed uint64 (a multiple of 8 bytes), got {len(data)} bytes"
+        )
+    if max_count is not None and len(data) // 8 > max_count:
+        raise errors.InvalidRequest(
+            f"{len(data) // 8} blocks in one request exceeds "
+            f"limits.max_blocks_per_request={max_count}"
+        )
+    return np.frombuffer(data, dtype="<u8").tolist()
+
+
+def pack_u64(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
+def unpack_i32(data: bytes, what: str) -> list[int]:
+    if len(data) % 4:
+        raise errors.InvalidRequest(
+            f"{what} must be packed int32 (a multiple of 4 bytes), got {len(data)} bytes"
+        )
+    return np.frombuffer(data, dtype="<i4").tolist()
+
+
+def tier_of(value: int) -> Tier:
+    """The tier a store or load asks for: UNSPECIFIED (0) means DRAM."""
+    if value == TIER_UNSPECIFIED:
+        return Tier.DRAM
+    try:
+        return Tier(value)
+    except ValueError:
+        raise errors.InvalidRequest(f"unknown tier {value}") from None
+
+
+def sibling_layouts(manager: BlockManager, spec: NamespaceSpec) -> list[str]:
+    """Layouts of the other namespaces declared on ``manager`` whose spec equals
+    ``spec`` but for the layout: engines that should share blocks and cannot (a
+    different hash seed or page format). One walk of the namespaces, at declare time."""
+    same = msgspec.structs.replace(spec, layout="")
+    return sorted(
+        {
+            ns.spec.layout
+            for ns in manager.namespaces.values()
+            if ns.spec.layout != spec.layout and msgspec.structs.replace(ns.spec, layout="") == same
+        }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Declared:
+    namespace_id: str
+    block_bytes: int
+    sibling_layouts: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedStore:
+    lease_id: int
+    statuses: bytes  # one StoreStatus per requested block
+    offsets: bytes  # packed uint64
+    tier: int
+    lease_ttl_s: float
+    region_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedLoad:
+    lease_id: int
+    found_blocks: int
+    offsets: bytes  # packed uint64
+    checksums: bytes  # packed uint64
+    tier: int
+    lease_ttl_s: float
+    region_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """One sequence of a multi-request commit (see BlockManager.commit_store)."""
+
+    blocks: int
+    parent_block_hash: int | None
+    token_ids: bytes  # packed int32; b"" = none
+
+
+class StoreRequests:
+    """What each store call does, given its decoded fields and its caller's identity.
+
+    ``owner``: who may commit or release the leases a call takes ("unix" for
+    local clients of either front-end, so a lease taken over one channel can be
+    ended over the other). ``client``: whose lease count it is charged to.
+    """
+
+    def __init__(self, manager: BlockManager, peer_fill: PeerFill | None = None) -> None:
+        self.manager = manager
+        self.peer_fill = peer_fill
+        self.max_blocks = manager.config.limits.max_blocks_per_request
+
+    def hashes(self, data: bytes) -> list[int]:
+        return unpack_u64(data, "block_hashes", self.max_blocks)
+
+    async def fill_from_hint(
+        self, namespace_id: str, hashes: list[int], peer_hint: str, peer_timeout_s: float
+    ) -> None:
+        if not peer_hint:
+            return
+        if self.peer_fill is None:
+            raise errors.StateConflict("peer_hint needs peer transfer: peer.enabled is off here")
+        if peer_timeout_s < 0:
+            raise errors.InvalidRequest("peer_timeout_s must be >= 0")
+        await self.peer_fill(namespace_id, hashes, peer_hint, peer_timeout_s)
+
+    def declare_namespace(self, spec: NamespaceSpec) -> Declared:
+        known = len(self.manager.namespaces)
+        ns = self.manager.declare_namespace(spec)
+        siblings = sibling_layouts(self.manager, ns.spec)
+        if siblings and len(self.manager.namespaces) > known:
+            log.warning(
+                "namespace %s of model %r differs from %d other namespace(s) only in its "
+                "layout (%r vs %s): their clients never share a block (hash seed or page format)",
+                ns.namespace_id,
+                ns.spec.model,
+                len(siblings),
+                ns.spec.layout,
+                ", ".join(repr(x) for x in siblings),
+            )
+        return Declared(ns.namespace_id, ns.block_bytes, siblings)
+
+    def prepare_store(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        lease_ttl_s: float,
+        tier: int,
+        owner: str,
+        client: str,
+    ) -> PreparedStore:
+        hashes = self.hashes(block_hashes)
+        want = tier_of(tier)
+        plan = self.manager.prepare_store(
+            namespace_id, hashes, lease_ttl_s, want, owner, client=client
+        )
+        return PreparedStore(
+            plan.lease_id,
+            bytes(plan.statuses),
+            pack_u64(plan.offsets),
+            int(want),
+            plan.ttl_s,
+            self.manager.region.region_id,
+        )
+
+    def commit_store(
+        self,
+        lease_id: int,
+        block_hashes: bytes,
+        parent_block_hash: int | None,
+        token_ids: bytes,
+        chains: list[Chain],
+        owner: str,
+    ) -> int:
+        hashes = self.hashes(block_hashes) if block_hashes else None
+        tokens = unpack_i32(token_ids, "token_ids") if token_ids else None
+        store_chains = [
+            StoreChain(
+                c.blocks,
+                c.parent_block_hash,
+                unpack_i32(c.token_ids, "chains.token_ids") if c.token_ids else None,
+            )
+            for c in chains
+        ]
+        return self.manager.commit_store(
+            lease_id,
+            hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=tokens,
+            chains=store_chains or None,
+            owner=owner,
+        )
+
+    def lookup(self, namespace_id: str, block_hashes: bytes) -> LookupResult:
+        """The hot path: no await."""
+        return self.manager.lookup(namespace_id, self.hashes(block_hashes))
+
+    async def lookup_hinted(
+        self, namespace_id: str, block_hashes: bytes, peer_hint: str, peer_timeout_s: float
+    ) -> LookupResult:
+        hashes = self.hashes(block_hashes)
+        await self.fill_from_hint(namespace_id, hashes, peer_hint, peer_timeout_s)
+        return self.manager.lookup(namespace_id, hashes)
+
+    async def prepare_load(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        lease_ttl_s: float,
+        tier: int,
+        peer_hint: str,
+        peer_timeout_s: float,
+        owner: str,
+        client: str,
+    ) -> PreparedLoad:
+        hashes = self.hashes(block_hashes)
+        await self.fill_from_hint(namespace_id, hashes, peer_hint, peer_timeout_s)
+        plan = await self.manager.prepare_load_async(
+            namespace_id, hashes, lease_ttl_s, tier_of(tier), owner, client=client
+        )
+        return self._prepared_load(plan)
+
+    @property
+    def loads_may_wait(self) -> bool:
+        """Whether a load may have to move blocks between tiers first (a disk or a
+        GPU tier: BlockManager.prepare_load_async awaits those moves); without
+        either, prepare_load_async is prepare_load and load_now answers at once."""
+        return self.manager.disk is not None or self.manager.gpu is not None
+
+    def load_now(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        lease_ttl_s: float,
+        tier: int,
+        owner: str,
+        client: str,
+    ) -> PreparedLoad:
+        """prepare_load without a peer hint, for a node where nothing has to move
+        (not loads_may_wait): no await, no task."""
+        assert not self.loads_may_wait
+        hashes = self.hashes(block_hashes)
+        plan = self.manager.prepare_load(
+            namespace_id, hashes, lease_ttl_s, tier_of(tier), owner, client=client
+        )
+        return self._prepared_load(plan)
+
+    def _prepared_load(self, plan: Any) -> PreparedLoad:
+        return PreparedLoad(
+            plan.lease_id,
+            len(plan.blocks),
+            pack_u64(plan.offsets),
+            pack_u64([b.checksum for b in plan.blocks]),
+            int(plan.tier),
+            plan.ttl_s,
+            self.manager.region.region_id,
+        )
+
+    def release(self, lease_ids: list[int], owner: str) -> int:
+        if len(lease_ids) > self.max_blocks:
+            raise errors.InvalidRequest(
+                f"{len(lease_ids)} lease ids in one request exceeds "
+                f"limits.max_blocks_per_request={self.max_blocks}"
+            )
+        return self.manager.release(lease_ids, owner)
+
+    def delete(self, namespace_id: str, block_hashes: bytes) -> tuple[int, int]:
+        return self.manager.delete(namespace_id, self.hashes(block_hashes))
+
+    def clear(self, namespace_id: str) -> int:
+        return self.manager.clear(namespace_id)

@@ -1,0 +1,239 @@
+"""The client's end of the lean local channel (kvstore.local_wire): one blocking Unix socket.
+
+``kvstore.client.Client`` opens one per client when its daemon is local (the
+socket ``<socket_path>.lean`` exists and answers Hello) and sends its hot-path
+calls here; everything else, and everything when this channel cannot be
+opened, goes over gRPC.
+
+    ch = LocalChannel.open(path, client_id, timeout_s)
+    reply = ch.call(lambda seq: Lookup(seq, ns_id, packed))      # one round trip
+    ch.post(Release(0, [lease_id]))                              # no answer wanted
+    ch.call_later(lambda seq: CommitStore(seq, ...), on_done)    # answer read later
+    ch.collect()                                                 # wait for those answers
+
+Requests queued by ``post`` ride in the next frame (or go at ``flush``). An
+answer a ``call_later`` does not wait for is read when the next call reads its
+own (the daemon answers in order), at ``collect`` or at ``close``: so a commit
+sent without waiting has landed once the client is closed. At most
+``MAX_UNANSWERED`` such answers are outstanding (one more waits for the oldest)
+and ``MAX_QUEUED`` posted messages (one more sends the queue).
+
+Not thread-safe on its own: Client serialises its use with a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvstore import errors
+from kvstore.local_wire import HEADER, Error, Hello, HelloReply, reply_decoder, request_encoder
+
+log = logging.getLogger(__name__)
+
+MAX_UNANSWERED = 1024
+MAX_QUEUED = 1024
+
+OnDone = Callable[[Any], None]  # called with the reply, or the KVStoreError it stands for
+
+
+def error_of(reply: Error) -> errors.KVStoreError:
+    """The exact kvstore.errors class an Error reply names (as errors.error_from_rpc
+    rebuilds it from gRPC trailers): the reason chooses the class, never the message."""
+    cls = errors.BY_REASON.get(reply.reason, errors.KVStoreError)
+    err = cls(f"{cls.status.name}: {reply.message}")
+    err.status_code = cls.status
+    return err
+
+
+class LocalChannel:
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        self._sock = sock
+        self._rfile = sock.makefile("rb")
+        self.timeout_s = timeout_s
+        self._seq = 0
+        self._queued: list[msgspec.Struct] = []
+        # (seq, on_done) of answers sent for and not read yet, oldest first
+        self._unanswered: collections.deque[tuple[int, OnDone | None]] = collections.deque()
+        self.max_frame_bytes = 0
+        self.region_id = 0
+        self.node_id = ""
+        self._pending: collections.deque[Any] = collections.deque()  # read, not yet consumed
+        self.broken: errors.KVStoreError | None = None
+        # broken while sending: the daemon never got the frame (safe to send again)
+        self.failed_unsent = False
+        self.frames_sent = 0  # request frames written (tests count them)
+
+    @classmethod
+    def open(cls, path: str, client_id: str, timeout_s: float) -> LocalChannel:
+        """Connect and Hello; OSError or a KVStoreError when the channel is not usable."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            ch = cls(sock, timeout_s)
+            reply = ch.call(lambda seq: Hello(seq, client_id))
+        except BaseException:
+            sock.close()
+            raise
+        assert isinstance(reply, HelloReply)
+        ch.max_frame_bytes = reply.max_frame_bytes
+        ch.region_id = reply.region_id
+        ch.node_id = reply.node_id
+        return ch
+
+    # ------------------------------------------------------------ sending
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _send(self, messages: list[msgspec.Struct]) -> None:
+        if self.broken is not None:
+            raise self.broken
+        body = request_encoder.encode(messages)
+        if self.max_frame_bytes and len(body) > self.max_frame_bytes:
+            # the daemon's own bound, checked here so the link survives
+            raise errors.InvalidRequest(
+                f"frame of {len(body)} bytes exceeds server.max_message_bytes="
+                f"{self.max_frame_bytes}; send fewer blocks per call"
+            )
+        try:
+            self._sock.sendall(HEADER.pack(len(body)) + body)
+        except OSError as exc:
+            if self.broken is None:
+                self.failed_unsent = True
+            raise self._break(f"sending failed: {exc}") from None
+        self.frames_sent += 1
+
+    def post(self, message: msgspec.Struct) -> None:
+        """Queue a request with seq 0 (no answer); sent with the next frame or at flush."""
+        self._queued.append(message)
+        if len(self._queued) >= MAX_QUEUED:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what post queued (without waiting for anything)."""
+        if self._queued:
+            queued, self._queued = self._queued, []
+            self._send(queued)
+
+    def _take_queued(self, message: msgspec.Struct) -> list[msgspec.Struct]:
+        queued, self._queued = self._queued, []
+        queued.append(message)
+        return queued
+
+    # ------------------------------------------------------------ calls
+
+    def call(self, make: Callable[[int], msgspec.Struct]) -> Any:
+        """One request, its answer waited for (earlier answers read on the way)."""
+        seq = self._next_seq()
+        self._send(self._take_queued(make(seq)))
+        return self._read_until(seq)
+
+    def call_later(self, make: Callable[[int], msgspec.Struct], on_done: OnDone | None) -> None:
+        """Send a request now; its answer goes to ``on_done`` when read (see module doc)."""
+        while len(self._unanswered) >= MAX_UNANSWERED:
+            self._read_one()
+        seq = self._next_seq()
+        self._send(self._take_queued(make(seq)))
+        self._unanswered.append((seq, on_done))
+
+    def collect(self) -> None:
+        """Send what is queued, then read every outstanding answer (commits have landed)."""
+        self.flush()
+        while self._unanswered:
+            self._read_one()
+
+    @property
+    def unanswered(self) -> int:
+        return len(self._unanswered)
+
+    def close(self) -> None:
+        """Flush and collect (bounded by timeout_s per read), then close the socket."""
+        try:
+            if self.broken is None:
+                self.collect()
+        except errors.KVStoreError as exc:
+            log.debug("kvstore: lean channel: closing with answers lost: %s", exc)
+        finally:
+            self._fail_unanswered(self.broken or errors.Unavailable("the lean channel was closed"))
+            self._rfile.close()
+            self._sock.close()
+
+    # ------------------------------------------------------------ reading
+
+    def _read_until(self, seq: int) -> Any:
+        while True:
+            got, reply = self._read_reply()
+            if got == seq:
+                if isinstance(reply, Error):
+                    raise error_of(reply)
+                return reply
+            self._deliver(got, reply)
+
+    def _read_one(self) -> None:
+        got, reply = self._read_reply()
+        self._deliver(got, reply)
+
+    def _deliver(self, got: int, reply: Any) -> None:
+        if not self._unanswered or self._unanswered[0][0] != got:
+            raise self._break(f"answer {got} arrived out of order")
+        _, on_done = self._unanswered.popleft()
+        if on_done is not None:
+            on_done(error_of(reply) if isinstance(reply, Error) else reply)
+
+    def _read_reply(self) -> tuple[int, Any]:
+        """The next answer: (seq, reply). A frame-level Error (seq 0) raises."""
+        if self.broken is not None:
+            raise self.broken
+        if not self._pending:
+            self._pending.extend(self._read_frame())
+        reply = self._pending.popleft()
+        if reply.seq == 0:
+            # The daemon refused a whole frame (this library never sends a malformed
+            # one: oversize, or a bug): its answers will not come; start over.
+            err = error_of(reply) if isinstance(reply, Error) else errors.Unavailable("bad answer")
+            self.broken = err
+            self._fail_unanswered(err)
+            raise err
+        return reply.seq, reply
+
+    def _read_frame(self) -> list[Any]:
+        try:
+            header = self._rfile.read(HEADER.size)
+            if len(header) < HEADER.size:
+                raise self._break("the daemon closed the connection")
+            (size,) = HEADER.unpack(header)
+            body = self._rfile.read(size)
+            if len(body) < size:
+                raise self._break("the daemon closed the connection mid-answer")
+        except TimeoutError:
+            raise self._break(f"no answer within {self.timeout_s}s", deadline=True) from None
+        except OSError as exc:
+            raise self._break(f"reading failed: {exc}") from None
+        try:
+            return reply_decoder.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise self._break(f"undecodable answer: {exc}") from None
+
+    def _break(self, why: str, *, deadline: bool = False) -> errors.KVStoreError:
+        """The stream can no longer be trusted: every later use raises this."""
+        cls = errors.DeadlineExceeded if deadline else errors.Unavailable
+        err = cls(f"lean channel to the daemon: {why}")
+        if self.broken is None:
+            self.broken = err
+            self._fail_unanswered(err)
+            self._queued.clear()
+        return err
+
+    def _fail_unanswered(self, err: errors.KVStoreError) -> None:
+        unanswered, self._unanswered = self._unanswered, collections.deque()
+        for _, on_done in unanswered:
+            if on_done is not None:
+                on_done(err)

@@ -1,0 +1,450 @@
+"""The daemon's end of the lean local channel (kvstore.local_wire), on the daemon's loop.
+
+One asyncio Unix-socket server at ``<server.socket_path>.lean``. Each connection
+reads frames, runs their requests in order through ``kvstore.handling`` (the
+code the gRPC service runs) and writes one reply frame per request frame.
+
+Auth is the Unix socket's, as for gRPC's socket (docs/security.md): local
+only, the socket file made ``0600`` (``0660`` of ``server.file_group`` when
+one is named: its members map the region anyway) before it appears at its
+path (bound in a private directory, then renamed), a stale one replaced, a
+live one never stolen; a peer whose uid (SO_PEERCRED) is neither this
+daemon's nor root is refused when no group is named.
+
+Bounds: a frame over ``server.max_message_bytes`` is answered with an
+``invalid_request`` Error and the connection closed (its bytes are not read);
+at most ``MAX_MESSAGES_PER_FRAME`` requests a frame; at most
+``server.local_max_connections`` connections (one more is answered
+``capacity_exhausted`` and closed). A malformed frame, an unknown op or a
+field of the wrong type is answered with an ``invalid_request`` Error naming
+the problem, and the connection goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import tempfile
+import time
+from typing import Any
+
+import msgspec
+
+from kvstore import errors
+from kvstore.files import FilePolicy, claim_socket_path
+from kvstore.handling import Chain, StoreRequests
+from kvstore.local_wire import (
+    HEADER,
+    PROTOCOL_VERSION,
+    REQUEST_TAGS,
+    CommitStore,
+    Committed,
+    Declare,
+    Declared,
+    Delete,
+    Deleted,
+    Error,
+    Hello,
+    HelloReply,
+    LoadPrepared,
+    Looked,
+    Lookup,
+    PrepareLoad,
+    PrepareStore,
+    Release,
+    Released,
+    StorePrepared,
+    raw_decoder,
+    request_decoder,
+)
+from kvstore.metrics import RpcMetrics
+
+log = logging.getLogger("kvstore.local")
+
+# each request as the gRPC method it stands for (metrics)
+_RPC_NAMES: dict[type, str] = {
+    Declare: "DeclareNamespace",
+    Lookup: "Lookup",
+    PrepareStore: "PrepareStore",
+    CommitStore: "CommitStore",
+    PrepareLoad: "PrepareLoad",
+    Release: "Release",
+    Delete: "Delete",
+}
+LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
+SUFFIX = ".lean"
+
+
+def local_socket_path(socket_path: str) -> str:
+    """Where the lean channel of the daemon serving gRPC at ``socket_path`` listens."""
+    return socket_path + SUFFIX
+
+
+def _bind_private(path: str, mode: int, policy: FilePolicy) -> socket.socket:
+    """A listening socket at ``path`` that was never reachable with a wider mode:
+    bound in a fresh 0700 directory beside it, given its mode, then renamed in."""
+    parent = os.path.dirname(path) or "."
+    tmpdir = tempfile.mkdtemp(prefix=".kvl", dir=parent)  # short: AF_UNIX paths stop at 107
+    tmp = os.path.join(tmpdir, "s")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(tmp)
+        os.chmod(tmp, mode)
+        if policy.gid >= 0 and mode & 0o070:
+            os.chown(tmp, -1, policy.gid)
+        os.rename(tmp, path)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(tmpdir)
+    return sock
+
+
+def _peer_uid(sock: Any) -> int | None:
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid
+
+
+def _unknown_ops(body: bytes) -> list[str]:
+    """The op names of a frame that no request has (for a precise error)."""
+    try:
+        raw = raw_decoder.decode(body)
+    except msgspec.DecodeError:
+        return []
+    if not isinstance(raw, list):
+        return []
+    return [
+        repr(m[0])[:64]
+        for m in raw
+        if isinstance(m, list) and m and isinstance(m[0], str) and m[0] not in REQUEST_TAGS
+    ]
+
+
+class _Connection(asyncio.Protocol):
+    """One client's connection: frames parsed as they arrive, run in order."""
+
+    def __init__(self, server: LocalServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.client = ""  # the lease-count key, from hello; "" until then
+        self.busy: asyncio.Task[Any] | None = None  # a load that may wait (moves between tiers)
+        self.paused = False  # the client is not reading its answers: read no more
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.server.opened(self)
+        refusal = self.server.refusal(transport.get_extra_info("socket"))
+        if refusal is not None:
+            self._refuse(Error(0, refusal.reason, str(refusal)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The client went away (closed, or killed: its leases expire).
+        self.closed = True
+        if self.busy is not None:
+            self.busy.cancel()
+        self.server.lost(self)
+
+    def pause_writing(self) -> None:
+        # Answers pile up unread: stop reading requests until they drain (bounded).
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            self._process()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self._process()
+
+    def _refuse(self, error: Error) -> None:
+        """Answer ``error`` and close: the rest of the stream cannot be trusted."""
+        self._reply([error])
+        self.closed = True
+        assert self.transport is not None
+        self.transport.close()
+
+    def _reply(self, replies: list[Any]) -> None:
+        assert self.transport is not None
+        body = msgspec.msgpack.encode(replies)
+        self.transport.write(HEADER.pack(len(body)) + body)
+
+    def _process(self) -> None:
+        server = self.server
+        buf = self.buf
+        while self.busy is None and not self.closed and not self.paused:
+            if len(buf) < HEADER.size:
+                return
+            (size,) = HEADER.unpack_from(buf)
+            if size > server.max_frame_bytes:
+                # Not read on (a 4 GiB claim would cost 4 GiB): answer, then close.
+                self._refuse(
+                    Error(
+                        0,
+                        errors.InvalidRequest.reason,
+                        f"frame of {size} bytes exceeds server.max_message_bytes="
+                        f"{server.max_frame_bytes}; closing the connection",
+                    )
+                )
+                return
+            end = HEADER.size + size
+            if len(buf) < end:
+                return
+            body = bytes(buf[HEADER.size : end])
+            del buf[:end]
+            server.frames += 1
+            try:
+                messages = request_decoder.decode(body)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                unknown = _unknown_ops(body)
+                text = (
+                    f"unknown op {', '.join(unknown)} (known: {', '.join(REQUEST_TAGS)})"
+                    if unknown
+                    else f"malformed frame: {exc}"
+                )
+                self._reply([Error(0, errors.InvalidRequest.reason, text[:1024])])
+                continue
+            self._run(messages, 0, [])
+
+    def _run(self, messages: list[Any], start: int, replies: list[Any]) -> None:
+        """Requests ``messages[start:]`` in order; their answers in one frame. A load
+        that has to wait holds the rest (and later frames) until it is done."""
+        for i in range(start, len(messages)):
+            message = messages[i]
+            started_s = time.perf_counter()
+            done, out = self.server.handle(self, message)
+            if not done:
+                self.busy = out
+                out.add_done_callback(
+                    lambda task, i=i, t=started_s: self._resumed(task, messages, i, replies, t)
+                )
+                return
+            self._keep(message, out, replies, started_s)
+        if replies:
+            self._reply(replies)
+
+    def _resumed(
+        self,
+        task: asyncio.Task[Any],
+        messages: list[Any],
+        i: int,
+        replies: list[Any],
+        started_s: float,
+    ) -> None:
+        self.busy = None
+        if self.closed or task.cancelled():
+            return
+        self._keep(messages[i], task.result(), replies, started_s)
+        self._run(messages, i + 1, replies)
+        self._process()
+
+    def _keep(self, message: Any, reply: Any, replies: list[Any], started_s: float) -> None:
+        self.server.count(message, reply, time.perf_counter() - started_s)
+        if message.seq:
+            replies.append(reply)
+        elif isinstance(reply, Error):
+            log.debug(
+                "lean channel: unanswered %s failed: %s", type(message).__name__, reply.message
+            )
+
+    def close(self) -> None:
+        self.closed = True
+        if self.busy is not None:
+            self.busy.cancel()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class LocalServer:
+    def __init__(
+        self,
+        requests: StoreRequests,
+        path: str,
+        *,
+        node_id: str,
+        region_id: Any,
+        max_frame_bytes: int,
+        max_connections: int,
+        policy: FilePolicy,
+        metrics: RpcMetrics | None = None,
+    ) -> None:
+        self.requests = requests
+        self.path = path
+        self.node_id = node_id
+        self._region_id = region_id  # () -> int: the region answers name
+        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self.policy = policy
+        # Counted as the gRPC call of the same name (kvstore_rpc_*): one view of the load.
+        self._metrics = metrics
+        self.connections = 0
+        self.frames = 0  # request frames served (tests count them)
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+
+    async def start(self) -> None:
+        claim_socket_path(self.path, "server.socket_path (lean channel)")
+        sock = _bind_private(self.path, self.policy.shared_mode, self.policy)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), sock=sock)
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    # ------------------------------------------------------------ connections
+
+    def opened(self, conn: _Connection) -> None:
+        self._connections.add(conn)
+        self.connections = len(self._connections)
+
+    def lost(self, conn: _Connection) -> None:
+        self._connections.discard(conn)
+        self.connections = len(self._connections)
+
+    def refusal(self, sock: Any) -> errors.KVStoreError | None:
+        if self.connections > self.max_connections:
+            return errors.CapacityExhausted(
+                f"{self.max_connections} lean-channel connections are open "
+                "(server.local_max_connections); use gRPC or close one"
+            )
+        uid = _peer_uid(sock)
+        if self.policy.gid < 0 and uid is not None and uid not in (os.geteuid(), 0):
+            return errors.PermissionDenied(
+                f"uid {uid} may not use this daemon's lean channel (no server.file_group)"
+            )
+        return None
+
+    def count(self, message: Any, reply: Any, duration_s: float) -> None:
+        if self._metrics is None or isinstance(message, Hello):
+            return
+        method = _RPC_NAMES[type(message)]
+        self._metrics.duration.labels(method).observe(duration_s)
+        code = "OK"
+        if isinstance(reply, Error):
+            code = errors.BY_REASON.get(reply.reason, errors.KVStoreError).status.name
+        self._metrics.requests.labels(method, code).inc()
+
+    def handle(self, conn: _Connection, m: Any) -> tuple[bool, Any]:
+        """(True, the answer), or (False, a Task giving it: a load that may wait)."""
+        if isinstance(m, Hello):
+            conn.client = "id:" + m.client_id
+            return True, self._hello(m)
+        if not conn.client:
+            return True, Error(m.seq, errors.StateConflict.reason, "send hello first")
+        if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
+            # Moves between tiers first (disk promotion): a task; the connection's
+            # later requests wait for it, in order.
+            return False, asyncio.ensure_future(self._load(m, conn.client))
+        return True, self._one(m, conn.client)
+
+    def _hello(self, message: Hello) -> Any:
+        if message.version != PROTOCOL_VERSION:
+            return Error(
+                message.seq,
+                errors.StateConflict.reason,
+                f"lean channel version {message.version} is not served here "
+                f"({PROTOCOL_VERSION} is)",
+            )
+        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
+
+    async def _load(self, m: PrepareLoad, client: str) -> Any:
+        try:
+            q = await self.requests.prepare_load(
+                m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, "", 0.0, LOCAL_OWNER, client
+            )
+        except errors.KVStoreError as exc:
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
+            log.exception("lean channel: PrepareLoad failed")
+            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
+        return LoadPrepared(
+            m.seq,
+            q.lease_id,
+            q.found_blocks,
+            q.offsets,
+            q.checksums,
+            q.tier,
+            q.lease_ttl_s,
+            q.region_id,
+        )
+
+    def _one(self, m: Any, client: str) -> Any:
+        r = self.requests
+        try:
+            if isinstance(m, Lookup):
+                result = r.lookup(m.namespace_id, m.block_hashes)
+                return Looked(
+                    m.seq, result.prefix_blocks, [(int(t), n) for t, n in result.by_tier.items()]
+                )
+            if isinstance(m, PrepareStore):
+                p = r.prepare_store(
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                )
+                return StorePrepared(
+                    m.seq, p.lease_id, p.statuses, p.offsets, p.tier, p.lease_ttl_s, p.region_id
+                )
+            if isinstance(m, CommitStore):
+                n = r.commit_store(
+                    m.lease_id,
+                    m.block_hashes,
+                    m.parent_block_hash,
+                    m.token_ids,
+                    [Chain(c.blocks, c.parent_block_hash, c.token_ids) for c in m.chains],
+                    LOCAL_OWNER,
+                )
+                return Committed(m.seq, n)
+            if isinstance(m, PrepareLoad):  # nothing to move on this node: no await
+                q = r.load_now(
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                )
+                return LoadPrepared(
+                    m.seq,
+                    q.lease_id,
+                    q.found_blocks,
+                    q.offsets,
+                    q.checksums,
+                    q.tier,
+                    q.lease_ttl_s,
+                    q.region_id,
+                )
+            if isinstance(m, Release):
+                return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
+            if isinstance(m, Delete):
+                deleted, busy = r.delete(m.namespace_id, m.block_hashes)
+                return Deleted(m.seq, deleted, busy)
+            if isinstance(m, Declare):
+                d = r.declare_namespace(m.spec)
+                return Declared(m.seq, d.namespace_id, d.block_bytes, d.sibling_layouts)
+            raise AssertionError(f"unhandled lean request {type(m).__name__}")
+        except errors.KVStoreError as exc:
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
+            log.exception("lean channel: %s failed", type(m).__name__)
+            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])

@@ -1,0 +1,196 @@
+"""The lean local channel's wire format: length-prefixed msgpack frames of msgspec Structs.
+
+A frame is a 4-byte little-endian length, then that many bytes of msgpack: an
+array of messages. Each message is an array whose first element names it (the
+tag below), then its fields in order. Clients send requests; the daemon
+answers every request whose ``seq`` is not 0 with one reply carrying the same
+``seq``, in order, the replies to one frame in one frame. ``seq`` 0 asks for no
+reply (batched releases): its errors are dropped (logged by the daemon), as a
+lost release over gRPC would be (the lease expires).
+
+The operations are the gRPC ``StoreService`` calls the engines' hot path makes,
+with their semantics: the same fields (packed little-endian uint64 hashes and
+offsets, packed int32 token ids), the same validation and bounds, the same
+leases (owner "unix", charged to the client id of ``Hello``), the same
+errors (``Error`` carries the ``kvstore.errors`` reason; the client raises
+that exact class). Everything else (inline data, peers, stats, snapshots,
+health) stays on gRPC. See docs/local-channel.md.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated
+
+import msgspec
+
+from kvstore.namespace import NamespaceSpec
+
+# Version of this format, checked in Hello (a mismatch: the client uses gRPC).
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+# A frame holds at most this many messages (a client batches releases into one).
+MAX_MESSAGES_PER_FRAME = 4096
+MAX_CLIENT_ID_CHARS = 64
+MAX_ID_CHARS = 256  # namespace ids are 32 hex characters; room for another scheme
+
+Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at 2**64 - 1
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Tier = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+Ttl = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class _Message(msgspec.Struct, array_like=True, frozen=True, tag=True):
+    seq: Seq
+
+
+# ---------------------------------------------------------------- requests
+
+
+class Hello(_Message, frozen=True, tag="hello"):
+    client_id: Annotated[str, msgspec.Meta(max_length=MAX_CLIENT_ID_CHARS)]
+    version: int = PROTOCOL_VERSION
+
+
+class Declare(_Message, frozen=True, tag="declare"):
+    spec: NamespaceSpec
+
+
+class Lookup(_Message, frozen=True, tag="lookup"):
+    namespace_id: Id
+    block_hashes: bytes
+
+
+class PrepareStore(_Message, frozen=True, tag="prepare_store"):
+    namespace_id: Id
+    block_hashes: bytes
+    lease_ttl_s: Ttl = 0.0
+    tier: Tier = 0
+
+
+class Chain(msgspec.Struct, array_like=True, frozen=True):
+    blocks: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+    parent_block_hash: U64 | None
+    token_ids: bytes = b""
+
+
+class CommitStore(_Message, frozen=True, tag="commit_store"):
+    lease_id: U64
+    block_hashes: bytes = b""  # b"": every block of the lease
+    parent_block_hash: U64 | None = None
+    token_ids: bytes = b""
+    chains: list[Chain] = []
+
+
+class PrepareLoad(_Message, frozen=True, tag="prepare_load"):
+    namespace_id: Id
+    block_hashes: bytes
+    lease_ttl_s: Ttl = 0.0
+    tier: Tier = 0
+
+
+class Release(_Message, frozen=True, tag="release"):
+    lease_ids: list[U64]
+
+
+class Delete(_Message, frozen=True, tag="delete"):
+    namespace_id: Id
+    block_hashes: bytes
+
+
+Request = Hello | Declare | Lookup | PrepareStore | CommitStore | PrepareLoad | Release | Delete
+REQUEST_TAGS = (
+    "hello",
+    "declare",
+    "lookup",
+    "prepare_store",
+    "commit_store",
+    "prepare_load",
+    "release",
+    "delete",
+)
+
+# ---------------------------------------------------------------- replies
+
+
+class HelloReply(_Message, frozen=True, tag="hello"):
+    node_id: str
+    region_id: int
+    max_frame_bytes: int
+
+
+class Declared(_Message, frozen=True, tag="declared"):
+    namespace_id: str
+    block_bytes: int
+    sibling_layouts: list[str]
+
+
+class Looked(_Message, frozen=True, tag="looked"):
+    prefix_blocks: int
+    by_tier: list[tuple[int, int]]  # (tier, blocks)
+
+
+class StorePrepared(_Message, frozen=True, tag="store_prepared"):
+    lease_id: int
+    statuses: bytes
+    offsets: bytes
+    tier: int
+    lease_ttl_s: float
+    region_id: int
+
+
+class Committed(_Message, frozen=True, tag="committed"):
+    committed: int
+
+
+class LoadPrepared(_Message, frozen=True, tag="load_prepared"):
+    lease_id: int
+    found_blocks: int
+    offsets: bytes
+    checksums: bytes
+    tier: int
+    lease_ttl_s: float
+    region_id: int
+
+
+class Released(_Message, frozen=True, tag="released"):
+    released: int
+
+
+class Deleted(_Message, frozen=True, tag="deleted"):
+    deleted: int
+    busy: int
+
+
+class Error(_Message, frozen=True, tag="error"):
+    """A refused request: ``reason`` is the kvstore.errors class's reason code.
+    ``seq`` 0: the frame itself was refused (malformed, oversize), not one request."""
+
+    reason: str
+    message: str
+
+
+Reply = (
+    HelloReply
+    | Declared
+    | Looked
+    | StorePrepared
+    | Committed
+    | LoadPrepared
+    | Released
+    | Deleted
+    | Error
+)
+
+request_encoder = msgspec.msgpack.Encoder()
+reply_decoder = msgspec.msgpack.Decoder(list[Reply])
+request_decoder = msgspec.msgpack.Decoder(
+    Annotated[list[Request], msgspec.Meta(max_length=MAX_MESSAGES_PER_FRAME)]
+)
+raw_decoder = msgspec.msgpack.Decoder()
+
+
+def frame(messages: list[msgspec.Struct]) -> bytes:
+    body = request_encoder.encode(messages)
+    return HEADER.pack(len(body)) + body
