@@ -10,7 +10,10 @@ the cluster secret (``peer.secret``), carried in the
 TCP must carry it; without one, TCP serves only ``Hello`` and ``Stats``
 (tools, ``kvstore status``) and refuses the rest with PERMISSION_DENIED.
 Health and reflection stay open (kubelet probes); ``PeerService`` checks the
-secret on every call itself, whatever the transport. See docs/security.md.
+secret on every call itself, whatever the transport. With mutual TLS
+(``kvstore.tls``) the handshake already required a certificate of the cluster's
+CA: such a caller may make data calls without a secret (with one configured, it
+must present it as well). See docs/security.md.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ def is_network_peer(peer: str) -> bool:
 class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
     """TCP calls need the secret; with none configured ("") TCP gets Hello and Stats only."""
 
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, *, tls: bool = False) -> None:
         self._secret = secret.encode()
+        self._tls = tls  # TCP callers passed a mutual-TLS handshake (kvstore.tls)
         self._handlers = HandlerCache(self._wrap)
 
     async def intercept_service(
@@ -75,12 +79,15 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
         if service in OPEN_SERVICES:
             return handler
         secret = self._secret
+        tls = self._tls
         if not secret and method in OPEN_WITHOUT_SECRET:
             return handler
 
         async def check(context: grpc.aio.ServicerContext) -> None:
             if not is_network_peer(context.peer()):
                 return
+            if not secret and tls and context.peer_identities():
+                return  # a certificate the CA signed: authenticated
             if not secret:
                 await errors.abort(
                     context,

@@ -51,6 +51,7 @@ from kvstore import errors, local_wire, memcopy
 from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
+from kvstore.tls import TlsFiles
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
 
@@ -77,6 +78,14 @@ COPY_CHUNK_BYTES = 256 * 1024 * 1024
 # While the daemon's lean channel cannot be connected to, a new try at most this often
 # (gRPC carries the calls meanwhile).
 LOCAL_RETRY_S = 1.0
+
+
+def _channel(
+    address: str, credentials: grpc.ChannelCredentials | None, options: list[tuple[str, Any]]
+) -> grpc.Channel:
+    if credentials is not None:
+        return grpc.secure_channel(address, credentials, options=options)
+    return grpc.insecure_channel(address, options=options)
 
 
 def normalise_address(address: str) -> str:
@@ -210,6 +219,7 @@ class Client:
         secret: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         local_channel: bool | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
@@ -225,9 +235,17 @@ class Client:
         if local_channel is None:
             local_channel = os.environ.get("KVSTORE_LOCAL_CHANNEL", "1") not in ("0", "false")
         use_local = local_channel and self.address.startswith("unix:")
-        self._channel = grpc.insecure_channel(
+        # Over TCP to a daemon with mutual TLS: our certificate, its CA (kvstore.tls).
+        tls = tls if tls is not None else TlsFiles.from_env()
+        credentials = (
+            tls.channel_credentials()
+            if tls.enabled and not self.address.startswith("unix:")
+            else None
+        )
+        self._channel = _channel(
             self.address,
-            options=[
+            credentials,
+            [
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 # With the lean channel carrying the hot path this one can sit idle

@@ -189,6 +189,20 @@ class PeerConfig(_Section):
     each verified while the next ones are read (docs/peer-transfer.md)."""
 
 
+class TlsConfig(_Section):
+    cert_path: str = ""
+    """PEM certificate chain this daemon presents: to TCP callers, and as its client
+    certificate to the peers it pulls from. All three tls paths or none; "" = no TLS,
+    TCP is plaintext (docs/security.md, "TLS"). scripts/make_certs.sh makes a set."""
+    key_path: str = ""
+    """PEM private key of cert_path (keep it 0600)."""
+    ca_path: str = ""
+    """PEM CA bundle. TCP callers must present a certificate it signed (no certificate, or
+    another CA: the handshake fails); peers' certificates are verified against it. A
+    verified caller may make data calls without peer.secret; with peer.secret set, it
+    needs the secret as well. Changed files are reloaded for new connections."""
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -293,6 +307,7 @@ class Config(_Section):
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
+    tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
@@ -458,6 +473,11 @@ def validate(config: Config) -> None:
         problems.append("gpu.demote_free_fraction must be within [0, 1)")
     if config.peer.enabled and not config.peer.secret:
         problems.append("peer.enabled needs peer.secret")
+    tls = config.tls
+    if (tls.cert_path or tls.key_path or tls.ca_path) and not (
+        tls.cert_path and tls.key_path and tls.ca_path
+    ):
+        problems.append("tls: cert_path, key_path and ca_path go together (all three or none)")
     if config.peer.pull_piece_bytes < 4096:
         problems.append("peer.pull_piece_bytes must be at least 4096")
     bad_ids = [t for t in config.events.topic_id_list() if "@" in t]

@@ -32,6 +32,7 @@ from kvstore import errors
 from kvstore.auth import secret_matches
 from kvstore.manager import BlockManager
 from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
+from kvstore.tls import TlsFiles
 from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL, Transport, check_address
 from kvstore.transfer.grpc_stream import (
     DEFAULT_CHUNK_BYTES,
@@ -286,6 +287,7 @@ class PeerNode:
         max_message_bytes: int = 64 << 20,
         metrics: PeerMetrics | None = None,
         pull_piece_bytes: int = PIECE_MIN_BYTES,
+        tls: TlsFiles | None = None,
     ) -> None:
         if pull_piece_bytes < 4096:
             raise errors.ConfigError(
@@ -307,7 +309,11 @@ class PeerNode:
             transport, self.agent_name, int(region.array.ctypes.data), region.capacity_bytes
         )
         known_peers = list((peers or {}).values())
-        self.stream = GrpcStreamTransport(region.array, secret, max_message_bytes, known_peers)
+        # Pulls present our certificate and verify the peer's (mutual TLS), if configured.
+        credentials = tls.channel_credentials() if tls is not None and tls.enabled else None
+        self.stream = GrpcStreamTransport(
+            region.array, secret, max_message_bytes, known_peers, credentials=credentials
+        )
         pump = getattr(self.nixl, "pump", None)
         service = PeerService(
             manager,
@@ -330,6 +336,7 @@ class PeerNode:
             max_message_bytes=max_message_bytes,
             known_peers=known_peers,
             piece_bytes=pull_piece_bytes,
+            credentials=credentials,
         )
         if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
             self.puller = metrics.wrap_puller(self.puller)

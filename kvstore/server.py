@@ -40,6 +40,7 @@ from kvstore.rpc_guard import ParseGuardInterceptor
 from kvstore.sdnotify import SdNotifier
 from kvstore.service import StoreService
 from kvstore.tiers.dram import Region
+from kvstore.tls import TlsFiles
 from kvstore.v1 import store_pb2, store_pb2_grpc
 
 log = logging.getLogger("kvstore.server")
@@ -87,6 +88,9 @@ class Daemon:
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
+        tls = TlsFiles(cfg.tls.cert_path, cfg.tls.key_path, cfg.tls.ca_path)
+        # Checked before anything listens: a bad file stops the start, naming its path.
+        server_credentials = tls.server_credentials() if tls.enabled else None
         peer_metrics: PeerMetrics | None = None
         if cfg.peer.enabled:
             from kvstore.peer_service import PeerNode  # imports NIXL only when enabled
@@ -101,6 +105,7 @@ class Daemon:
                 max_message_bytes=cfg.server.max_message_bytes,
                 metrics=peer_metrics,
                 pull_piece_bytes=cfg.peer.pull_piece_bytes,
+                tls=tls,
             )
 
         options = [
@@ -114,7 +119,7 @@ class Daemon:
             ParseGuardInterceptor(),
         ]
         # Always: without a secret it keeps every data call off TCP (kvstore/auth.py).
-        interceptors.append(TcpSecretInterceptor(cfg.peer.secret))
+        interceptors.append(TcpSecretInterceptor(cfg.peer.secret, tls=tls.enabled))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=options,
@@ -144,7 +149,12 @@ class Daemon:
             self._socket_bound = True
         if cfg.server.tcp_address:
             try:
-                self.tcp_port = self.server.add_insecure_port(cfg.server.tcp_address)
+                if server_credentials is not None:
+                    self.tcp_port = self.server.add_secure_port(
+                        cfg.server.tcp_address, server_credentials
+                    )
+                else:
+                    self.tcp_port = self.server.add_insecure_port(cfg.server.tcp_address)
             except RuntimeError as exc:
                 raise ConfigError(
                     f"server.tcp_address: cannot bind {cfg.server.tcp_address}: {exc}"

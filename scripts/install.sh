@@ -36,6 +36,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     command -v promtool >/dev/null || missing+=(prometheus)
     command -v yamllint >/dev/null || missing+=(yamllint)
     command -v objcopy >/dev/null || missing+=(binutils)  # tests/unit/test_memcopy.py reassembles the copy loop
+    command -v openssl >/dev/null || missing+=(openssl)  # scripts/make_certs.sh (tests/integration/test_tls.py)
     if [ ${#missing[@]} -gt 0 ]; then
         log "apt: ${missing[*]}"
         apt-get update -qq

@@ -161,8 +161,10 @@ class PeerChannels:
         *,
         known: Iterable[str] = (),
         max_channels: int = MAX_HINT_CHANNELS,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         assert max_channels >= 1, "max_channels must be >= 1"
+        self._credentials = credentials  # mutual TLS to peers (kvstore.tls); None = plaintext
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -198,6 +200,8 @@ class PeerChannels:
         return channel
 
     def _open(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is not None:
+            return grpc.aio.secure_channel(address, self._credentials, options=self._options)
         return grpc.aio.insecure_channel(address, options=self._options)
 
     def _close_later(self, channel: grpc.aio.Channel) -> None:

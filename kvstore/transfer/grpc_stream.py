@@ -66,11 +66,13 @@ class GrpcStreamTransport:
         secret: str,
         max_message_bytes: int = 64 << 20,
         known_peers: Sequence[str] = (),
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         assert region.dtype == np.uint8 and region.ndim == 1
         self._region = region
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channels = PeerChannels(max_message_bytes, known=known_peers)
+        self._channels = PeerChannels(max_message_bytes, known=known_peers, credentials=credentials)
         self.chunk_bytes = min(DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
 
     def local_info(self) -> bytes:

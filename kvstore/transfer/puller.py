@@ -143,6 +143,7 @@ class Puller:
         max_message_bytes: int = 64 << 20,
         known_peers: Sequence[str] = (),
         piece_bytes: int = PIECE_MIN_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         if piece_bytes <= 0:
             raise InvalidRequest(f"piece_bytes must be > 0, not {piece_bytes}")
@@ -154,7 +155,7 @@ class Puller:
         self.stream = stream
         self.transfer_timeout_s = transfer_timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),)
-        self._channels = PeerChannels(max_message_bytes, known=known_peers)
+        self._channels = PeerChannels(max_message_bytes, known=known_peers, credentials=credentials)
         # By address, oldest first; peers that are not configured are bounded like
         # their channels (MAX_HINT_CHANNELS), configured ones are always kept.
         self._peers: dict[str, PeerInfo] = {}

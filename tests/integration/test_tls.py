@@ -1,0 +1,210 @@
+"""Mutual TLS on the daemon's TCP listener and on peer pulls (kvstore/tls.py).
+
+Real daemons on 127.0.0.1:0 with certificates made by scripts/make_certs.sh
+(openssl): a caller with a certificate of the cluster's CA makes data calls;
+one of another CA, or without a certificate, fails the handshake; a daemon
+without a certificate cannot pull from a TLS peer; bad files stop the start
+with an error naming the path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import Client
+from kvstore.errors import ConfigError, PermissionDenied, Unavailable
+from kvstore.process import DaemonProcess
+from kvstore.tls import TlsFiles
+from kvstore.v1 import store_pb2, store_pb2_grpc
+from tests.conftest import make_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "tls-test-secret"
+
+
+def make_pki(where: Path, *clients: str) -> Path:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (scripts/install.sh installs it)")
+    subprocess.run(
+        [
+            str(ROOT / "scripts/make_certs.sh"),
+            str(where),
+            *[a for c in clients for a in ("--client", c)],
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return where
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki"), "client")
+
+
+@pytest.fixture(scope="module")
+def other_pki(tmp_path_factory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("other-pki"), "client")
+
+
+def server_settings(pki: Path) -> dict[str, str]:
+    return {
+        "tls.cert_path": str(pki / "server.pem"),
+        "tls.key_path": str(pki / "server.key"),
+        "tls.ca_path": str(pki / "ca.pem"),
+    }
+
+
+def client_tls(pki: Path, name: str = "client", ca: Path | None = None) -> TlsFiles:
+    return TlsFiles(str(pki / f"{name}.pem"), str(pki / f"{name}.key"), str(ca or pki / "ca.pem"))
+
+
+def test_make_certs_files_are_private(pki):
+    for path in pki.iterdir():
+        assert path.stat().st_mode & 0o077 == 0, f"{path} is {oct(path.stat().st_mode)}"
+
+
+def test_certificate_of_the_ca_makes_data_calls(daemon_factory, pki):
+    d = daemon_factory(settings=server_settings(pki))
+    with Client(d.address) as local:  # the Unix socket is unchanged
+        ns = local.declare_namespace(make_spec(4096))
+        local.put(ns, [1, 2], np.full((2, 4096), 7, np.uint8))
+    with Client(d.tcp_address, map_region=False, tls=client_tls(pki)) as remote:
+        got = remote.get(ns, [1, 2])  # GetInline: refused over plain TCP without a secret
+        assert got.found == 2 and int(got.data.sum()) == 7 * 8192
+
+
+def test_tls_with_secret_needs_both(daemon_factory, pki):
+    d = daemon_factory(settings={**server_settings(pki), "peer.secret": SECRET})
+    with pytest.raises(PermissionDenied, match="cluster secret"):
+        Client(d.tcp_address, map_region=False, tls=client_tls(pki), secret="")
+    with Client(d.tcp_address, map_region=False, tls=client_tls(pki), secret=SECRET) as c:
+        assert c.stats().node_id == d.name
+
+
+def test_wrong_ca_fails_the_handshake(daemon_factory, pki, other_pki):
+    d = daemon_factory(settings=server_settings(pki))
+    # A client certificate of another CA: the daemon refuses it.
+    with pytest.raises(Unavailable):
+        Client(d.tcp_address, map_region=False, tls=client_tls(other_pki, ca=pki / "ca.pem"))
+    # Our certificate is fine, but we trust another CA: we refuse the daemon's.
+    with pytest.raises(Unavailable):
+        Client(d.tcp_address, map_region=False, tls=client_tls(pki, ca=other_pki / "ca.pem"))
+
+
+def test_no_client_certificate_is_refused(daemon_factory, pki):
+    d = daemon_factory(settings=server_settings(pki))
+    ca = (pki / "ca.pem").read_bytes()
+    with grpc.secure_channel(d.tcp_address, grpc.ssl_channel_credentials(ca)) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            store_pb2_grpc.StoreServiceStub(ch).Hello(store_pb2.HelloRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Plaintext to a TLS port: no handshake at all.
+    with grpc.insecure_channel(d.tcp_address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            store_pb2_grpc.StoreServiceStub(ch).Hello(store_pb2.HelloRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def peer_settings(pki: Path | None, name: str) -> dict[str, str]:
+    out = {"peer.enabled": "true", "peer.secret": SECRET, "peer.transport": "grpc_stream"}
+    if pki is not None:
+        out.update(
+            {
+                "tls.cert_path": str(pki / f"{name}.pem"),
+                "tls.key_path": str(pki / f"{name}.key"),
+                "tls.ca_path": str(pki / "ca.pem"),
+            }
+        )
+    return out
+
+
+def pull_through(b: DaemonProcess, a: DaemonProcess, spec, hashes: list[int]) -> int:  # type: ignore[no-untyped-def]
+    """Ask b (over its Unix socket) to pull `hashes` from a; how many b then holds."""
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(spec)
+        cb.fetch_from_peer(ns, hashes, peer_address=a.tcp_address, timeout_s=3.0)
+        return cb.lookup(ns, hashes).prefix_blocks
+
+
+def test_peer_pulls_need_a_certificate(daemon_factory, tmp_path):
+    pki = make_pki(tmp_path / "pki", "node-b")
+    spec = make_spec(4096)
+    a = daemon_factory("node-a", settings=peer_settings(pki, "server"))
+    with Client(a.address) as ca:
+        ns = ca.declare_namespace(spec)
+        ca.put(ns, [11, 12], np.full((2, 4096), 3, np.uint8))
+    b = daemon_factory("node-b", settings=peer_settings(pki, "node-b"))
+    assert pull_through(b, a, spec, [11, 12]) == 2
+    # The same secret, no certificate: the pull cannot even connect.
+    c = daemon_factory("node-c", settings=peer_settings(None, "node-c"))
+    with pytest.raises(Unavailable):
+        pull_through(c, a, spec, [11, 12])
+    with Client(c.address) as cc:
+        assert cc.lookup(cc.declare_namespace(spec), [11, 12]).prefix_blocks == 0
+
+
+@pytest.mark.parametrize("broken", ["missing_cert", "missing_ca", "mismatch", "not_pem"])
+def test_bad_tls_files_stop_the_start_naming_the_path(tmp_path, pki, other_pki, broken):
+    settings = server_settings(pki)
+    if broken == "missing_cert":
+        settings["tls.cert_path"] = bad = str(tmp_path / "nope.pem")
+        expect = f"tls.cert_path: cannot read {bad}"
+    elif broken == "missing_ca":
+        settings["tls.ca_path"] = bad = str(tmp_path / "nope-ca.pem")
+        expect = f"tls.ca_path: cannot read {bad}"
+    elif broken == "mismatch":
+        settings["tls.key_path"] = bad = str(other_pki / "server.key")
+        expect = f"tls.key_path: {bad} is not the key of tls.cert_path"
+    else:
+        (tmp_path / "junk.pem").write_text("hello\n")
+        settings["tls.ca_path"] = bad = str(tmp_path / "junk.pem")
+        expect = f"tls.ca_path: {bad} is not PEM"
+    d = DaemonProcess(tmp_path / "d", name="tlsbad", settings=settings, start_timeout_s=20)
+    with pytest.raises(Unavailable) as err:
+        d.start()
+    assert expect in str(err.value), str(err.value)
+
+
+def test_partial_tls_config_is_refused(tmp_path, pki):
+    settings = server_settings(pki)
+    del settings["tls.key_path"]
+    d = DaemonProcess(tmp_path / "d", name="tlshalf", settings=settings, start_timeout_s=20)
+    with pytest.raises(Unavailable, match="all three or none"):
+        d.start()
+
+
+def test_client_names_the_bad_path(tmp_path, pki, monkeypatch):
+    monkeypatch.setenv("KVSTORE_TLS_CERT", str(pki / "client.pem"))
+    monkeypatch.setenv("KVSTORE_TLS_KEY", str(tmp_path / "x.key"))
+    monkeypatch.setenv("KVSTORE_TLS_CA", str(pki / "ca.pem"))
+    with pytest.raises(ConfigError, match=f"KVSTORE_TLS_KEY: cannot read {tmp_path}/x.key"):
+        Client("127.0.0.1:1")
+
+
+def test_renewed_certificates_are_used_without_restart(daemon_factory, tmp_path):
+    """Swap the daemon's files for a new CA's: new connections use them, no restart."""
+    old = make_pki(tmp_path / "old", "client")
+    new = make_pki(tmp_path / "new", "client")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("server.pem", "server.key", "ca.pem"):
+        shutil.copy(old / name, live / name)
+    d = daemon_factory(settings=server_settings(live))
+    with Client(d.tcp_address, map_region=False, tls=client_tls(old)) as c:
+        assert c.stats().node_id == d.name
+    for name in ("server.pem", "server.key", "ca.pem"):  # rename: each file changes at once
+        shutil.copy(new / name, live / f".{name}.tmp")
+        os.replace(live / f".{name}.tmp", live / name)
+    with Client(d.tcp_address, map_region=False, tls=client_tls(new)) as c:
+        assert c.stats().node_id == d.name
+    with pytest.raises(Unavailable):
+        Client(d.tcp_address, map_region=False, tls=client_tls(old))
