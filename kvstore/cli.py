@@ -68,9 +68,16 @@ def _indexer_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvstore.tls import TlsFiles
     from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
-    with grpc.insecure_channel(args.indexer) as ch:
+    tls = TlsFiles.from_env()  # KVSTORE_TLS_*: an indexer with mutual TLS
+    ch = (
+        grpc.secure_channel(args.indexer, tls.channel_credentials())
+        if tls.enabled
+        else grpc.insecure_channel(args.indexer)
+    )
+    with ch:
         try:
             nodes = indexer_pb2_grpc.IndexerServiceStub(ch).ListNodes(
                 indexer_pb2.ListNodesRequest(), timeout=args.timeout_s

@@ -48,7 +48,9 @@ class TlsFiles:
     cert_path: str = ""
     key_path: str = ""
     ca_path: str = ""
-    section: str = "tls"  # how errors name the fields ("tls.cert_path: ...")
+    # How errors name the fields: "tls" -> "tls.cert_path"; a prefix ending in "_"
+    # ("indexer.tls_") -> "indexer.tls_cert_path".
+    section: str = "tls"
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +66,8 @@ class TlsFiles:
     def _name(self, field: str) -> str:
         if self.section == "KVSTORE_TLS":
             return {"cert_path": ENV_CERT, "key_path": ENV_KEY, "ca_path": ENV_CA}[field]
+        if self.section.endswith("_"):
+            return f"{self.section}{field}"
         return f"{self.section}.{field}"
 
     def problems(self) -> list[str]:

@@ -15,6 +15,7 @@ import msgspec
 from kvstore.errors import ConfigError
 from kvstore.hashing import ALGOS
 from kvstore.indexer.subscriber import SourceSpec
+from kvstore.tls import TlsFiles
 
 
 class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,6 +71,19 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Prometheus /metrics host:port (port 0 picks one); "" = off."""
     max_registered_sources: int = 256
     """Sources RegisterNode may add; past it registrations get RESOURCE_EXHAUSTED."""
+    tls_cert_path: str = ""
+    """PEM certificate chain the indexer presents to its gRPC callers and, as a client
+    certificate, on Snapshot calls to daemons. All three tls_* or none; "" = plaintext."""
+    tls_key_path: str = ""
+    """PEM private key of tls_cert_path."""
+    tls_ca_path: str = ""
+    """PEM CA bundle: gRPC callers must present a certificate it signed (mutual TLS,
+    as the daemon's tls.ca_path); daemons' certificates are verified against it."""
+
+    def tls(self) -> TlsFiles:
+        return TlsFiles(
+            self.tls_cert_path, self.tls_key_path, self.tls_ca_path, section="indexer.tls_"
+        )
 
     def check(self) -> None:
         if self.backend not in ("memory", "redis"):
@@ -92,6 +106,9 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"indexer.{name} must be > 0")
+        tls_problems = self.tls().problems()
+        if tls_problems:
+            raise ConfigError("; ".join(tls_problems))
         if self.snapshot_interval_s < 0:
             raise ConfigError("indexer.snapshot_interval_s must be >= 0")
         if self.redis_max_nodes <= 0 or self.redis_max_nodes % 64:

@@ -94,6 +94,8 @@ class Indexer:
             tail_check_s=cfg.tail_check_s,
             error_log_interval_s=cfg.error_log_interval_s,
             cluster_secret=cfg.cluster_secret,
+            # Read (and checked) here: a bad file stops the indexer at start, naming it.
+            snapshot_credentials=(cfg.tls().channel_credentials() if cfg.tls().enabled else None),
             hash_algo=cfg.hash_algo,
             hash_seed=cfg.hash_seed or None,
         )
@@ -546,7 +548,11 @@ def serve(indexer: Indexer, address: str) -> tuple[grpc.Server, int]:
         ),
         server,
     )
-    port = server.add_insecure_port(address)
+    tls = indexer.cfg.tls()
+    if tls.enabled:  # a client certificate of tls_ca_path is required (kvstore/tls.py)
+        port = server.add_secure_port(address, tls.server_credentials())
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise ConfigError(f"cannot listen on {address!r}")
     server.start()

@@ -287,6 +287,7 @@ class Subscriber:
         error_log_interval_s: float = 10.0,
         backend_ping_s: float = 1.0,
         cluster_secret: str = "",
+        snapshot_credentials: grpc.ChannelCredentials | None = None,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         context: zmq.Context | None = None,
@@ -301,6 +302,7 @@ class Subscriber:
         self._error_log_interval_s = error_log_interval_s
         self._backend_ping_s = backend_ping_s
         self._metadata = ((SECRET_METADATA_KEY, cluster_secret),) if cluster_secret else None
+        self._snapshot_credentials = snapshot_credentials  # mutual TLS to daemons, if set
         self._ctx = context or zmq.Context.instance()
         self.stats = SubscriberStats()
         self._specs: dict[str, SourceSpec] = {}  # what should be followed (any thread)
@@ -639,10 +641,13 @@ class Subscriber:
         from kvstore.v1 import store_pb2_grpc  # grpc stubs only where snapshots are used
 
         if src.channel is None:
-            src.channel = grpc.insecure_channel(
-                src.spec.snapshot_address,
-                options=[("grpc.max_receive_message_length", 64 << 20)],
-            )
+            options = [("grpc.max_receive_message_length", 64 << 20)]
+            if self._snapshot_credentials is not None:
+                src.channel = grpc.secure_channel(
+                    src.spec.snapshot_address, self._snapshot_credentials, options=options
+                )
+            else:
+                src.channel = grpc.insecure_channel(src.spec.snapshot_address, options=options)
         return store_pb2_grpc.StoreServiceStub(src.channel)
 
     def _fetch_snapshot(self, src: _Source) -> tuple[int, dict[tuple[str, str], list[bytes]]]:

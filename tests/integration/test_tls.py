@@ -10,8 +10,10 @@ with an error naming the path.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -20,9 +22,14 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.errors import ConfigError, PermissionDenied, Unavailable
+from kvstore.hashing import BlockHasher
+from kvstore.indexer.config import IndexerConfig
+from kvstore.indexer.service import Indexer
+from kvstore.indexer.service import serve as serve_indexer
+from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
 from kvstore.tls import TlsFiles
-from kvstore.v1 import store_pb2, store_pb2_grpc
+from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
 from tests.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,7 +193,9 @@ def test_client_names_the_bad_path(tmp_path, pki, monkeypatch):
     monkeypatch.setenv("KVSTORE_TLS_CERT", str(pki / "client.pem"))
     monkeypatch.setenv("KVSTORE_TLS_KEY", str(tmp_path / "x.key"))
     monkeypatch.setenv("KVSTORE_TLS_CA", str(pki / "ca.pem"))
-    with pytest.raises(ConfigError, match=f"KVSTORE_TLS_KEY: cannot read {tmp_path}/x.key"):
+    with pytest.raises(
+        ConfigError, match=re.escape(f"KVSTORE_TLS_KEY: cannot read {tmp_path}/x.key")
+    ):
         Client("127.0.0.1:1")
 
 
@@ -208,3 +217,92 @@ def test_renewed_certificates_are_used_without_restart(daemon_factory, tmp_path)
         assert c.stats().node_id == d.name
     with pytest.raises(Unavailable):
         Client(d.tcp_address, map_region=False, tls=client_tls(old))
+
+
+# --- the indexer ---------------------------------------------------------------------
+
+
+def indexer_tls(pki: Path, name: str = "server") -> dict[str, str]:
+    return {
+        "tls_cert_path": str(pki / f"{name}.pem"),
+        "tls_key_path": str(pki / f"{name}.key"),
+        "tls_ca_path": str(pki / "ca.pem"),
+    }
+
+
+def list_nodes(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    ch = (
+        grpc.secure_channel(address, credentials)
+        if credentials is not None
+        else grpc.insecure_channel(address)
+    )
+    with ch:
+        try:
+            indexer_pb2_grpc.IndexerServiceStub(ch).ListNodes(
+                indexer_pb2.ListNodesRequest(), timeout=5
+            )
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+def test_indexer_grpc_needs_a_certificate_of_its_ca(pki, other_pki):
+    ix = Indexer(IndexerConfig(address="127.0.0.1:0", **indexer_tls(pki)))  # type: ignore[arg-type]
+    ix.start()
+    server, port = serve_indexer(ix, "127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+    try:
+        assert list_nodes(address, client_tls(pki).channel_credentials()) == grpc.StatusCode.OK
+        ca = (pki / "ca.pem").read_bytes()
+        no_cert = grpc.ssl_channel_credentials(ca)
+        assert list_nodes(address, no_cert) == grpc.StatusCode.UNAVAILABLE
+        foreign = client_tls(other_pki, ca=pki / "ca.pem").channel_credentials()
+        assert list_nodes(address, foreign) == grpc.StatusCode.UNAVAILABLE
+        assert list_nodes(address, None) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
+        ix.close()
+
+
+def test_indexer_snapshots_a_tls_daemon_with_its_certificate(daemon_factory, pki):
+    """No cluster secret anywhere: the indexer's certificate authenticates its Snapshot."""
+    s = {
+        **server_settings(pki),
+        "events.enabled": True,
+        "events.publish_address": "tcp://127.0.0.1:0",
+        "events.replay_address": "tcp://127.0.0.1:0",
+        "events.buffer_batches": 5,  # 20 one-block puts: only a snapshot has the head
+    }
+    d = daemon_factory("node-a", settings=s)
+    hashes = BlockHasher(16).hash_tokens_int(np.arange(16 * 20) % 30_000)
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(4096))
+        for i in range(len(hashes)):
+            assert c.put(ns, hashes[i : i + 1], np.zeros((1, 4096), np.uint8)).stored == 1
+    source = SourceSpec(
+        node="node-a",
+        endpoint=d.info["events_publish_address"],
+        replay_endpoint=d.info["events_replay_address"],
+        snapshot_address=d.tcp_address,
+    )
+    ix = Indexer(IndexerConfig(sources=[source], **indexer_tls(pki)))  # type: ignore[arg-type]
+    ix.start()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and ix.subscriber.stats.snapshots < 1:
+            time.sleep(0.05)
+        assert ix.subscriber.stats.snapshots >= 1
+        best = {n.node: n.prefix_blocks for n in ix.score("tiny", hashes)}
+        assert best.get("node-a") == 20
+    finally:
+        ix.close()
+
+
+def test_indexer_bad_tls_file_names_the_path(tmp_path, pki):
+    cfg = IndexerConfig(**{**indexer_tls(pki), "tls_key_path": str(tmp_path / "gone.key")})  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=re.escape(f"indexer.tls_key_path: cannot read {tmp_path}/gone.key")
+    ):
+        Indexer(cfg)
+    with pytest.raises(ConfigError, match=re.escape("indexer.tls_ca_path is needed")):
+        IndexerConfig(tls_cert_path="a", tls_key_path="b").check()
