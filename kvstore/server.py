@@ -75,6 +75,10 @@ class Daemon:
 
     async def start(self) -> None:
         cfg = self.config
+        tls = TlsFiles(cfg.tls.cert_path, cfg.tls.key_path, cfg.tls.ca_path)
+        # Read and checked before anything is allocated or listens: a bad file stops
+        # the start with an error naming it (kvstore/tls.py).
+        server_credentials = tls.server_credentials() if tls.enabled else None
         if cfg.server.socket_path:
             # Before anything is allocated: a second daemon on one socket stops here.
             claim_socket_path(cfg.server.socket_path)
@@ -88,9 +92,6 @@ class Daemon:
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
-        tls = TlsFiles(cfg.tls.cert_path, cfg.tls.key_path, cfg.tls.ca_path)
-        # Checked before anything listens: a bad file stops the start, naming its path.
-        server_credentials = tls.server_credentials() if tls.enabled else None
         peer_metrics: PeerMetrics | None = None
         if cfg.peer.enabled:
             from kvstore.peer_service import PeerNode  # imports NIXL only when enabled
