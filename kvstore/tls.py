@@ -15,8 +15,8 @@ so renewed certificates take effect without a restart; a renewal that does not
 load is logged and the previous certificates stay in use. Connections already
 open keep the certificate they were made with.
 
-Clients (``kvstore.client.Client``, tools) take the same three paths from
-``KVSTORE_TLS_CERT``, ``KVSTORE_TLS_KEY`` and ``KVSTORE_TLS_CA``.
+Clients (``kvstore.client.Client``, the router, ``router_client``, tools) take the
+same three paths from ``KVSTORE_TLS_CERT``, ``KVSTORE_TLS_KEY`` and ``KVSTORE_TLS_CA``.
 """
 
 from __future__ import annotations
@@ -133,6 +133,12 @@ class TlsFiles:
         """Server side: a client certificate signed by the CA is required; files reloaded
         when they change."""
         return _Reloader(self).credentials()
+
+
+def env_channel_credentials() -> grpc.ChannelCredentials | None:
+    """A tool's or router's client identity from KVSTORE_TLS_*; None when unset."""
+    tls = TlsFiles.from_env()
+    return tls.channel_credentials() if tls.enabled else None
 
 
 @dataclass(frozen=True)

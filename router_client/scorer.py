@@ -29,6 +29,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, Unavailable, error_from_rpc
 from kvstore.hashing import BlockHasher
+from kvstore.tls import env_channel_credentials
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 from router_client.policy import (
     DEFAULT_POLICY,
@@ -92,8 +93,12 @@ class AsyncIndexClient:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
         self.deadline_s = deadline_s
-        self._channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 64 << 20)]
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        credentials = env_channel_credentials()  # an indexer with mutual TLS (KVSTORE_TLS_*)
+        self._channel = (
+            grpc.aio.secure_channel(address, credentials, options=options)
+            if credentials is not None
+            else grpc.aio.insecure_channel(address, options=options)
         )
         self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
 
@@ -158,9 +163,15 @@ class RouterClient:
         self.hasher = self.hash_cache.hasher
         self.deadline_s = deadline_s
         self.policy = policy
-        self._channel = channel or grpc.insecure_channel(
-            address, options=[("grpc.max_send_message_length", 64 << 20)]
-        )
+        if channel is None:
+            options = [("grpc.max_send_message_length", 64 << 20)]
+            credentials = env_channel_credentials()  # mutual TLS (KVSTORE_TLS_*)
+            channel = (
+                grpc.secure_channel(address, credentials, options=options)
+                if credentials is not None
+                else grpc.insecure_channel(address, options=options)
+            )
+        self._channel = channel
         self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
 
     def _cache(self, block_size: int) -> PrefixHashCache:

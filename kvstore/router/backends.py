@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.tls import env_channel_credentials
 from router_client.policy import NodeLoad
 
 log = logging.getLogger("kvstore.router")
@@ -150,6 +151,9 @@ class Fleet:
         self._spec = dict(backends)
         self._daemons = dict(daemons or {})
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # Daemons with mutual TLS: the router's certificate from KVSTORE_TLS_* (read now,
+        # so a bad file stops the router at start, naming it).
+        self._credentials = env_channel_credentials()
         self.connect_timeout_s = connect_timeout_s
         self.scrape_interval_s = scrape_interval_s
         self.capacity = capacity
@@ -273,7 +277,11 @@ class Fleet:
         """A daemon draining for a restart says NOT_SERVING, then stops answering."""
         ch = self._channels.get(b.node)
         if ch is None:
-            ch = self._channels[b.node] = grpc.aio.insecure_channel(b.daemon)
+            ch = self._channels[b.node] = (
+                grpc.aio.secure_channel(b.daemon, self._credentials)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(b.daemon)
+            )
         try:
             reply = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s

@@ -9,6 +9,7 @@ with an error naming the path.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -28,8 +29,10 @@ from kvstore.indexer.service import Indexer
 from kvstore.indexer.service import serve as serve_indexer
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
+from kvstore.router.backends import Fleet
 from kvstore.tls import TlsFiles
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
+from router_client import RouterClient
 from tests.conftest import make_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -306,3 +309,47 @@ def test_indexer_bad_tls_file_names_the_path(tmp_path, pki):
         Indexer(cfg)
     with pytest.raises(ConfigError, match=re.escape("indexer.tls_ca_path is needed")):
         IndexerConfig(tls_cert_path="a", tls_key_path="b").check()
+
+
+# --- the router's channels (KVSTORE_TLS_*) -------------------------------------------
+
+
+def test_router_client_scores_from_a_tls_indexer(pki, monkeypatch):
+    ix = Indexer(IndexerConfig(address="127.0.0.1:0", **indexer_tls(pki)))  # type: ignore[arg-type]
+    ix.start()
+    server, port = serve_indexer(ix, "127.0.0.1:0")
+    try:
+        hashes = np.arange(1, 5, dtype=np.uint64)
+        # No identity: the handshake fails and the client reports the indexer unavailable.
+        with pytest.raises(Unavailable):
+            RouterClient(f"127.0.0.1:{port}", deadline_s=5).scores("tiny", hashes)
+        for var, name in (("CERT", "client.pem"), ("KEY", "client.key"), ("CA", "ca.pem")):
+            monkeypatch.setenv(f"KVSTORE_TLS_{var}", str(pki / name))
+        got = RouterClient(f"127.0.0.1:{port}", deadline_s=5).scores("tiny", hashes)
+        assert (got.request_blocks, got.hits) == (4, [])
+    finally:
+        server.stop(0)
+        ix.close()
+
+
+def test_router_watches_a_tls_daemon_with_its_certificate(daemon_factory, pki, monkeypatch):
+    d = daemon_factory(settings=server_settings(pki))
+
+    async def daemon_serving() -> bool:
+        fleet = Fleet(
+            {"node-a": "http://127.0.0.1:9"},  # no engine: only the daemon's health matters
+            connect_timeout_s=5,
+            scrape_interval_s=60,
+            capacity=1,
+            daemons={"node-a": d.tcp_address},
+        )
+        await fleet.start()
+        try:
+            return fleet.backends["node-a"].daemon_serving
+        finally:
+            await fleet.close()
+
+    assert asyncio.run(daemon_serving()) is False  # plaintext to a TLS daemon
+    for var, name in (("CERT", "client.pem"), ("KEY", "client.key"), ("CA", "ca.pem")):
+        monkeypatch.setenv(f"KVSTORE_TLS_{var}", str(pki / name))
+    assert asyncio.run(daemon_serving()) is True
