@@ -124,8 +124,8 @@ def test_no_client_certificate_is_refused(daemon_factory, pki):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-def peer_settings(pki: Path | None, name: str) -> dict[str, str]:
-    out = {"peer.enabled": "true", "peer.secret": SECRET, "peer.transport": "grpc_stream"}
+def peer_settings(pki: Path | None, name: str, transport: str = "grpc_stream") -> dict[str, str]:
+    out = {"peer.enabled": "true", "peer.secret": SECRET, "peer.transport": transport}
     if pki is not None:
         out.update(
             {
@@ -141,21 +141,32 @@ def pull_through(b: DaemonProcess, a: DaemonProcess, spec, hashes: list[int]) ->
     """Ask b (over its Unix socket) to pull `hashes` from a; how many b then holds."""
     with Client(b.address) as cb:
         ns = cb.declare_namespace(spec)
-        cb.fetch_from_peer(ns, hashes, peer_address=a.tcp_address, timeout_s=3.0)
+        r = cb.fetch_from_peer(ns, hashes, peer_address=a.tcp_address, timeout_s=3.0)
+        assert r.fetched_blocks == 0 or r.transport == b.info["peer_transport"]
         return cb.lookup(ns, hashes).prefix_blocks
 
 
-def test_peer_pulls_need_a_certificate(daemon_factory, tmp_path):
+# NIXL: the metadata exchange and the pins ride the TLS channel (the UCX data path does not).
+NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
+
+
+@pytest.mark.parametrize("transport", ["grpc_stream", "nixl"])
+def test_peer_pulls_need_a_certificate(daemon_factory, tmp_path, transport):
     pki = make_pki(tmp_path / "pki", "node-b")
     spec = make_spec(4096)
-    a = daemon_factory("node-a", settings=peer_settings(pki, "server"))
+
+    def peer(name: str, pki: Path | None, cert: str) -> DaemonProcess:
+        return daemon_factory(name, settings=peer_settings(pki, cert, transport), env=NIXL_ENV)
+
+    a = peer("node-a", pki, "server")
+    assert a.info["peer_transport"] == transport
     with Client(a.address) as ca:
         ns = ca.declare_namespace(spec)
         ca.put(ns, [11, 12], np.full((2, 4096), 3, np.uint8))
-    b = daemon_factory("node-b", settings=peer_settings(pki, "node-b"))
+    b = peer("node-b", pki, "node-b")
     assert pull_through(b, a, spec, [11, 12]) == 2
     # The same secret, no certificate: the pull cannot even connect.
-    c = daemon_factory("node-c", settings=peer_settings(None, "node-c"))
+    c = peer("node-c", None, "node-c")
     with pytest.raises(Unavailable):
         pull_through(c, a, spec, [11, 12])
     with Client(c.address) as cc:
