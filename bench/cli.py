@@ -32,6 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "kvstore router: decision cost for 195k-token contexts, proxy overhead on vLLM CPU",
     ),
     "compare": ("bench.compare", "store/load vs Redis, LMCache and Mooncake, same blocks"),
+    "soak": (
+        "bench.soak",
+        "a cluster under agentic load with faults injected: wrong bytes, leaks, recovery",
+    ),
     "trace": ("bench.trace_cli", "generate an agentic trace file (JSONL) and print its statistics"),
 }
 
