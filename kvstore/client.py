@@ -655,8 +655,10 @@ class Client:
             timeout_s=timeout_s,
         )
         # The daemon bounds the pull by timeout_s; give the call a little more.
+        # ns: a daemon that restarted since the declare gets it again, as for the
+        # other calls naming a namespace (else NamespaceNotFound after any restart).
         return self._call(
-            stub.FetchFromPeer, request, timeout_s=(timeout_s or self.timeout_s) + 2.0
+            stub.FetchFromPeer, request, timeout_s=(timeout_s or self.timeout_s) + 2.0, ns=ns
         )
 
     # ---------------------------------------------------------------- data

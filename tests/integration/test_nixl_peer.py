@@ -632,3 +632,22 @@ def test_pull_counters_on_both_daemons_metrics_and_stats(peer_daemon) -> None:  
     ).stdout
     assert "peer transfer over nixl:" in status, status
     assert "pulled 87 blocks (5.4 MiB) in 3 pulls, 1 failed, 1 bad checksums" in status, status
+
+
+def test_fetch_from_peer_after_the_puller_restarted_declares_the_namespace_again(
+    peer_daemon,
+) -> None:  # type: ignore[no-untyped-def]
+    """Found by `kvstore-bench soak`: after a restart of the pulling daemon, a
+    client's fetch_from_peer raised NamespaceNotFound where every other call
+    naming the namespace declares it again and goes on."""
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", extra={"peer.peers.node-a": a.tcp_address})
+    block = 64 << 10
+    put(a, [21, 22], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        b.stop()  # the namespace goes with the process (no blocks: nothing kept warm)
+        b.start()
+        r = cb.fetch_from_peer(ns, [21, 22], peer_node_id="node-a")
+        assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (2, 2, 0)
+    assert_holds(b, [21, 22], block)
