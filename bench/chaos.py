@@ -48,6 +48,7 @@ FAULT_KINDS = (
     "client_kill",  # a client killed between prepare and commit / while pinning
     "peer_kill",  # the owner of a peer pull killed while the pull runs
     "disk_full",  # one node's disk filesystem filled, then freed
+    "event_chaos",  # a node's event batches dropped and reordered on the way to the indexer
     "netem",  # delay and loss between nodes (network namespaces + tc netem)
 )
 START_TIMEOUT_S = 60.0
@@ -136,6 +137,67 @@ class Indexer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+class EventProxy:
+    """Forwards one daemon's KV-event stream (PUB) to the indexer (its source
+    endpoint is this proxy's); while ``disturb_until`` is ahead it drops a share
+    of the batches and swaps neighbours (a batch held back and sent after the
+    next). The replay endpoint stays direct, as the indexer must recover there."""
+
+    def __init__(self, upstream: str, downstream: str, seed: int) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVHWM, 100_000)
+        self.sub.connect(upstream)
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.bind(downstream)
+        self.rng = random.Random(seed)
+        self.disturb_until = 0.0
+        self.drop_p = 0.3
+        self.reorder_p = 0.3
+        self.forwarded = self.dropped = self.reordered = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        held: list[bytes] | None = None
+        poller = self._zmq.Poller()
+        poller.register(self.sub, self._zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                if held is not None and time.monotonic() >= self.disturb_until:
+                    self.pub.send_multipart(held)  # nothing came after it: send it late
+                    held = None
+                continue
+            frames = self.sub.recv_multipart()
+            if time.monotonic() < self.disturb_until:
+                r = self.rng.random()
+                if r < self.drop_p:
+                    self.dropped += 1
+                    continue
+                if r < self.drop_p + self.reorder_p and held is None:
+                    held = frames
+                    self.reordered += 1
+                    continue
+            self.pub.send_multipart(frames)
+            self.forwarded += 1
+            if held is not None:
+                self.pub.send_multipart(held)
+                held = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.sub.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
 
 
 class RedisServer:
@@ -243,8 +305,12 @@ class Cluster:
                 start_timeout_s=START_TIMEOUT_S,
             )
             self.nodes.append(Node(name, d, disk, on_tmpfs))
+        self.proxies: dict[str, EventProxy] = {}
+        self._proxy_endpoints = {
+            nd.name: f"ipc://{tmp / nd.name}/events.proxy" for nd in self.nodes
+        }
         sources = [
-            f"node={nd.name},endpoint={nd.daemon.settings['events.publish_address']},"
+            f"node={nd.name},endpoint={self._proxy_endpoints[nd.name]},"
             f"replay_endpoint={nd.daemon.settings['events.replay_address']},"
             f"snapshot_address={nd.daemon.settings['server.tcp_address']}"
             for nd in self.nodes
@@ -263,12 +329,16 @@ class Cluster:
         return next(nd for nd in self.nodes if nd.name == name)
 
     def start(self) -> None:
-        for nd in self.nodes:
+        for i, nd in enumerate(self.nodes):
+            upstream = str(nd.daemon.settings["events.publish_address"])
+            self.proxies[nd.name] = EventProxy(upstream, self._proxy_endpoints[nd.name], i)
             nd.daemon.start()
         self.indexer.start()
 
     def close(self) -> None:
         self.indexer.stop()
+        for proxy in self.proxies.values():
+            proxy.close()
         if self.redis is not None:
             self.redis.stop()
         for nd in self.nodes:
@@ -657,6 +727,22 @@ class Chaos:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 filler.unlink()
+        rec.detail["held_s"] = round(hold_s, 2)
+        rec.t_end = time.time()
+
+    def _event_chaos(self, rec: FaultRecord) -> None:
+        proxy = self.cluster.proxies[rec.target]
+        before = (proxy.dropped, proxy.reordered)
+        hold_s = self.rng.uniform(2.0, 4.0)
+        proxy.disturb_until = time.monotonic() + hold_s
+        # probe chains stored while the stream is disturbed: their events are the
+        # ones dropped or reordered, the convergence check looks for them
+        end = time.monotonic() + hold_s
+        while time.monotonic() < end:
+            self.add_probes()
+            time.sleep(0.3)
+        rec.detail["dropped_batches"] = proxy.dropped - before[0]
+        rec.detail["reordered_batches"] = proxy.reordered - before[1]
         rec.detail["held_s"] = round(hold_s, 2)
         rec.t_end = time.time()
 

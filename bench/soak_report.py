@@ -21,6 +21,7 @@ COLORS = {
     "client_kill": "tab:brown",
     "peer_kill": "tab:pink",
     "disk_full": "tab:gray",
+    "event_chaos": "tab:cyan",
     "netem": "tab:olive",
 }
 

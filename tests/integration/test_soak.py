@@ -21,7 +21,15 @@ HAVE_NIXL = (
 # Cheap enough to come at least once in two minutes; disk_full needs a tmpfs
 # mount (root) and netem a kernel with sch_netem: either is reported skipped
 # with its reason where the machine does not allow it.
-CHEAP = ("kill9", "sigstop", "sigterm", "indexer_kill", "client_kill", "peer_kill")
+CHEAP = (
+    "kill9",
+    "sigstop",
+    "sigterm",
+    "indexer_kill",
+    "client_kill",
+    "peer_kill",
+    "event_chaos",
+)
 
 
 @pytest.mark.slow
