@@ -626,12 +626,22 @@ class Chaos:
         rec.t_end = time.time()
         rec.detail["stopped_s"] = round(hold_s, 2)
 
+    def held_probe_blocks(self, name: str) -> int:
+        """Probe blocks the node holds now (its own Lookup)."""
+        with Client(self._daemon(name).address, timeout_s=2.0) as c:
+            ns = c.declare_namespace(self.spec)
+            return sum(c.lookup(ns, chain).prefix_blocks for chain in self.probes)
+
     def _sigterm(self, rec: FaultRecord) -> None:
         d = self._daemon(rec.target)
+        before = self.held_probe_blocks(rec.target)
         rc = d.stop(keep_region=True)
         rec.detail["exit_code"] = rc
         rec.t_end = time.time()
         d.start()
+        # a graceful restart keeps DRAM (warm restart) and disk: what was held is held
+        rec.detail["probe_blocks_before"] = before
+        rec.detail["probe_blocks_after"] = self.held_probe_blocks(rec.target)
 
     def _indexer_kill(self, rec: FaultRecord) -> None:
         self.cluster.indexer.kill()

@@ -61,8 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-kib", type=int, default=16)
     p.add_argument("--block-tokens", type=int, default=2048)
     p.add_argument("--max-blocks", type=int, default=64, help="longest request, in blocks")
-    p.add_argument("--dram-mib", type=int, default=24, help="DRAM tier per node")
-    p.add_argument("--disk-mib", type=int, default=48, help="disk tier per node")
+    p.add_argument("--dram-mib", type=int, default=16, help="DRAM tier per node")
+    p.add_argument("--disk-mib", type=int, default=32, help="disk tier per node")
     p.add_argument("--lease-ttl-s", type=float, default=2.0, help="daemons' default lease")
     p.add_argument("--quarantine-s", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=5.0, help="clients' call timeout")
@@ -90,7 +90,7 @@ class Collector:
         self.wrong_bytes = 0
         self.hangs = 0
         self.acked_blocks = 0
-        self.acked: list[tuple[str, list[int]]] = []
+        self.acked: list[tuple[str, float, list[int]]] = []
         self.reports = 0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -176,6 +176,10 @@ def node_stats(address: str) -> dict[str, Any] | None:
         "active_leases": int(s.active_leases),
         "expired_leases": int(s.expired_leases),
         "evicted_blocks": int(s.evicted_blocks),
+        "demoted_blocks": int(s.demoted_blocks),
+        "promoted_blocks": int(s.promoted_blocks),
+        "stored_blocks": int(s.stored_blocks),
+        "loaded_blocks": int(s.loaded_blocks),
         "tiers": [
             {
                 "tier": _tier(t.tier),
@@ -315,6 +319,12 @@ def summarize(
         "leaks_by_node": {
             n: {k: v for k, v in d.items() if k != "stats"} for n, d in leaks["nodes"].items()
         },
+        # over the whole run: a restart resets a daemon's counters, summed across it
+        "daemon_counters": counters_over_restarts(
+            mon.rows
+            + [{"node": n, **d["stats"]} for n, d in leaks["nodes"].items() if "stats" in d],
+            ("evicted_blocks", "demoted_blocks", "promoted_blocks", "expired_leases"),
+        ),
         "over_cap_samples": len(mon.over_cap),
         "max_rss_bytes": mon.max_rss_bytes,
         "faults_planned": len(planned),
@@ -323,6 +333,20 @@ def summarize(
         "load_latency_s": {"calm": _percentiles(calm), "under_fault": _percentiles(faulted)},
         "fault_log": [asdict(r) for r in chaos.records],
     }
+
+
+def counters_over_restarts(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, int]:
+    """Counters summed over every daemon lifetime: samples in time order per node;
+    a value below the previous one means the daemon restarted from 0."""
+    total = dict.fromkeys(keys, 0)
+    last: dict[tuple[str, str], int] = {}
+    for row in rows:
+        for key in keys:
+            v = int(row.get(key, 0))
+            prev = last.get((row["node"], key), 0)
+            total[key] += v - prev if v >= prev else v
+            last[(row["node"], key)] = v
+    return total
 
 
 def _loadavg() -> str:
@@ -462,7 +486,11 @@ def run(args: argparse.Namespace) -> int:
         col.stop()
         mon.stop()
         leaks = quiesce(cluster, block_bytes)
-        audit = SC.audit(cluster.addresses, col.acked, block_bytes, args.block_tokens)
+        crashes: dict[str, list[float]] = {}
+        for r in chaos.records:
+            if r.kind in ("kill9", "peer_kill") and not r.skipped:
+                crashes.setdefault(r.target, []).append(r.t_start)
+        audit = SC.audit(cluster.addresses, col.acked, block_bytes, args.block_tokens, crashes)
         final = chaos.converge()
         summary = summarize(args, t0, col, chaos, mon, leaks, audit, plan, final, notes)
         failed = passed(summary)

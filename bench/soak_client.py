@@ -92,7 +92,8 @@ class Report:
     wrong_bytes: int = 0
     hangs: int = 0
     acked_blocks: int = 0
-    acked: list[tuple[str, list[int]]] = field(default_factory=list)  # (node, chain)
+    # (node, time.time() of the ack, chain)
+    acked: list[tuple[str, float, list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,11 @@ class WorkerArgs:
     flush_s: float = 0.5
 
 
-def _requests(args: WorkerArgs) -> list[T.Request]:
+def _requests(args: WorkerArgs, cycle: int) -> list[T.Request]:
+    """This worker's share of the trace of one cycle (each cycle has its own seed,
+    so a long soak keeps storing new contexts rather than re-reading one pass)."""
     params = T.preset_params("cybergym", quick=True)
-    trace = T.generate(params, seed=args.seed)
+    trace = T.generate(params, seed=args.seed * 1_000_003 + cycle)
     mine = [r for r in trace.requests if hash_agent(r.agent) % args.workers == args.worker]
     return mine or trace.requests
 
@@ -139,7 +142,7 @@ class Worker:
         )
         self.report = Report(args.worker)
         self.rng = random.Random(args.seed * 1000 + args.worker)
-        self.tokens = T.TokenSource(args.seed, max_cached_tokens=2_000_000)
+        self.tokens = T.TokenSource(args.seed * 1_000_003, max_cached_tokens=2_000_000)
 
     # -- plumbing ----------------------------------------------------------
 
@@ -258,7 +261,7 @@ class Worker:
     def remember(self, node: str, hashes: np.ndarray) -> None:
         """Reservoir of acknowledged chains (bounded), audited at the end."""
         acked = self.report.acked
-        chain = (node, [int(h) for h in hashes])
+        chain = (node, time.time(), [int(h) for h in hashes])
         if len(acked) < ACK_SAMPLE_CHAINS:
             acked.append(chain)
         else:
@@ -268,7 +271,8 @@ class Worker:
 
     def run(self) -> None:
         a = self.args
-        reqs = _requests(a)
+        cycle = 0
+        reqs = _requests(a, cycle)
         i = 0
         next_s = time.time()
         last_flush = time.monotonic()
@@ -279,7 +283,11 @@ class Worker:
             if now < next_s:
                 time.sleep(min(next_s - now, a.end_s - now, a.flush_s))
             else:
-                self.serve(reqs[i % len(reqs)])
+                if i == len(reqs):
+                    cycle += 1
+                    reqs, i = _requests(a, cycle), 0
+                    self.tokens = T.TokenSource(a.seed * 1_000_003 + cycle, 2_000_000)
+                self.serve(reqs[i])
                 i += 1
                 next_s += self.rng.expovariate(a.rate_per_s)
                 # open loop, but a client far behind does not burst to catch up
@@ -300,18 +308,31 @@ def main(args: WorkerArgs, out: Any) -> None:
 
 def audit(
     nodes: dict[str, str],
-    chains: Sequence[tuple[str, list[int]]],
+    chains: Sequence[tuple[str, float, list[int]]],
     block_bytes: int,
     block_tokens: int,
+    crashes: dict[str, list[float]],
 ) -> dict[str, int]:
     """Load each acknowledged chain from the node that acknowledged it, after
-    the run: its blocks must be there and right, or missing (evicted, lost in a
-    crash), never wrong."""
-    out = {"chains": 0, "blocks": 0, "present": 0, "missing": 0, "wrong_blocks": 0, "errors": 0}
+    the run: its blocks must be there and right, or missing, never wrong.
+
+    Missing blocks are split by whether the node crashed (kill -9: its DRAM is
+    gone, by design) after the ack; the others were evicted or demoted and then
+    dropped (the daemons' counters say how many they evicted), or lost."""
+    out = {
+        "chains": 0,
+        "blocks": 0,
+        "present": 0,
+        "missing": 0,
+        "missing_after_crash": 0,
+        "missing_no_crash": 0,
+        "wrong_blocks": 0,
+        "errors": 0,
+    }
     spec = spec_for(block_bytes, block_tokens)
-    by_node: dict[str, list[list[int]]] = {}
-    for node, chain in chains:
-        by_node.setdefault(node, []).append(chain)
+    by_node: dict[str, list[tuple[float, list[int]]]] = {}
+    for node, t_ack, chain in chains:
+        by_node.setdefault(node, []).append((t_ack, chain))
     for node, node_chains in by_node.items():
         try:
             c = Client(nodes[node])
@@ -320,13 +341,16 @@ def audit(
             continue
         with c:
             ns = c.declare_namespace(spec)
-            for chain in node_chains:
+            for t_ack, chain in node_chains:
                 hashes = np.asarray(chain, dtype=np.uint64)
                 got = c.get(ns, hashes)
                 wb, _ = wrong_bytes(got.data, hashes[: got.found], block_bytes)
+                missing = len(hashes) - got.found
+                crashed = any(t > t_ack for t in crashes.get(node, ()))
                 out["chains"] += 1
                 out["blocks"] += len(hashes)
                 out["present"] += got.found
-                out["missing"] += len(hashes) - got.found
+                out["missing"] += missing
+                out["missing_after_crash" if crashed else "missing_no_crash"] += missing
                 out["wrong_blocks"] += wb
     return out

@@ -114,7 +114,12 @@ def markdown(s: dict[str, Any], png: Path | None) -> str:
         f"| acknowledged blocks / audited | {s['acked_blocks']} / {audit['blocks']} |",
         f"| audited: present / missing / wrong | {audit['present']} / {audit['missing']} / "
         f"{audit['wrong_blocks']} |",
+        f"| missing: node crashed after the ack / no crash (evicted or lost) | "
+        f"{audit['missing_after_crash']} / {audit['missing_no_crash']} |",
         f"| client calls past deadline (hangs) | {s['hangs']} |",
+        "| daemons' evicted / demoted / promoted blocks, expired leases | "
+        + " / ".join(str(v) for v in s["daemon_counters"].values())
+        + " |",
         f"| tier-above-capacity samples | {s['over_cap_samples']} |",
         f"| p99 load latency, no fault / under faults | {_p(lat['calm'], 'p99', 1e3, ' ms')} / "
         f"{_p(lat['under_fault'], 'p99', 1e3, ' ms')} |",

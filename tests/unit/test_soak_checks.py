@@ -92,3 +92,14 @@ def test_a_summary_with_any_wrong_byte_leak_or_hang_fails() -> None:
         ("faults", {"kill9": {"not_converged": 1, "failed": 0}}),
     ):
         assert soak.passed({**ok, key: value}), key
+
+
+def test_daemon_counters_are_summed_across_restarts() -> None:
+    rows = [
+        {"node": "a", "evicted_blocks": 5},
+        {"node": "b", "evicted_blocks": 1},
+        {"node": "a", "evicted_blocks": 9},
+        {"node": "a", "evicted_blocks": 2},  # a restarted: 9 before, 2 since
+        {"node": "a", "evicted_blocks": 3},
+    ]
+    assert soak.counters_over_restarts(rows, ("evicted_blocks",)) == {"evicted_blocks": 13}
