@@ -416,13 +416,31 @@ class Planned:
 
 
 def schedule(
-    seed: int, duration_s: float, kinds: Sequence[str], nodes: Sequence[str], interval_s: float
+    seed: int,
+    duration_s: float,
+    kinds: Sequence[str],
+    nodes: Sequence[str],
+    interval_s: float,
+    *,
+    once: bool = False,
 ) -> list[Planned]:
     """Faults every ~interval_s (+-30%), kinds cycling in a seeded order so each
-    kind comes as often as the others; targets drawn from the seed too."""
+    kind comes as often as the others; targets drawn from the seed too.
+
+    once: each kind exactly once, evenly spread over 5%..85% of the duration
+    (the CI smoke: every kind must fit, whatever the machine's speed)."""
     rng = random.Random(seed)
     order = list(kinds)
     plan: list[Planned] = []
+    if once:
+        rng.shuffle(order)
+        step = duration_s * 0.8 / max(1, len(order) - 1)
+        for i, kind in enumerate(order):
+            target = "indexer" if kind == "indexer_kill" else rng.choice(list(nodes))
+            if kind == "disk_full":
+                target = nodes[0]
+            plan.append(Planned(round(duration_s * 0.05 + i * step, 3), kind, target))
+        return plan
     t = interval_s * 0.5  # the first after some warm-up load
     i = 0
     while t < duration_s - interval_s * 0.25:

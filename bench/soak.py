@@ -52,7 +52,7 @@ QUIESCE_TIMEOUT_S = 30.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=30.0, help="load duration (default 30)")
     p.add_argument(
-        "--quick", action="store_true", help="CI smoke: 2 minutes of load, every cheap fault once"
+        "--quick", action="store_true", help="CI smoke: 2 minutes of load, every fault kind once"
     )
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--clients", type=int, default=2, help="client processes")
@@ -374,6 +374,15 @@ def passed(summary: dict[str, Any]) -> list[str]:
             failed.append(f"{kind}: index not converged within {C.CONVERGE_TIMEOUT_S:.0f} s")
         if f["failed"]:
             failed.append(f"{kind}: {f['failed']} injections failed (see fault_log)")
+    for r in summary["fault_log"]:
+        d = r["detail"]
+        if r["kind"] == "sigterm" and d.get("probe_blocks_after", 0) < d.get(
+            "probe_blocks_before", 0
+        ):
+            failed.append(
+                f"graceful restart of {r['target']} kept {d['probe_blocks_after']} of "
+                f"{d['probe_blocks_before']} probe blocks"
+            )
     if summary["final_staleness_s"] is None:
         failed.append("index not converged at the end")
     if not summary["loads_ok"]:
@@ -429,7 +438,12 @@ def run(args: argparse.Namespace) -> int:
         if "netem" in kinds:
             notes.append(chaos.netem_note)
         plan = C.schedule(
-            args.seed, duration_s, kinds, [nd.name for nd in cluster.nodes], interval_s
+            args.seed,
+            duration_s,
+            kinds,
+            [nd.name for nd in cluster.nodes],
+            interval_s,
+            once=args.quick and not args.fault_interval_s,
         )
         chaos.log("plan", plan=[asdict(p) for p in plan], seed=args.seed)
         t0 = time.time()

@@ -80,6 +80,7 @@ def test_a_summary_with_any_wrong_byte_leak_or_hang_fails() -> None:
         "faults": {"kill9": {"not_converged": 0, "failed": 0}},
         "final_staleness_s": 0.1,
         "loads_ok": 10,
+        "fault_log": [],
     }
     assert soak.passed(ok) == []
     for key, value in (
@@ -90,6 +91,16 @@ def test_a_summary_with_any_wrong_byte_leak_or_hang_fails() -> None:
         ("final_staleness_s", None),
         ("loads_ok", 0),
         ("faults", {"kill9": {"not_converged": 1, "failed": 0}}),
+        (
+            "fault_log",
+            [
+                {
+                    "kind": "sigterm",
+                    "target": "node0",
+                    "detail": {"probe_blocks_before": 8, "probe_blocks_after": 4},
+                }
+            ],
+        ),
     ):
         assert soak.passed({**ok, key: value}), key
 
@@ -103,3 +114,9 @@ def test_daemon_counters_are_summed_across_restarts() -> None:
         {"node": "a", "evicted_blocks": 3},
     ]
     assert soak.counters_over_restarts(rows, ("evicted_blocks",)) == {"evicted_blocks": 13}
+
+
+def test_quick_schedule_has_every_kind_once_inside_the_load() -> None:
+    plan = C.schedule(0, 120, C.FAULT_KINDS, ["node0", "node1", "node2"], 0, once=True)
+    assert sorted(p.kind for p in plan) == sorted(C.FAULT_KINDS)
+    assert all(6 <= p.at_s <= 102 for p in plan)
