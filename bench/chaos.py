@@ -256,6 +256,7 @@ class Cluster:
         backend: str = "memory",
         redis_url: str = "",
         tmpfs_disk: bool = True,
+        log_level: str = "warning",
     ) -> None:
         self.tmp = tmp
         self.secret = os.urandom(16).hex()
@@ -290,7 +291,7 @@ class Cluster:
                 "disk.slab_bytes": chunk_bytes,
                 "leases.default_ttl_s": lease_ttl_s,
                 "leases.quarantine_s": quarantine_s,
-                "log.level": "warning",
+                "log.level": log_level,
             }
             for j, other in enumerate(names):
                 if j != i:
@@ -628,12 +629,33 @@ class Chaos:
     def _daemon(self, name: str) -> DaemonProcess:
         return self.cluster.node(name).daemon
 
+    def _start(self, rec: FaultRecord, name: str) -> None:
+        """Start the daemon again; record how long after its ready line it took to
+        answer a call (it should be at once: the ready line comes after the bind)."""
+        d = self._daemon(name)
+        d.start()
+        ready = time.monotonic()
+        first_error = ""
+        while True:
+            try:
+                with Client(d.address, timeout_s=1.0, map_region=False) as c:
+                    c.stats()
+                break
+            except errors.KVStoreError as e:
+                first_error = first_error or f"{type(e).__name__}: {e}"[-300:]
+                if time.monotonic() - ready > SERVE_TIMEOUT_S:
+                    raise
+                time.sleep(0.05)
+        if first_error:
+            rec.detail["unreachable_after_ready_s"] = round(time.monotonic() - ready, 3)
+            rec.detail["unreachable_after_ready_error"] = first_error
+
     def _kill9(self, rec: FaultRecord) -> None:
         d = self._daemon(rec.target)
         d.kill()
         time.sleep(self.rng.uniform(0.2, 1.5))
         rec.t_end = time.time()
-        d.start()
+        self._start(rec, rec.target)
 
     def _sigstop(self, rec: FaultRecord) -> None:
         d = self._daemon(rec.target)
@@ -656,7 +678,7 @@ class Chaos:
         rc = d.stop(keep_region=True)
         rec.detail["exit_code"] = rc
         rec.t_end = time.time()
-        d.start()
+        self._start(rec, rec.target)
         # a graceful restart keeps DRAM (warm restart) and disk: what was held is held
         rec.detail["probe_blocks_before"] = before
         rec.detail["probe_blocks_after"] = self.held_probe_blocks(rec.target)
@@ -729,7 +751,7 @@ class Chaos:
         if wb:
             self.on_wrong(wb, wbytes)
         rec.t_end = time.time()
-        self._daemon(owner).start()
+        self._start(rec, owner)
 
     def _disk_full(self, rec: FaultRecord) -> None:
         nd = self.cluster.node(rec.target)

@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma-separated fault kinds (default all: {','.join(C.FAULT_KINDS)}); '' = none",
     )
     p.add_argument("--fault-interval-s", type=float, default=0.0, help="default: from duration")
+    p.add_argument("--daemon-log-level", default="warning", help="the daemons' log.level")
     p.add_argument("--results", default="results")
     p.add_argument("--no-plot", action="store_true")
 
@@ -89,6 +90,8 @@ class Collector:
         self.wrong_blocks = 0
         self.wrong_bytes = 0
         self.hangs = 0
+        self.late_copies = 0
+        self.late_stores = 0
         self.acked_blocks = 0
         self.acked: list[tuple[str, float, list[int]]] = []
         self.reports = 0
@@ -105,6 +108,8 @@ class Collector:
         self.samples.extend(rep.samples[: max(0, room)])
         self.add_wrong(rep.wrong_blocks, rep.wrong_bytes)
         self.hangs += rep.hangs
+        self.late_copies += rep.late_copies
+        self.late_stores += rep.late_stores
         self.acked_blocks += rep.acked_blocks
         self.acked.extend(rep.acked)
 
@@ -128,6 +133,9 @@ class Monitor:
 
     def __init__(self, cluster: C.Cluster, interval_s: float = 1.0) -> None:
         self.cluster = cluster
+        self.faulting: set[str] = set()  # set by the chaos loop: targets down on purpose
+        self.exits: list[dict[str, Any]] = []  # daemons that exited by themselves
+        self._seen_exit: set[int] = set()
         self.interval_s = interval_s
         self.rows: list[dict[str, Any]] = []
         self.over_cap: list[dict[str, Any]] = []
@@ -138,6 +146,18 @@ class Monitor:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             for nd in self.cluster.nodes:
+                proc = nd.daemon.proc
+                if (
+                    proc is not None
+                    and proc.poll() is not None
+                    and nd.name not in self.faulting
+                    and proc.pid not in self._seen_exit
+                ):
+                    self._seen_exit.add(proc.pid)
+                    self.exits.append(
+                        {"t": time.time(), "node": nd.name, "rc": proc.returncode,
+                         "log_tail": nd.daemon.log_tail(40)}
+                    )  # fmt: skip
                 s = node_stats(nd.daemon.address)
                 if s is None:
                     continue
@@ -313,6 +333,8 @@ def summarize(
         "wrong_blocks": col.wrong_blocks + audit.get("wrong_blocks", 0),
         "wrong_bytes": col.wrong_bytes,
         "hangs": col.hangs,
+        "late_copies_discarded": col.late_copies,
+        "late_stores_released": col.late_stores,
         "acked_blocks": col.acked_blocks,
         "audit": audit,
         "leaks": {"total": leaks["total"], "waited_s": leaks["waited_s"]},
@@ -326,11 +348,23 @@ def summarize(
             ("evicted_blocks", "demoted_blocks", "promoted_blocks", "expired_leases"),
         ),
         "over_cap_samples": len(mon.over_cap),
+        "unexpected_exits": mon.exits,
         "max_rss_bytes": mon.max_rss_bytes,
         "faults_planned": len(planned),
         "faults": by_kind,
         "final_staleness_s": final_staleness_s,
         "load_latency_s": {"calm": _percentiles(calm), "under_fault": _percentiles(faulted)},
+        # restarted daemons that did not answer at once after their ready line
+        "unreachable_after_ready": [
+            {
+                "kind": r.kind,
+                "target": r.target,
+                "s": r.detail["unreachable_after_ready_s"],
+                "error": r.detail["unreachable_after_ready_error"],
+            }
+            for r in chaos.records
+            if "unreachable_after_ready_s" in r.detail
+        ],
         "fault_log": [asdict(r) for r in chaos.records],
     }
 
@@ -367,6 +401,8 @@ def passed(summary: dict[str, Any]) -> list[str]:
         failed.append(f"leaks after quiesce: {summary['leaks_by_node']}")
     if summary["hangs"]:
         failed.append(f"{summary['hangs']} client calls past their deadline")
+    for e in summary["unexpected_exits"]:
+        failed.append(f"{e['node']} exited by itself (rc {e['rc']}): {e['log_tail'][-1500:]}")
     if summary["over_cap_samples"]:
         failed.append(f"{summary['over_cap_samples']} samples with a tier above its capacity")
     for kind, f in summary["faults"].items():
@@ -376,8 +412,10 @@ def passed(summary: dict[str, Any]) -> list[str]:
             failed.append(f"{kind}: {f['failed']} injections failed (see fault_log)")
     for r in summary["fault_log"]:
         d = r["detail"]
-        if r["kind"] == "sigterm" and d.get("probe_blocks_after", 0) < d.get(
-            "probe_blocks_before", 0
+        if (
+            r["kind"] == "sigterm"
+            and "probe_blocks_after" in d
+            and (d["probe_blocks_after"] < d["probe_blocks_before"])
         ):
             failed.append(
                 f"graceful restart of {r['target']} kept {d['probe_blocks_after']} of "
@@ -416,6 +454,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.indexer,
         redis_url=args.redis_url,
         tmpfs_disk="disk_full" in kinds,
+        log_level=args.daemon_log_level,
     )
     if cluster.tmpfs_note:
         notes.append(cluster.tmpfs_note)
@@ -462,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
                 max_blocks=args.max_blocks,
                 timeout_s=args.timeout_s,
                 peer_timeout_s=2.0,
+                # past the lease and its quarantine: the slots may be reused by then
+                slow_copy_s=args.lease_ttl_s + args.quarantine_s + 0.5,
             )
             p = ctx.Process(target=SC.main, args=(wa, q), daemon=True)
             p.start()
@@ -479,7 +520,11 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(wait_s)
             if time.time() >= end_s:
                 break
-            rec = chaos.inject(p_)
+            mon.faulting.add(p_.target)
+            try:
+                rec = chaos.inject(p_)
+            finally:
+                mon.faulting.discard(p_.target)
             print(
                 f"  t={rec.t_start - t0:6.1f}s {rec.kind:<13} {rec.target:<8} "
                 + (

@@ -30,7 +30,7 @@ import numpy as np
 
 from bench import trace as T
 from kvstore import errors
-from kvstore.client import Client, Namespace
+from kvstore.client import Client, Namespace, gather, scatter
 from kvstore.namespace import NamespaceSpec
 
 MODEL = "kvstore-bench/soak"
@@ -91,6 +91,8 @@ class Report:
     wrong_blocks: int = 0
     wrong_bytes: int = 0
     hangs: int = 0
+    late_copies: int = 0  # two-phase loads whose copy ended past the lease: discarded
+    late_stores: int = 0  # two-phase stores whose copy ended past the lease: released
     acked_blocks: int = 0
     # (node, time.time() of the ack, chain)
     acked: list[tuple[str, float, list[int]]] = field(default_factory=list)
@@ -111,6 +113,9 @@ class WorkerArgs:
     timeout_s: float
     peer_timeout_s: float
     flush_s: float = 0.5
+    two_phase_share: float = 0.25  # requests served as a connector does (prepare/copy/commit)
+    slow_copy_share: float = 0.05  # of those, loads that copy only after the lease ran out
+    slow_copy_s: float = 0.0  # how late (0: never)
 
 
 def _requests(args: WorkerArgs, cycle: int) -> list[T.Request]:
@@ -141,6 +146,7 @@ class Worker:
             args.indexer, block_size_tokens=args.block_tokens, deadline_s=0.1
         )
         self.report = Report(args.worker)
+        self.slept_s = 0.0
         self.rng = random.Random(args.seed * 1000 + args.worker)
         self.tokens = T.TokenSource(args.seed * 1_000_003, max_cached_tokens=2_000_000)
 
@@ -165,7 +171,8 @@ class Worker:
                 got[0].close()
 
     def record(self, op: str, node: str, t0: float, blocks: int, error: str = "") -> None:
-        lat = time.monotonic() - t0
+        # a deliberate stall (slow_copy_s) is not the system's latency
+        lat, self.slept_s = time.monotonic() - t0 - self.slept_s, 0.0
         bound = self.args.timeout_s + (self.args.peer_timeout_s if op == "pull" else 0)
         if lat > bound + HANG_SLACK_S:
             self.report.hangs += 1
@@ -237,26 +244,80 @@ class Worker:
                 self.record("pull", node, t0, int(r.fetched_blocks))
             except errors.KVStoreError as e:
                 self.record("pull", node, t0, 0, type(e).__name__)  # the load goes on without
+        two_phase = c.region is not None and self.rng.random() < a.two_phase_share
         t0 = time.monotonic()
         try:
-            got = c.get(ns, hashes)
+            data = self.load_two_phase(c, ns, hashes) if two_phase else c.get(ns, hashes).data
         except errors.KVStoreError as e:
             self.record("load", node, t0, 0, type(e).__name__)
             raise
-        wb, wbytes = wrong_bytes(got.data, hashes[: got.found], a.block_bytes)
+        found = len(data)
+        wb, wbytes = wrong_bytes(data, hashes[:found], a.block_bytes)
         self.report.wrong_blocks += wb
         self.report.wrong_bytes += wbytes
-        self.record("load", node, t0, got.found, "WrongBytes" if wb else "")
+        self.record("load", node, t0, found, "WrongBytes" if wb else "")
         t0 = time.monotonic()
         try:
-            put = c.put(ns, hashes, payload(hashes, a.block_bytes))
+            stored = (
+                self.store_two_phase(c, ns, hashes)
+                if two_phase
+                else c.put(ns, hashes, payload(hashes, a.block_bytes)).stored
+            )
         except errors.KVStoreError as e:
             self.record("store", node, t0, 0, type(e).__name__)
             raise
-        self.record("store", node, t0, put.stored)
-        if put.stored:
-            self.report.acked_blocks += put.stored
+        self.record("store", node, t0, stored)
+        if stored:
+            self.report.acked_blocks += stored
             self.remember(node, hashes)
+
+    def load_two_phase(self, c: Client, ns: Namespace, hashes: np.ndarray) -> np.ndarray:
+        """As a connector loads: pin (PrepareLoad), copy from the region itself,
+        keep only what was copied before the lease's deadline, release."""
+        a = self.args
+        h = c.prepare_load(ns, hashes)
+        try:
+            if a.slow_copy_s and self.rng.random() < a.slow_copy_share:
+                # A stalled engine: half the time it wakes just inside its deadline
+                # (the copy then runs across the daemon's expiry: the fence and the
+                # quarantine must keep those bytes right), else well past it.
+                now = time.monotonic()
+                if self.rng.random() < 0.5 and h.deadline_s > now:
+                    stall_s = max(0.0, h.deadline_s - now - self.rng.uniform(0.0, 0.05))
+                else:
+                    stall_s = a.slow_copy_s
+                time.sleep(stall_s)
+                self.slept_s += stall_s
+            assert c.region is not None
+            out = np.empty((h.found, a.block_bytes), dtype=np.uint8)
+            done = gather(
+                c.region, h.offsets[: h.found], out, a.block_bytes, deadline_s=h.deadline_s
+            )
+            if done < h.found:
+                self.report.late_copies += 1
+            return out[:done]
+        finally:
+            c.release(h, wait=False)
+
+    def store_two_phase(self, c: Client, ns: Namespace, hashes: np.ndarray) -> int:
+        """As a connector stores: reserve, write the allocated slots, commit (or
+        release when the copy ran past the deadline)."""
+        a = self.args
+        h = c.prepare_store(ns, hashes)
+        idx = h.allocated
+        if not len(idx):
+            c.release(h, wait=False)
+            return 0
+        assert c.region is not None
+        written = scatter(
+            c.region, h.offsets[idx], payload(hashes, a.block_bytes), idx, a.block_bytes,
+            deadline_s=h.deadline_s,
+        )  # fmt: skip
+        if written < len(idx):
+            self.report.late_stores += 1
+            c.release(h, wait=False)
+            return 0
+        return c.commit_store(h)
 
     def remember(self, node: str, hashes: np.ndarray) -> None:
         """Reservoir of acknowledged chains (bounded), audited at the end."""

@@ -117,6 +117,8 @@ def markdown(s: dict[str, Any], png: Path | None) -> str:
         f"| missing: node crashed after the ack / no crash (evicted or lost) | "
         f"{audit['missing_after_crash']} / {audit['missing_no_crash']} |",
         f"| client calls past deadline (hangs) | {s['hangs']} |",
+        f"| two-phase copies past their lease, discarded (loads / stores) | "
+        f"{s['late_copies_discarded']} / {s['late_stores_released']} |",
         "| daemons' evicted / demoted / promoted blocks, expired leases | "
         + " / ".join(str(v) for v in s["daemon_counters"].values())
         + " |",
@@ -141,6 +143,11 @@ def markdown(s: dict[str, Any], png: Path | None) -> str:
             "Client errors (op:error count, all retried or reported): "
             + ", ".join(f"{k} {v}" for k, v in sorted(s["client_errors"].items())),
         ]
+    for u in s["unreachable_after_ready"]:
+        lines.append(
+            f"\nFinding: {u['target']} ({u['kind']}) printed its ready line but did not answer "
+            f"for {u['s']:.2f} s: {u['error']}"
+        )
     for note in s["notes"]:
         lines.append(f"\nNote: {note}")
     skipped = {k: f["skip_reason"] for k, f in s["faults"].items() if f["skip_reason"]}

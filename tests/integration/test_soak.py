@@ -48,6 +48,7 @@ def test_soak_quick_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Path) -> No
     dirs = [p for p in results.iterdir() if p.is_dir()]
     assert len(dirs) == 1, (dirs, proc.stderr[-3000:])
     out = dirs[0]
+    assert (out / "soak.json").exists(), proc.stderr[-3000:]
     summary = json.loads((out / "soak.json").read_text())
     assert proc.returncode == 0, (summary["failed_checks"], proc.stderr[-3000:])
     assert summary["wrong_bytes"] == 0 and summary["wrong_blocks"] == 0

@@ -81,6 +81,7 @@ def test_a_summary_with_any_wrong_byte_leak_or_hang_fails() -> None:
         "final_staleness_s": 0.1,
         "loads_ok": 10,
         "fault_log": [],
+        "unexpected_exits": [],
     }
     assert soak.passed(ok) == []
     for key, value in (
@@ -90,6 +91,7 @@ def test_a_summary_with_any_wrong_byte_leak_or_hang_fails() -> None:
         ("over_cap_samples", 1),
         ("final_staleness_s", None),
         ("loads_ok", 0),
+        ("unexpected_exits", [{"node": "node1", "rc": 1, "log_tail": "boom"}]),
         ("faults", {"kill9": {"not_converged": 1, "failed": 0}}),
         (
             "fault_log",
