@@ -385,7 +385,7 @@ def counters_over_restarts(rows: list[dict[str, Any]], keys: tuple[str, ...]) ->
 
 def _loadavg() -> str:
     try:
-        return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
         return "?"
 
