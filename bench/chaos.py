@@ -474,11 +474,15 @@ class FaultRecord:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-def _prepare_and_die(address: str, block_bytes: int, block_tokens: int, seed: int) -> None:
-    """A client that reserves slots, writes half, pins a prefix, and dies (SIGKILL)."""
+def _prepare_and_die(
+    address: str, block_bytes: int, block_tokens: int, seed: int, stored: list[int]
+) -> None:
+    """A client that pins committed blocks (``stored``), reserves slots for new
+    ones, writes half of them, and dies (SIGKILL) before it commits or releases."""
     spec = SC.spec_for(block_bytes, block_tokens)
     c = Client(address)
     ns = c.declare_namespace(spec)
+    pinned = c.prepare_load(ns, stored)
     rng = np.random.default_rng(seed)
     hashes = rng.integers(1, 2**63, 8, dtype=np.uint64)
     h = c.prepare_store(ns, hashes)
@@ -487,8 +491,7 @@ def _prepare_and_die(address: str, block_bytes: int, block_tokens: int, seed: in
         for i in half:
             off = int(h.offsets[i])
             c.region[off : off + block_bytes] = SC.payload(hashes[i : i + 1], block_bytes)[0]
-    # and a load lease pinning whatever is there of a chain a worker stored
-    c.prepare_load(ns, hashes[:1])
+    assert pinned.found == len(stored), "the blocks to pin were just stored"
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -690,6 +693,10 @@ class Chaos:
         self.cluster.indexer.start()
 
     def _client_kill(self, rec: FaultRecord) -> None:
+        rng = np.random.default_rng(self.rng.getrandbits(32))
+        stored = rng.integers(1, 2**63, PROBE_BLOCKS, dtype=np.uint64)
+        with Client(self.cluster.addresses[rec.target]) as c:
+            c.put(c.declare_namespace(self.spec), stored, SC.payload(stored, self.block_bytes))
         ctx = mp.get_context("spawn")
         p = ctx.Process(
             target=_prepare_and_die,
@@ -698,11 +705,19 @@ class Chaos:
                 self.block_bytes,
                 self.block_tokens,
                 self.rng.getrandbits(32),
+                [int(h) for h in stored],
             ),
         )
         p.start()
         p.join(30)
-        rec.detail["client_exit"] = p.exitcode
+        rec.detail["client_exit"] = p.exitcode  # -9: it died holding its leases
+        if p.exitcode != -signal.SIGKILL:
+            raise errors.StateConflict(f"the client to kill exited with {p.exitcode} first")
+        # what it left behind, for the lease reaper to take back (checked at quiesce)
+        with Client(self.cluster.addresses[rec.target], map_region=False) as c:
+            st = c.stats()
+        rec.detail["leases_left"] = int(st.active_leases)
+        rec.detail["pinned_left"] = sum(int(t.pinned_blocks) for t in st.tiers)
         rec.t_end = time.time()
 
     def _peer_kill(self, rec: FaultRecord) -> None:

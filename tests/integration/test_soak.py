@@ -68,5 +68,9 @@ def test_soak_quick_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Path) -> No
     log = [json.loads(line) for line in (out / "faults.jsonl").read_text().splitlines()]
     assert log[0]["event"] == "plan" and log[0]["seed"] == 0
     assert {e["kind"] for e in log if e["event"] == "fault_start"} >= set(CHEAP)
+    # the killed client left leases and pins behind, which the quiesce check saw reclaimed
+    killed = [e for e in log if e["event"] == "fault_end" and e["kind"] == "client_kill"]
+    assert killed and all(e["detail"]["leases_left"] >= 1 for e in killed), killed
+    assert all(e["detail"]["pinned_left"] >= 1 for e in killed), killed
     assert (out / "report.md").read_text().count("wrong bytes served") == 1
     assert (out / "timeline.png").stat().st_size > 10_000
