@@ -36,6 +36,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "bench.sglang_bench",
         "SGLang HiCache storage: the kvstore backend vs SGLang's file backend, same pages",
     ),
+    "soak": (
+        "bench.soak",
+        "a cluster under agentic load with faults injected: wrong bytes, leaks, recovery",
+    ),
     "trace": ("bench.trace_cli", "generate an agentic trace file (JSONL) and print its statistics"),
 }
 

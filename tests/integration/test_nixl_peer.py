@@ -723,3 +723,22 @@ def test_pipelined_pull_drops_a_corrupt_block_in_a_middle_piece(
         after = cb.get(ns_b, hashes[39:])
         assert after.found == 25 and np.array_equal(after.data, want[39:])
     assert no_leases_soon(a) and no_leases_soon(b)
+
+
+def test_fetch_from_peer_after_the_puller_restarted_declares_the_namespace_again(
+    peer_daemon,
+) -> None:  # type: ignore[no-untyped-def]
+    """Found by `kvstore-bench soak`: after a restart of the pulling daemon, a
+    client's fetch_from_peer raised NamespaceNotFound where every other call
+    naming the namespace declares it again and goes on."""
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", extra={"peer.peers.node-a": a.tcp_address})
+    block = 64 << 10
+    put(a, [21, 22], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        b.stop()  # the namespace goes with the process (no blocks: nothing kept warm)
+        b.start()
+        r = cb.fetch_from_peer(ns, [21, 22], peer_node_id="node-a")
+        assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (2, 2, 0)
+    assert_holds(b, [21, 22], block)
