@@ -30,6 +30,7 @@ from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
 from kvstore.metrics import (
+    AuditCollector,
     ManagerCollector,
     MetricsInterceptor,
     PeerMetrics,
@@ -176,6 +177,7 @@ class Daemon:
 
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
+            self.registry.register(AuditCollector())
             try:
                 self._metrics_server, self.metrics_port = serve_metrics(
                     cfg.metrics.address, self.registry

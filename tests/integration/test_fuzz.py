@@ -10,12 +10,14 @@ no pinned block once the short lease TTL passed), no traceback in its log.
 
 Reproducible in CI: ``derandomize=True`` (the same examples every run, no
 example database), ``deadline=None`` (a shared 2-core runner is slow, not
-wrong); ~200 examples a test keep each test to seconds.
+wrong); ~200 examples a test keep each test to seconds. A longer hunt:
+``FUZZ_EXAMPLES=5000`` (random examples, not the CI ones).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import time
@@ -42,10 +44,12 @@ from tests.conftest import make_spec
 from tests.integration.test_indexer_events import RawPublisher
 
 SECRET = "fuzz-secret"
+# FUZZ_EXAMPLES=5000: a longer hunt, with new random examples each run.
+_HUNT = int(os.environ.get("FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
-    max_examples=200,
+    max_examples=_HUNT or 200,
     deadline=None,
-    derandomize=True,
+    derandomize=not _HUNT,
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
