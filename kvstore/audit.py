@@ -21,7 +21,11 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvstore.audit")
 
@@ -32,6 +36,8 @@ PEER_WRONG_SECRET = "peer_wrong_secret"  # a PeerService call without the right 
 LOCAL_UID = "local_uid"  # a lean-channel connection from a uid that may not use it
 LEASE_NOT_OWNER = "lease_not_owner"  # a lease committed/released by another caller
 FOREIGN_FILE = "foreign_file"  # a daemon file owned by another user
+INDEXER_WRONG_SECRET = "indexer_wrong_secret"  # Register/UnregisterNode without the secret
+INDEXER_NODE_REFUSED = "indexer_node_refused"  # another caller's node, or a configured one
 REASONS = (
     TCP_NO_SECRET,
     TCP_WRONG_SECRET,
@@ -39,6 +45,8 @@ REASONS = (
     LOCAL_UID,
     LEASE_NOT_OWNER,
     FOREIGN_FILE,
+    INDEXER_WRONG_SECRET,
+    INDEXER_NODE_REFUSED,
 )
 
 MAX_FIELD_CHARS = 200  # who/what come from callers: clipped, as errors clip identifiers
@@ -137,3 +145,20 @@ def tcp_caller(peer: str) -> str:
     if kind in ("ipv4", "ipv6"):
         return kind + ":" + rest.rsplit(":", 1)[0]
     return peer
+
+
+class AuditCollector(Collector):
+    """Denied requests by reason (kvstore.audit counts every one, logged or not)."""
+
+    def __init__(self, log: AuditLog | None = None) -> None:
+        self.log = log if log is not None else AUDIT
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily(
+            "kvstore_denied_requests",
+            "Requests refused at a trust boundary, by reason (see the kvstore.audit log).",
+            labels=["reason"],
+        )
+        for reason, count in self.log.counts().items():
+            family.add_metric([reason], count)
+        yield family

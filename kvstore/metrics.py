@@ -20,7 +20,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore import audit
 from kvstore.errors import InvalidRequest, KVStoreError, NotFound
 from kvstore.manager import BlockManager
 from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL
@@ -81,23 +80,6 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
-
-
-class AuditCollector(Collector):
-    """Denied requests by reason (kvstore.audit counts every one, logged or not)."""
-
-    def __init__(self, log: audit.AuditLog = audit.AUDIT) -> None:
-        self.log = log
-
-    def collect(self) -> Iterator[Any]:
-        family = CounterMetricFamily(
-            "kvstore_denied_requests",
-            "Requests refused at a trust boundary, by reason (see the kvstore.audit log).",
-            labels=["reason"],
-        )
-        for reason, count in self.log.counts().items():
-            family.add_metric([reason], count)
-        yield family
 
 
 class ManagerCollector(Collector):

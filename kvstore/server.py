@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvstore.audit import AuditCollector
 from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
@@ -30,7 +31,6 @@ from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
 from kvstore.metrics import (
-    AuditCollector,
     ManagerCollector,
     MetricsInterceptor,
     PeerMetrics,

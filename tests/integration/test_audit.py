@@ -9,6 +9,7 @@ reason) per 10 s, with the count of those not logged.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 import urllib.request
@@ -18,8 +19,13 @@ import msgspec
 import pytest
 
 from kvstore.client import pack_hashes
+from kvstore.events.publisher import ZmqEventPublisher
+from kvstore.indexer.config import IndexerConfig
+from kvstore.indexer.metrics import serve_metrics
+from kvstore.indexer.service import Indexer, serve
+from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
-from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2_grpc
+from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, peer_pb2, peer_pb2_grpc, store_pb2_grpc
 from kvstore.v1 import store_pb2 as pb
 from tests.conftest import make_spec
 from tests.integration import test_trust
@@ -46,7 +52,11 @@ def audit_lines(d: DaemonProcess) -> list[dict]:
 
 
 def denied_total(d: DaemonProcess, reason: str) -> float:
-    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=5) as r:
+    return scrape_denied(d.metrics_address, reason)
+
+
+def scrape_denied(address: str, reason: str) -> float:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
         text = r.read().decode()
     prefix = f'kvstore_denied_requests_total{{reason="{reason}"}} '
     for line in text.splitlines():
@@ -174,3 +184,42 @@ def node_for_audit(tmp_path):
     for d in made:
         d.stop()
         d.remove_region()
+
+
+def test_the_indexer_audits_refused_registrations(caplog):
+    caplog.set_level(logging.WARNING, "kvstore.audit")
+    pub = ZmqEventPublisher("node-c", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    ix = Indexer(
+        IndexerConfig(
+            address="127.0.0.1:0",
+            sources=[SourceSpec(node="node-c", endpoint=pub.endpoint)],
+            cluster_secret=SECRET,
+        )
+    )
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    metrics_server, metrics_port = serve_metrics(ix, "127.0.0.1:0")
+    scrape = f"127.0.0.1:{metrics_port}"
+    try:
+        before = {
+            r: scrape_denied(scrape, r) for r in ("indexer_wrong_secret", "indexer_node_refused")
+        }
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = indexer_pb2_grpc.IndexerServiceStub(ch)
+            src = indexer_pb2.EventSource(node="node-c", endpoint="tcp://127.0.0.1:1")
+            req = indexer_pb2.RegisterNodeRequest(source=src)
+            assert refused(stub.RegisterNode, req) == grpc.StatusCode.PERMISSION_DENIED
+            ok = (("x-kvstore-cluster-secret", SECRET),)
+            assert refused(stub.RegisterNode, req, metadata=ok) == (
+                grpc.StatusCode.PERMISSION_DENIED  # a configured source cannot be replaced
+            )
+        got = {r.fields["reason"]: r.fields for r in caplog.records if r.name == "kvstore.audit"}  # type: ignore[attr-defined]
+        assert got["indexer_wrong_secret"]["what"] == "RegisterNode 'node-c'"
+        assert got["indexer_node_refused"]["who"].startswith("ipv4:127.0.0.1:")
+        for reason, n in before.items():
+            assert scrape_denied(scrape, reason) == n + 1
+    finally:
+        metrics_server.shutdown()
+        server.stop(0)
+        ix.close()
+        pub.close()
