@@ -283,6 +283,34 @@ def test_store_api_absurd_messages(node, unix_channel, namespace_id):
     assert_daemon_fine(node)
 
 
+@st.composite
+def tcp_store_call(draw: st.DrawFn, ns: str) -> tuple[str, bytes, bool]:
+    method, body = draw(store_call(ns))
+    if draw(st.booleans()):
+        body = draw(st.binary(max_size=300))
+    return method, body, draw(st.booleans())
+
+
+def test_store_api_over_tcp_with_and_without_the_secret(node, tcp_channel, namespace_id):
+    """The secret interceptor and the parse guard together: each bad input still
+    gets a precise status, and without the secret no data call does anything."""
+
+    @FUZZ
+    @given(call=tcp_store_call(namespace_id))
+    def run(call: tuple[str, bytes, bool]) -> None:
+        method, body, with_secret = call
+        md = (("x-kvstore-cluster-secret", SECRET),) if with_secret else ()
+        code = call_unary(tcp_channel, f"/kvstore.v1.StoreService/{method}", body, md)
+        event(f"{method}: {code.name}")
+        assert code in PRECISE, (method, body, code)
+        data_call = method not in ("Hello", "Stats")
+        if not with_secret and data_call and parses(_request_class(store_pb2, method), body):
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (method, body, code)
+
+    run()
+    assert_daemon_fine(node)
+
+
 # ------------------------------------------------------------ peer service
 
 
