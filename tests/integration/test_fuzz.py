@@ -550,6 +550,12 @@ def ingestion_goes_on(ix: Indexer, good: ZmqEventPublisher, ch: grpc.Channel, h:
 def test_event_ingestion_arbitrary_payloads(indexer, caplog):
     ix, raw, good, ch = indexer
     ingestion_goes_on(ix, good, ch, 0xF00D)  # subscribed, before the fuzz
+    before = ix.subscriber.stats.malformed
+    deadline = time.monotonic() + 20
+    while ix.subscriber.stats.malformed == before:  # the raw source joined too (PUB/SUB)
+        assert time.monotonic() < deadline, "the fuzzing source never reached the indexer"
+        raw.send(0, b"\xc1")  # 0xc1: never valid msgpack
+        time.sleep(0.05)
     seq = [0]
 
     @FUZZ
