@@ -389,6 +389,10 @@ def lean_probe(s: socket.socket, seq: int) -> None:
     raise AssertionError("no hello answer")
 
 
+def _nested(values: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(values, max_size=6)
+
+
 _LEAN_VALUES = st.recursive(
     st.none()
     | st.booleans()
@@ -396,7 +400,7 @@ _LEAN_VALUES = st.recursive(
     | st.floats()
     | st.text(max_size=20)
     | st.binary(max_size=40),
-    lambda inner: st.lists(inner, max_size=6),
+    _nested,
     max_leaves=20,
 )
 
