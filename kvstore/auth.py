@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 
-from kvstore import errors
+from kvstore import audit, errors
 from kvstore.rpc_guard import HandlerCache
 
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
@@ -89,6 +89,8 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
             if not secret and tls and context.peer_identities():
                 return  # a certificate the CA signed: authenticated
             if not secret:
+                peer = context.peer()
+                audit.denied(peer, method, audit.TCP_NO_SECRET, audit.tcp_caller(peer))
                 await errors.abort(
                     context,
                     errors.PermissionDenied(
@@ -97,6 +99,8 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
                     ),
                 )
             elif not secret_matches(context.invocation_metadata(), secret):
+                peer = context.peer()
+                audit.denied(peer, method, audit.TCP_WRONG_SECRET, audit.tcp_caller(peer))
                 await errors.abort(
                     context,
                     errors.PermissionDenied(

@@ -32,6 +32,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore import audit
 from kvstore.errors import ConfigError
 
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
@@ -50,6 +51,7 @@ def check_owned(st: os.stat_result, path: str, what: str) -> None:
         raise ConfigError(f"{what}: {path} is not a regular file; refusing to use it")
     me = os.geteuid()
     if st.st_uid != me:
+        audit.denied(owner_name(st.st_uid), f"{what} {path}", audit.FOREIGN_FILE)
         raise ConfigError(
             f"{what}: {path} is owned by {owner_name(st.st_uid)}, not by this daemon's user "
             f"({owner_name(me)}); refusing to use a file another user could have written "

@@ -31,6 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvstore import audit
+
 if TYPE_CHECKING:
     from kvstore.namespace import Block, Namespace
 
@@ -118,7 +120,13 @@ class LeaseTable:
     def get(self, lease_id: int, owner: str = "") -> Lease | None:
         """The live lease, if ``owner`` holds it (anyone else: None, as if never issued)."""
         lease = self._leases.get(lease_id)
-        return lease if lease is not None and lease.owner == owner else None
+        if lease is None:
+            return None
+        if lease.owner != owner:
+            # Another caller's lease: answered as never issued, and audited.
+            audit.denied(owner or "(local)", f"lease {lease_id}", audit.LEASE_NOT_OWNER)
+            return None
+        return lease
 
     def expired(self, lease_id: int, owner: str = "") -> bool:
         """Whether ``owner``'s lease expired recently (it is in quarantine)."""

@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from kvstore import errors
+from kvstore import audit, errors
 from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.handling import Chain, StoreRequests
 from kvstore.local_wire import (
@@ -336,6 +336,7 @@ class LocalServer:
             )
         uid = _peer_uid(sock)
         if self.policy.gid < 0 and uid is not None and uid not in (os.geteuid(), 0):
+            audit.denied(f"uid {uid}", "lean channel connection", audit.LOCAL_UID)
             return errors.PermissionDenied(
                 f"uid {uid} may not use this daemon's lean channel (no server.file_group)"
             )

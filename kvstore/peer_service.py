@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from kvstore import errors
+from kvstore import audit, errors
 from kvstore.auth import secret_matches
 from kvstore.manager import BlockManager
 from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
@@ -90,8 +90,11 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._on_pin = on_pin or (lambda lease_id, ttl_s: None)
         self._on_unpin = on_unpin or (lambda lease_id: None)
 
-    async def _auth(self, context: grpc.aio.ServicerContext) -> None:
+    async def _auth(self, context: grpc.aio.ServicerContext, method: str) -> None:
         if not secret_matches(context.invocation_metadata(), self._secret):
+            peer = context.peer()
+            what = f"/kvstore.v1.PeerService/{method}"
+            audit.denied(peer, what, audit.PEER_WRONG_SECRET, audit.tcp_caller(peer))
             await errors.abort(context, errors.PermissionDenied("wrong or missing cluster secret"))
 
     def _live_pin(self, lease_id: int) -> Lease | None:
@@ -102,7 +105,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         return lease
 
     async def GetAgentMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._auth(context)
+        await self._auth(context, "GetAgentMetadata")
         region = self.manager.region
         nixl = self.nixl
         return peer_pb2.GetAgentMetadataResponse(
@@ -116,7 +119,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         )
 
     async def PinForPull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._auth(context)
+        await self._auth(context, "PinForPull")
         if self.manager.leases.held_by(PEER_OWNER) >= MAX_PEER_PINS:
             await errors.abort(context, errors.CapacityExhausted("too many outstanding peer pins"))
         if not request.HasField("spec"):
@@ -161,7 +164,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         return reply
 
     async def ReleasePull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await self._auth(context)
+        await self._auth(context, "ReleasePull")
         released = 0
         for lease_id in request.lease_ids:
             try:
@@ -175,7 +178,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     async def StreamBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        await self._auth(context)
+        await self._auth(context, "StreamBlocks")
         pin = self._live_pin(request.lease_id)
         if pin is None:
             await errors.abort(

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from kvstore.audit import AuditCollector
 from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
@@ -187,6 +188,7 @@ class Daemon:
 
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
+            self.registry.register(AuditCollector())
             try:
                 self._metrics_server, self.metrics_port = serve_metrics(
                     cfg.metrics.address, self.registry

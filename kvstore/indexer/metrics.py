@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvstore.audit import AuditCollector
+
 if TYPE_CHECKING:
     from kvstore.indexer.service import Indexer
 
@@ -81,6 +83,7 @@ def serve_metrics(indexer: Indexer, address: str) -> tuple[Any, int]:
     """Start /metrics on host:port (port 0 picks one); return (server, port)."""
     registry = CollectorRegistry()
     registry.register(IndexerCollector(indexer))
+    registry.register(AuditCollector())  # kvstore_denied_requests_total, as the daemon's
     host, _, port = address.rpartition(":")
     server, _thread = start_http_server(int(port), addr=host or "127.0.0.1", registry=registry)
     return server, server.server_port

@@ -37,6 +37,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvstore import audit
 from kvstore.auth import secret_matches
 from kvstore.errors import (
     CapacityExhausted,
@@ -439,25 +440,46 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             request_blocks=int(hashes.size),
         )
 
-    def _check_secret(self, context: grpc.ServicerContext) -> None:
+    def _check_secret(self, context: grpc.ServicerContext, what: str) -> None:
         secret = self._ix.cfg.cluster_secret
         if secret and not secret_matches(context.invocation_metadata(), secret.encode()):
+            peer = context.peer()
+            audit.denied(peer, what, audit.INDEXER_WRONG_SECRET, audit.tcp_caller(peer))
             raise PermissionDenied("this call needs the cluster secret (x-kvstore-cluster-secret)")
+
+    @staticmethod
+    def _audit_node(context: grpc.ServicerContext, what: str) -> None:
+        peer = context.peer()
+        audit.denied(peer, what, audit.INDEXER_NODE_REFUSED, audit.tcp_caller(peer))
 
     def RegisterNode(self, request, context):
         try:
-            self._check_secret(context)
+            what = f"RegisterNode {request.source.node!r}"
+            self._check_secret(context, what)  # audits a refusal itself
+        except KVStoreError as e:
+            abort_sync(context, e)
+        try:
             token = self._ix.register(
                 _spec_from_pb(request.source), request.ttl_s, request.owner_token
             )
+        except PermissionDenied as e:  # another caller's node, or a configured one
+            self._audit_node(context, what)
+            abort_sync(context, e)
         except KVStoreError as e:
             abort_sync(context, e)
         return indexer_pb2.RegisterNodeResponse(owner_token=token)
 
     def UnregisterNode(self, request, context):
         try:
-            self._check_secret(context)
+            what = f"UnregisterNode {request.node!r}"
+            self._check_secret(context, what)
+        except KVStoreError as e:
+            abort_sync(context, e)
+        try:
             n = self._ix.unregister(request.node, request.endpoint, request.owner_token)
+        except PermissionDenied as e:
+            self._audit_node(context, what)
+            abort_sync(context, e)
         except KVStoreError as e:
             abort_sync(context, e)
         return indexer_pb2.UnregisterNodeResponse(removed_sources=n)
