@@ -77,6 +77,16 @@ class DramConfig(_Section):
     same config serves its blocks again; false = unlink the region on exit."""
 
 
+class EvictionConfig(_Section):
+    copy_aware: bool = False
+    """When DRAM must make room, drop a block known to be held by another node (a copy
+    this daemon pulled from a peer with a lower node id) before a sole copy, among the
+    coldest few (docs/eviction.md). false = plain per-node LRU / S3-FIFO."""
+    copy_ttl_s: float = 300.0
+    """How long "a peer holds this block too" is believed after the pull that learned
+    it; past it the copy counts as a sole copy again (the staleness bound)."""
+
+
 class LeaseConfig(_Section):
     default_ttl_s: float = 30.0
     """Lease lifetime when the client asks for none: a dead client strands nothing longer."""
@@ -286,6 +296,7 @@ class Config(_Section):
     """This node's id in events, peer transfer and the indexer. "" = the host name."""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    eviction: EvictionConfig = msgspec.field(default_factory=EvictionConfig)
     leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
