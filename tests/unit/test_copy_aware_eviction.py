@@ -129,3 +129,36 @@ def test_pinned_redundant_copies_are_not_victims(make_manager):
 def test_copy_ttl_must_be_positive(make_manager):
     with pytest.raises(ConfigError, match="copy_ttl_s"):
         make_manager(ttl_s=0)
+
+
+@pytest.mark.parametrize("copy_aware", [True, False])
+async def test_with_a_disk_tier_a_redundant_copy_goes_before_a_sole_undemoted_one(
+    tmp_path, copy_aware
+):
+    # No await between the stores: the demoter (a task on this loop) has written
+    # nothing yet, so every block is DRAM-only (dirty) and none is clean.
+    (tmp_path / "disk").mkdir()
+    settings = {
+        "node_id": "b",
+        "dram.capacity_bytes": "64KiB",  # 16 slots of 4 KiB
+        "dram.chunk_bytes": "64KiB",
+        "dram.path": str(tmp_path / "region"),
+        "disk.path": str(tmp_path / "disk"),
+        "disk.capacity_bytes": "1MiB",
+        "disk.slab_bytes": "64KiB",
+        "eviction.copy_aware": str(copy_aware).lower(),
+    }
+    config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
+    region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
+    m = BlockManager(config, region, RecordingSink())
+    try:
+        ns = m.declare_namespace(make_spec(4096))
+        fill_and_mark(m, ns, holder="a")
+        assert not any(b.disk_slot >= 0 for b in ns.blocks.values())
+        store(m, ns, [100, 101])
+        gone = [0, 1] if not copy_aware else [8, 9]
+        assert [h for h in gone if h in ns.blocks] == []
+        assert m.counters.evicted_redundant_blocks == (2 if copy_aware else 0)
+    finally:
+        await m.close()
+        region.close(unlink=True)
