@@ -82,6 +82,10 @@ class EvictionConfig(_Section):
     """When DRAM must make room, drop a block known to be held by another node (a copy
     this daemon pulled from a peer with a lower node id) before a sole copy, among the
     coldest few (docs/eviction.md). false = plain per-node LRU / S3-FIFO."""
+    copy_window: int = 64
+    """Unpinned blocks at the cold end looked at for a redundant copy before a sole copy
+    goes (1..4096): larger drops redundant copies sooner, at that many checks per
+    eviction."""
     copy_ttl_s: float = 300.0
     """How long "a peer holds this block too" is believed after the pull that learned
     it; past it the copy counts as a sole copy again (the staleness bound)."""

@@ -173,6 +173,7 @@ class BlockManager:
             node_id=config.node_id,
             copy_aware=config.eviction.copy_aware,
             copy_ttl_s=config.eviction.copy_ttl_s,
+            copy_window=config.eviction.copy_window,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters

@@ -51,8 +51,10 @@ DISK_VICTIM_WINDOW = 64
 # GPU victims looked at per slot a store needs before giving up.
 GPU_VICTIM_WINDOW = 64
 # Copy-aware eviction: unpinned DRAM victims looked at for a redundant copy (one
-# a lower-id node is believed to hold) before a sole copy goes (docs/eviction.md).
+# a lower-id node is believed to hold) before a sole copy goes (docs/eviction.md),
+# by default and at most (eviction.copy_window).
 COPY_VICTIM_WINDOW = 64
+MAX_COPY_VICTIM_WINDOW = 4096
 
 # One event batch of a commit: hashes, parent hash, token ids (see kvstore.events).
 StoredBatch = tuple[Sequence[int], int | None, Sequence[int] | None]
@@ -86,16 +88,22 @@ class Placement:
         node_id: str = "",
         copy_aware: bool = False,
         copy_ttl_s: float = 300.0,
+        copy_window: int = COPY_VICTIM_WINDOW,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
             raise ConfigError(f"eviction.copy_ttl_s must be > 0, not {copy_ttl_s}")
+        if not 1 <= copy_window <= MAX_COPY_VICTIM_WINDOW:
+            raise ConfigError(
+                f"eviction.copy_window must be in 1..{MAX_COPY_VICTIM_WINDOW}, not {copy_window}"
+            )
         self.sink = sink
         # Copy-aware eviction (docs/eviction.md): this node's id orders the
         # tie-break, the clock ages what pulls taught us about peers' copies.
         self.node_id = node_id
         self.copy_aware = copy_aware
         self.copy_ttl_s = copy_ttl_s
+        self.copy_window = copy_window
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         self.eviction_policy = eviction_policy
@@ -451,10 +459,10 @@ class Placement:
         elif self.copy_aware:
             victim = self.dram.victim(
                 slot_bytes,
-                4 * COPY_VICTIM_WINDOW,
+                4 * self.copy_window,
                 only=only,
                 prefer=lambda b: b.redundant_until_s > now_s,
-                window=COPY_VICTIM_WINDOW,
+                window=self.copy_window,
             )
         else:
             victim = self.dram.victim(slot_bytes, 4, only=only)

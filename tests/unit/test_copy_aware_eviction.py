@@ -25,7 +25,7 @@ class Clock:
 def make_manager(tmp_path):
     made = []
 
-    def make(node_id="b", copy_aware=True, ttl_s=60.0, clock=None):
+    def make(node_id="b", copy_aware=True, ttl_s=60.0, clock=None, window=64):
         config = load_config(
             environ={},
             assignments=[
@@ -35,6 +35,7 @@ def make_manager(tmp_path):
                 f"dram.path={tmp_path}/r{len(made)}",
                 f"eviction.copy_aware={str(copy_aware).lower()}",
                 f"eviction.copy_ttl_s={ttl_s}",
+                f"eviction.copy_window={window}",
             ],
         )
         region = Region(
@@ -129,6 +130,20 @@ def test_pinned_redundant_copies_are_not_victims(make_manager):
 def test_copy_ttl_must_be_positive(make_manager):
     with pytest.raises(ConfigError, match="copy_ttl_s"):
         make_manager(ttl_s=0)
+
+
+@pytest.mark.parametrize("window", [0, 4097])
+def test_copy_window_out_of_range_is_a_config_error(make_manager, window):
+    with pytest.raises(ConfigError, match=r"copy_window must be in 1\.\.4096"):
+        make_manager(window=window)
+
+
+def test_a_redundant_copy_beyond_the_window_does_not_go_first(make_manager):
+    m, ns = make_manager(node_id="b", window=4)  # 8..11 lie beyond the 4 coldest
+    fill_and_mark(m, ns, holder="a")
+    store(m, ns, [100])
+    assert present(m, ns, [0]) == []
+    assert present(m, ns, range(8, 12)) == [8, 9, 10, 11]
 
 
 @pytest.mark.parametrize("copy_aware", [True, False])
