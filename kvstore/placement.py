@@ -89,6 +89,7 @@ class Placement:
         copy_aware: bool = False,
         copy_ttl_s: float = 300.0,
         copy_window: int = COPY_VICTIM_WINDOW,
+        copy_learn: str = "pulled",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -104,6 +105,12 @@ class Placement:
         self.copy_aware = copy_aware
         self.copy_ttl_s = copy_ttl_s
         self.copy_window = copy_window
+        if copy_learn not in ("pulled", "served", "both"):
+            raise ConfigError(
+                f"eviction.copy_learn must be pulled, served or both, not {copy_learn!r}"
+            )
+        self.learn_pulled = copy_learn in ("pulled", "both")
+        self.learn_served = copy_learn in ("served", "both")
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         self.eviction_policy = eviction_policy
@@ -188,10 +195,13 @@ class Placement:
 
     # ------------------------------------------- copies on other nodes
 
-    def note_held_elsewhere(self, blocks: Iterable[Block], holder_node_id: str) -> int:
-        """Node ``holder_node_id`` holds these blocks too (we just pulled them from it):
-        with copy-aware eviction, each counts as a redundant copy here for
-        ``copy_ttl_s``. Returns how many were marked.
+    def note_held_elsewhere(
+        self, blocks: Iterable[Block], holder_node_id: str, *, served: bool = False
+    ) -> int:
+        """Node ``holder_node_id`` holds these blocks too: we just pulled them from it,
+        or (``served``) it pinned them here to pull them. With copy-aware eviction,
+        and when ``copy_learn`` takes that kind of pull, each counts as a redundant
+        copy here for ``copy_ttl_s``. Returns how many were marked.
 
         The tie-break that keeps the last copy: only a holder with a *lower* node id
         makes a copy redundant. Beliefs then point from higher ids to lower ones, so
@@ -200,6 +210,8 @@ class Placement:
         their copy believing the other keeps one.
         """
         if not (self.copy_aware and holder_node_id and holder_node_id < self.node_id):
+            return 0
+        if not (self.learn_served if served else self.learn_pulled):
             return 0
         until_s = self._clock() + self.copy_ttl_s  # one float shared by the batch
         marked = 0

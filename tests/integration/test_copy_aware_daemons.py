@@ -32,7 +32,7 @@ def blocks_for(hashes):  # type: ignore[no-untyped-def]
 def daemon(tmp_path):  # type: ignore[no-untyped-def]
     started: list[DaemonProcess] = []
 
-    def start(name: str, *, copy_aware: bool = True) -> DaemonProcess:
+    def start(name: str, *, copy_aware: bool = True, learn: str = "pulled") -> DaemonProcess:
         d = DaemonProcess(
             tmp_path / name,
             name=name,
@@ -44,6 +44,7 @@ def daemon(tmp_path):  # type: ignore[no-untyped-def]
                 "peer.secret": SECRET,
                 "peer.transport": "grpc_stream",
                 "eviction.copy_aware": str(copy_aware).lower(),
+                "eviction.copy_learn": learn,
                 "eviction.copy_ttl_s": "600",  # longer than the test: the view stays stale
             },
         )
@@ -101,15 +102,23 @@ FILL_A, FILL_B = list(range(100, 108)), list(range(200, 208))  # sole copies, co
 PRESSURE_A, PRESSURE_B = list(range(300, 308)), list(range(400, 408))
 
 
-@pytest.mark.parametrize("copy_aware", [True, False])
-def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(daemon, copy_aware) -> None:  # type: ignore[no-untyped-def]
-    a, b = daemon("node-a", copy_aware=copy_aware), daemon("node-b", copy_aware=copy_aware)
+@pytest.mark.parametrize(
+    ("copy_aware", "learn"),
+    [(True, "pulled"), (True, "served"), (True, "both"), (False, "pulled")],
+)
+def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(daemon, copy_aware, learn) -> None:  # type: ignore[no-untyped-def]
+    a = daemon("node-a", copy_aware=copy_aware, learn=learn)
+    b = daemon("node-b", copy_aware=copy_aware, learn=learn)
     put(a, X)
     put(b, FILL_B)
-    assert pull(b, X, a) == len(X)  # b learns: node-a (lower id) holds X
-    delete(a, X)  # ... which is stale from now on: a dropped its copy
+    # b learns (pulled) node-a holds X; a learns (served) node-b will: a higher id,
+    # not counted.
+    assert pull(b, X, a) == len(X)
+    delete(a, X)  # b's belief is stale from now on: a dropped its copy
     put(a, FILL_A)
-    assert pull(a, X, b) == len(X)  # a learns node-b holds X: a higher id, not counted
+    # a learns (pulled) node-b holds X: a higher id, not counted; b learns (served)
+    # node-a will hold X.
+    assert pull(a, X, b) == len(X)
     # Each node now holds X and believes the other does. Make each evict 4 blocks.
     put(a, PRESSURE_A)
     put(b, PRESSURE_B)

@@ -25,7 +25,7 @@ class Clock:
 def make_manager(tmp_path):
     made = []
 
-    def make(node_id="b", copy_aware=True, ttl_s=60.0, clock=None, window=64):
+    def make(node_id="b", copy_aware=True, ttl_s=60.0, clock=None, window=64, learn="pulled"):
         config = load_config(
             environ={},
             assignments=[
@@ -36,6 +36,7 @@ def make_manager(tmp_path):
                 f"eviction.copy_aware={str(copy_aware).lower()}",
                 f"eviction.copy_ttl_s={ttl_s}",
                 f"eviction.copy_window={window}",
+                f"eviction.copy_learn={learn}",
             ],
         )
         region = Region(
@@ -177,3 +178,21 @@ async def test_with_a_disk_tier_a_redundant_copy_goes_before_a_sole_undemoted_on
     finally:
         await m.close()
         region.close(unlink=True)
+
+
+@pytest.mark.parametrize(
+    ("learn", "pulled", "served"),
+    [("pulled", 4, 0), ("served", 0, 4), ("both", 4, 4)],
+)
+def test_copy_learn_says_which_side_of_a_pull_learns(make_manager, learn, pulled, served):
+    m, ns = make_manager(node_id="b", learn=learn)
+    store(m, ns, list(range(4)))
+    blocks = [ns.blocks[h] for h in range(4)]
+    assert m.note_held_elsewhere(blocks, "a") == pulled
+    assert m.note_held_elsewhere(blocks, "a", served=True) == served
+    assert m.note_held_elsewhere(blocks, "c", served=True) == 0  # higher id: never
+
+
+def test_copy_learn_must_be_known(make_manager):
+    with pytest.raises(ConfigError, match="copy_learn"):
+        make_manager(learn="gossip")
