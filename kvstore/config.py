@@ -79,14 +79,15 @@ class DramConfig(_Section):
 
 class EvictionConfig(_Section):
     copy_aware: bool = False
-    """When DRAM must make room, drop a block known to be held by another node (a copy
-    this daemon pulled from a peer with a lower node id) before a sole copy, among the
-    coldest few (docs/eviction.md). false = plain per-node LRU / S3-FIFO."""
-    copy_learn: Literal["pulled", "served", "both"] = "pulled"
-    """Which pulls teach "a peer holds this block too": pulled = this daemon pulled the
-    block from the peer (its copy is the redundant one); served = the peer pulled it from
-    this daemon (this daemon's copy is; learnt when the peer pins it); both. Either way
-    only a lower-id peer counts (the tie-break of docs/eviction.md)."""
+    """When DRAM must make room, drop a block a peer with a lower node id is believed to
+    hold too (learnt from peer pulls) before a sole copy, among the coldest
+    copy_window (docs/eviction.md). false = plain per-node LRU / S3-FIFO."""
+    copy_learn: Literal["pulled", "served", "both"] = "served"
+    """Which pulls teach "a peer holds this block too": served = the peer pulled it from
+    this daemon (this daemon's copy, which the work moved away from, is the redundant
+    one; learnt when the peer pins it); pulled = this daemon pulled the block from the
+    peer (its new copy is: measured worse, docs/eviction.md); both. Either way only a
+    lower-id peer counts (the tie-break)."""
     copy_window: int = 64
     """Unpinned blocks at the cold end looked at for a redundant copy before a sole copy
     goes (1..4096): larger drops redundant copies sooner, at that many checks per

@@ -89,7 +89,7 @@ class Placement:
         copy_aware: bool = False,
         copy_ttl_s: float = 300.0,
         copy_window: int = COPY_VICTIM_WINDOW,
-        copy_learn: str = "pulled",
+        copy_learn: str = "served",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:

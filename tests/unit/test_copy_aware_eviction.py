@@ -163,6 +163,7 @@ async def test_with_a_disk_tier_a_redundant_copy_goes_before_a_sole_undemoted_on
         "disk.capacity_bytes": "1MiB",
         "disk.slab_bytes": "64KiB",
         "eviction.copy_aware": str(copy_aware).lower(),
+        "eviction.copy_learn": "pulled",
     }
     config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
     region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
