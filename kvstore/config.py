@@ -77,6 +77,26 @@ class DramConfig(_Section):
     same config serves its blocks again; false = unlink the region on exit."""
 
 
+class EvictionConfig(_Section):
+    copy_aware: bool = False
+    """When DRAM must make room, drop a block a peer with a lower node id is believed to
+    hold too (learnt from peer pulls) before a sole copy, among the coldest
+    copy_window (docs/eviction.md). false = plain per-node LRU / S3-FIFO."""
+    copy_learn: Literal["pulled", "served", "both"] = "served"
+    """Which pulls teach "a peer holds this block too": served = the peer pulled it from
+    this daemon (this daemon's copy, which the work moved away from, is the redundant
+    one; learnt when the peer pins it); pulled = this daemon pulled the block from the
+    peer (its new copy is: measured worse, docs/eviction.md); both. Either way only a
+    lower-id peer counts (the tie-break)."""
+    copy_window: int = 64
+    """Unpinned blocks at the cold end looked at for a redundant copy before a sole copy
+    goes (1..4096): larger drops redundant copies sooner, at that many checks per
+    eviction."""
+    copy_ttl_s: float = 300.0
+    """How long "a peer holds this block too" is believed after the pull that learned
+    it; past it the copy counts as a sole copy again (the staleness bound)."""
+
+
 class LeaseConfig(_Section):
     default_ttl_s: float = 30.0
     """Lease lifetime when the client asks for none: a dead client strands nothing longer."""
@@ -300,6 +320,7 @@ class Config(_Section):
     """This node's id in events, peer transfer and the indexer. "" = the host name."""
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     dram: DramConfig = msgspec.field(default_factory=DramConfig)
+    eviction: EvictionConfig = msgspec.field(default_factory=EvictionConfig)
     leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

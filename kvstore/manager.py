@@ -170,6 +170,12 @@ class BlockManager:
             self.sink,
             eviction_policy=config.dram.eviction_policy,
             quota_bytes=config.limits.namespace_quota_bytes,
+            node_id=config.node_id,
+            copy_aware=config.eviction.copy_aware,
+            copy_ttl_s=config.eviction.copy_ttl_s,
+            copy_window=config.eviction.copy_window,
+            copy_learn=config.eviction.copy_learn,
+            clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
         self._started_s = time.monotonic()
@@ -650,6 +656,14 @@ class BlockManager:
         next peer need not rehash)."""
         for block, checksum in zip(blocks, checksums, strict=True):
             self.placement.set_checksum(block, checksum)
+
+    def note_held_elsewhere(
+        self, blocks: Sequence[Block], holder_node_id: str, *, served: bool = False
+    ) -> int:
+        """Peer ``holder_node_id`` holds these committed blocks too (they were just
+        pulled from it, or it is pulling them from here: ``served``): for copy-aware
+        eviction (kvstore.placement)."""
+        return self.placement.note_held_elsewhere(blocks, holder_node_id, served=served)
 
     # ---------------------------------------------------------------- stats
 

@@ -129,6 +129,11 @@ class ManagerCollector(Collector):
                 "Blocks evicted (dropped from the node).",
                 c.evicted_blocks,
             ),
+            (
+                "kvstore_eviction_redundant_blocks",
+                "Of the evicted blocks: copies a lower-id node was believed to hold too.",
+                c.evicted_redundant_blocks,
+            ),
             ("kvstore_lease_expired", "Leases reclaimed because they expired.", c.expired_leases),
             ("kvstore_tier_demoted_blocks", "Blocks moved to a lower tier.", c.demoted_blocks),
             ("kvstore_tier_promoted_blocks", "Blocks moved to a higher tier.", c.promoted_blocks),

@@ -229,6 +229,10 @@ class Block:
     # Offset of the block in the GPU pool; -1 = none. A block is in GPU or in
     # DRAM, never both (tier GPU: offset -1); it may have a disk copy too.
     gpu_offset: int = -1
+    # Copy-aware eviction (docs/eviction.md): until this time (the placement's
+    # clock) a node with a lower id is believed to hold this block too, so this
+    # copy is redundant. 0.0 = a sole copy as far as this node knows.
+    redundant_until_s: float = 0.0
 
     @property
     def tier(self) -> Tier:

@@ -155,6 +155,9 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             array = self.manager.region.array
             sums = await checksums_async(array, [offsets[i] for i in todo], block_bytes)
             self.manager.set_checksums([blocks[i] for i in todo], sums)
+        # The requester is about to hold these too (copy-aware eviction,
+        # eviction.copy_learn = served|both; docs/eviction.md).
+        self.manager.note_held_elsewhere(blocks, request.requester_node_id, served=True)
         self._on_pin(plan.lease_id, ttl_s)
         reply.lease_id = plan.lease_id
         reply.found_blocks = len(blocks)

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
@@ -48,6 +50,11 @@ CLEAN_VICTIM_WINDOW = 64
 DISK_VICTIM_WINDOW = 64
 # GPU victims looked at per slot a store needs before giving up.
 GPU_VICTIM_WINDOW = 64
+# Copy-aware eviction: unpinned DRAM victims looked at for a redundant copy (one
+# a lower-id node is believed to hold) before a sole copy goes (docs/eviction.md),
+# by default and at most (eviction.copy_window).
+COPY_VICTIM_WINDOW = 64
+MAX_COPY_VICTIM_WINDOW = 4096
 
 # One event batch of a commit: hashes, parent hash, token ids (see kvstore.events).
 StoredBatch = tuple[Sequence[int], int | None, Sequence[int] | None]
@@ -63,6 +70,9 @@ class Counters:
     expired_leases: int = 0
     demoted_blocks: int = 0
     promoted_blocks: int = 0
+    # Of evicted_blocks: copies dropped because a lower-id node was believed to hold
+    # the block too (copy-aware eviction).
+    evicted_redundant_blocks: int = 0
 
 
 class Placement:
@@ -75,8 +85,33 @@ class Placement:
         *,
         eviction_policy: str,
         quota_bytes: int = 0,
+        node_id: str = "",
+        copy_aware: bool = False,
+        copy_ttl_s: float = 300.0,
+        copy_window: int = COPY_VICTIM_WINDOW,
+        copy_learn: str = "served",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not copy_ttl_s > 0:
+            raise ConfigError(f"eviction.copy_ttl_s must be > 0, not {copy_ttl_s}")
+        if not 1 <= copy_window <= MAX_COPY_VICTIM_WINDOW:
+            raise ConfigError(
+                f"eviction.copy_window must be in 1..{MAX_COPY_VICTIM_WINDOW}, not {copy_window}"
+            )
         self.sink = sink
+        # Copy-aware eviction (docs/eviction.md): this node's id orders the
+        # tie-break, the clock ages what pulls taught us about peers' copies.
+        self.node_id = node_id
+        self.copy_aware = copy_aware
+        self.copy_ttl_s = copy_ttl_s
+        self.copy_window = copy_window
+        if copy_learn not in ("pulled", "served", "both"):
+            raise ConfigError(
+                f"eviction.copy_learn must be pulled, served or both, not {copy_learn!r}"
+            )
+        self.learn_pulled = copy_learn in ("pulled", "both")
+        self.learn_served = copy_learn in ("served", "both")
+        self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         self.eviction_policy = eviction_policy
         self.dram = SlabPool(dram_allocator, eviction_policy)
@@ -157,6 +192,38 @@ class Placement:
     def set_checksum(block: Block, checksum: int) -> None:
         """Record a committed block's verified xxh3-64 (its bytes never change)."""
         block.checksum = checksum
+
+    # ------------------------------------------- copies on other nodes
+
+    def note_held_elsewhere(
+        self, blocks: Iterable[Block], holder_node_id: str, *, served: bool = False
+    ) -> int:
+        """Node ``holder_node_id`` holds these blocks too: we just pulled them from it,
+        or (``served``) it pinned them here to pull them. With copy-aware eviction,
+        and when ``copy_learn`` takes that kind of pull, each counts as a redundant
+        copy here for ``copy_ttl_s``. Returns how many were marked.
+
+        The tie-break that keeps the last copy: only a holder with a *lower* node id
+        makes a copy redundant. Beliefs then point from higher ids to lower ones, so
+        among the nodes holding a block the lowest-id one never counts its copy as
+        redundant, however stale every node's view is: two nodes can never each drop
+        their copy believing the other keeps one.
+        """
+        if not (self.copy_aware and holder_node_id and holder_node_id < self.node_id):
+            return 0
+        if not (self.learn_served if served else self.learn_pulled):
+            return 0
+        until_s = self._clock() + self.copy_ttl_s  # one float shared by the batch
+        marked = 0
+        for block in blocks:
+            if block.state is BlockState.COMMITTED and not block.doomed:
+                block.redundant_until_s = until_s
+                marked += 1
+        return marked
+
+    def redundant(self, block: Block) -> bool:
+        """True while a lower-id node is believed to hold this block too."""
+        return block.redundant_until_s > self._clock()
 
     # ------------------------------------------------------- admission
 
@@ -340,6 +407,8 @@ class Placement:
         if self.disk is not None and block.disk_slot >= 0:
             self.vacate_dram(block)  # demoted: it lives on, on disk
             return
+        if self.copy_aware and self.redundant(block):
+            self.counters.evicted_redundant_blocks += 1
         self.remove(block, emit=True)
         self.counters.evicted_blocks += 1
 
@@ -382,14 +451,30 @@ class Placement:
         """Evict the coldest unpinned block of this slot size (of one namespace if given)."""
         # With a disk tier, prefer a clean victim (its DRAM copy goes, the block
         # stays on disk) among the coldest few before dropping a dirty one.
+        # Copy-aware, a redundant copy (another node keeps the block: a pull, not
+        # a recompute) is as good a victim as a clean one; a sole dirty copy
+        # goes last, and only from DRAM-only nodes it is dropped rather than demoted.
+        now_s = self._clock()
         if self.disk is not None:
+            prefer: Callable[[Block], bool] = self._clean
+            if self.copy_aware and not clean_only:
+                prefer = lambda b: b.disk_slot >= 0 or b.redundant_until_s > now_s  # noqa: E731
+
             victim = self.dram.victim(
                 slot_bytes,
                 4 * CLEAN_VICTIM_WINDOW,
                 only=only,
-                prefer=self._clean,
+                prefer=prefer,
                 window=CLEAN_VICTIM_WINDOW,
                 prefer_only=clean_only,
+            )
+        elif self.copy_aware:
+            victim = self.dram.victim(
+                slot_bytes,
+                4 * self.copy_window,
+                only=only,
+                prefer=lambda b: b.redundant_until_s > now_s,
+                window=self.copy_window,
             )
         else:
             victim = self.dram.victim(slot_bytes, 4, only=only)

@@ -444,6 +444,9 @@ class Puller:
                 # verified: the next peer need not rehash
                 kept = [(b, c) for h, c in zip(verified, sums, strict=True) if (b := blocks.get(h))]
                 self.manager.set_checksums([b for b, _ in kept], [c for _, c in kept])
+                # A pulled copy is redundant while the peer keeps its own
+                # (copy-aware eviction: docs/eviction.md).
+                self.manager.note_held_elsewhere([b for b, _ in kept], info.node_id)
             else:
                 self.manager.release([plan.lease_id])
         except KVStoreError:
