@@ -10,9 +10,12 @@ pinned to a rank with vLLM's ``X-data-parallel-rank`` header.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.util
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -141,6 +144,10 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
                 env=vm.engine_env({"VLLM_HOST_IP": "127.0.0.1"}),
                 stdout=out,
                 stderr=subprocess.STDOUT,
+                # Its own process group: at --data-parallel-size 2 the ranks' engine
+                # cores are separate processes that outlived a stopped API server
+                # (found orphaned after suite runs), so the clean-up signals the group.
+                start_new_session=True,
             )
 
         def up() -> bool:
@@ -256,12 +263,31 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
             server.stop(0)
         for ix in indexers:
             ix.close()
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+        if proc is not None:
+            _stop_group(proc)
         daemon.stop()
         redis.stop()
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's whole process group (API server and every rank's engine
+    core), then SIGKILL whatever is left of it after a bounded wait."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
