@@ -185,10 +185,35 @@ def start_engine(tmp: Path, node: str, model_dir: Path, daemon: Any, template: P
         *("--kv-transfer-config", json.dumps(kv)),
     )
     with open(log, "wb") as out:
+        # Its own process group: the API server runs the engine core as a child
+        # process, which a kill of the server alone left running (found orphaned
+        # after suite runs); stop() and kill_engine() signal the whole group.
         proc = subprocess.Popen(
-            args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=out, stderr=subprocess.STDOUT
+            args,
+            cwd=vm.REPO_ROOT,
+            env=vm.engine_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     return Engine(node, sock, proc, log, daemon)
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the process's group when it leads one (the engines), else to it."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def kill_engine(proc: subprocess.Popen) -> None:
+    """SIGKILL of the whole engine (server and engine core), as a crashed host."""
+    _signal(proc, signal.SIGKILL)
+    proc.wait(30)
 
 
 def start_router(
@@ -217,12 +242,14 @@ def start_router(
 
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        _signal(proc, signal.SIGTERM)
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _signal(proc, signal.SIGKILL)
             proc.wait(10)
+    # What is left of an engine's group (its engine core) goes too.
+    _signal(proc, signal.SIGKILL)
 
 
 @dataclass
@@ -828,8 +855,7 @@ def test_a_backend_dying_mid_stream_ends_the_stream_with_an_error_then_others_se
             chunk = s.recv(4096)
             assert chunk
             got += chunk
-        b.proc.kill()
-        b.proc.wait(30)
+        kill_engine(b.proc)
         while chunk := s.recv(65536):  # must end (the socket timeout bounds a hang)
             got += chunk
         s.close()
