@@ -49,7 +49,6 @@ import heapq
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -158,20 +157,6 @@ class NodeProcs:
     engine_events: str = ""
 
 
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @contextlib.contextmanager
 def cluster(
     n: int,
@@ -191,7 +176,7 @@ def cluster(
     nodes: list[NodeProcs] = []
     tag = f"{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
     names = [f"node{i}" for i in range(n)]
-    ports = _free_ports(n) if peer_transport else [0] * n
+    ports = _common.free_ports(n) if peer_transport else [0] * n
     secret = secrets.token_hex(16)
     env = dict(os.environ)
     if peer_transport:

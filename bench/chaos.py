@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from bench import soak_client as SC
+from bench._common import free_ports
 from kvstore import errors
 from kvstore.client import Client
 from kvstore.process import DaemonProcess
@@ -56,19 +57,6 @@ SERVE_TIMEOUT_S = 60.0
 CONVERGE_TIMEOUT_S = 30.0
 PROBE_CHAINS = 16  # probe chains kept for the convergence check (bounded)
 PROBE_BLOCKS = 4
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # -- the cluster -------------------------------------------------------------------

@@ -385,16 +385,7 @@ class LocalServer:
         except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
             log.exception("lean channel: PrepareLoad failed")
             return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
-        return LoadPrepared(
-            m.seq,
-            q.lease_id,
-            q.found_blocks,
-            q.offsets,
-            q.checksums,
-            q.tier,
-            q.lease_ttl_s,
-            q.region_id,
-        )
+        return _load_prepared(m.seq, q)
 
     def _one(self, m: Any, client: str) -> Any:
         r = self.requests
@@ -425,16 +416,7 @@ class LocalServer:
                 q = r.load_now(
                     m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
                 )
-                return LoadPrepared(
-                    m.seq,
-                    q.lease_id,
-                    q.found_blocks,
-                    q.offsets,
-                    q.checksums,
-                    q.tier,
-                    q.lease_ttl_s,
-                    q.region_id,
-                )
+                return _load_prepared(m.seq, q)
             if isinstance(m, Release):
                 return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
             if isinstance(m, Delete):
@@ -449,3 +431,10 @@ class LocalServer:
         except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
             log.exception("lean channel: %s failed", type(m).__name__)
             return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
+
+
+def _load_prepared(seq: int, q: Any) -> LoadPrepared:
+    """The answer to a PrepareLoad, from the request handler's result."""
+    return LoadPrepared(
+        seq, q.lease_id, q.found_blocks, q.offsets, q.checksums, q.tier, q.lease_ttl_s, q.region_id
+    )
