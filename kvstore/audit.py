@@ -38,6 +38,10 @@ LEASE_NOT_OWNER = "lease_not_owner"  # a lease committed/released by another cal
 FOREIGN_FILE = "foreign_file"  # a daemon file owned by another user
 INDEXER_WRONG_SECRET = "indexer_wrong_secret"  # Register/UnregisterNode without the secret
 INDEXER_NODE_REFUSED = "indexer_node_refused"  # another caller's node, or a configured one
+# Identities (kvstore.identity), with principals configured:
+NO_IDENTITY = "no_identity"  # no credential, or one no principal has
+TENANT_DENIED = "tenant_denied"  # a namespace (tenant, model) the principal may not use
+ROLE_DENIED = "role_denied"  # a call of a role (admin, node, router) the principal lacks
 REASONS = (
     TCP_NO_SECRET,
     TCP_WRONG_SECRET,
@@ -47,6 +51,9 @@ REASONS = (
     FOREIGN_FILE,
     INDEXER_WRONG_SECRET,
     INDEXER_NODE_REFUSED,
+    NO_IDENTITY,
+    TENANT_DENIED,
+    ROLE_DENIED,
 )
 
 MAX_FIELD_CHARS = 200  # who/what come from callers: clipped, as errors clip identifiers

@@ -14,6 +14,13 @@ secret on every call itself, whatever the transport. With mutual TLS
 (``kvstore.tls``) the handshake already required a certificate of the cluster's
 CA: such a caller may make data calls without a secret (with one configured, it
 must present it as well). See docs/security.md.
+
+With principals configured (``auth.principals``, ``kvstore.identity``) the
+interceptor also names the caller of every call: the cluster (the secret), the
+principal of its token (``x-kvstore-token``), or of its verified certificate's
+CN/SAN; it sets ``identity.CURRENT`` for the handler, and ``kvstore.handling``
+decides what that principal may touch. Over TCP a call without an identity is
+refused here as before; a token no principal has is refused on either transport.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from typing import Any
 
 import grpc
 
-from kvstore import audit, errors
+from kvstore import audit, errors, identity
+from kvstore.identity import CLUSTER, Authorizer, Caller
 from kvstore.rpc_guard import HandlerCache
 
 SECRET_METADATA_KEY = "x-kvstore-cluster-secret"
@@ -61,9 +69,10 @@ def is_network_peer(peer: str) -> bool:
 class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
     """TCP calls need the secret; with none configured ("") TCP gets Hello and Stats only."""
 
-    def __init__(self, secret: str, *, tls: bool = False) -> None:
+    def __init__(self, secret: str, *, tls: bool = False, auth: Authorizer | None = None) -> None:
         self._secret = secret.encode()
         self._tls = tls  # TCP callers passed a mutual-TLS handshake (kvstore.tls)
+        self._auth = auth  # principals configured: name every caller (kvstore.identity)
         self._handlers = HandlerCache(self._wrap)
 
     async def intercept_service(
@@ -80,6 +89,9 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
             return handler
         secret = self._secret
         tls = self._tls
+        auth = self._auth
+        if auth is not None:
+            return _with_caller(handler, self._identify_for(method, auth))
         if not secret and method in OPEN_WITHOUT_SECRET:
             return handler
 
@@ -108,29 +120,86 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
                     ),
                 )
 
-        if handler.unary_unary is not None:
-            behaviour = handler.unary_unary
+        return _checked(handler, check)
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(context)
-                return await behaviour(request, context)
+    def _identify_for(
+        self, method: str, auth: Authorizer
+    ) -> Callable[[grpc.aio.ServicerContext], Any]:
+        """The check of one method when principals are configured: the caller's
+        identity (a Caller), or an abort (PERMISSION_DENIED, audited)."""
+        secret = self._secret
+        tcp_open = not secret and method in OPEN_WITHOUT_SECRET
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            stream_behaviour = handler.unary_stream
+        async def identify(context: grpc.aio.ServicerContext) -> Caller:
+            peer = context.peer()
+            network = is_network_peer(peer)
+            key = audit.tcp_caller(peer) if network else "unix"
+            metadata = context.invocation_metadata()
+            token = identity.presented_token(metadata)
+            principal = None
+            if token:
+                principal = auth.from_token(token)
+                if principal is None:
+                    audit.denied(peer, method, audit.NO_IDENTITY, key)
+                    await errors.abort(
+                        context,
+                        errors.PermissionDenied(
+                            f"the token ({identity.TOKEN_METADATA_KEY}) is no principal's"
+                        ),
+                    )
+            elif secret and secret_matches(metadata, secret):
+                principal = CLUSTER
+            elif network and self._tls:
+                principal = auth.from_cert_names(identity.cert_names(context))
+            if principal is None and network and not tcp_open:
+                audit.denied(peer, method, audit.NO_IDENTITY, key)
+                await errors.abort(
+                    context,
+                    errors.PermissionDenied(
+                        "calls over TCP need an identity here: a token "
+                        f"({identity.TOKEN_METADATA_KEY}, KVSTORE_TOKEN), a client certificate "
+                        "mapped in auth.principals, or the cluster secret"
+                    ),
+                )
+            label = f"{principal.name} ({key})" if principal is not None else key
+            return Caller(principal, label, key)
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await check(context)
-                async for item in stream_behaviour(request, context):
-                    yield item
+        return identify
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+
+def _with_caller(handler: Any, identify: Callable[[grpc.aio.ServicerContext], Any]) -> Any:
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        identity.CURRENT.set(await identify(context))
+
+    return _checked(handler, check)
+
+
+def _checked(handler: Any, check: Callable[[grpc.aio.ServicerContext], Any]) -> Any:
+    """``handler`` with ``check(context)`` awaited before it (in the same task, so a
+    context variable ``check`` sets is the handler's)."""
+    if handler.unary_unary is not None:
+        behaviour = handler.unary_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        stream_behaviour = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            async for item in stream_behaviour(request, context):
+                yield item
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return handler

@@ -57,6 +57,12 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--timeout-s", type=float, default=3.0)
     p.add_argument(
+        "--token-file",
+        default="",
+        help="file (0600) holding our bearer token, for a daemon or indexer with "
+        "principals (default $KVSTORE_TOKEN, else $KVSTORE_TOKEN_FILE)",
+    )
+    p.add_argument(
         "--indexer",
         metavar="HOST:PORT",
         help="show a cluster indexer instead: health, and per source its staleness",
@@ -68,8 +74,11 @@ def _indexer_status(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvstore.identity import client_token, token_metadata
     from kvstore.tls import TlsFiles
     from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+
+    metadata = token_metadata(client_token(None, args.token_file))
 
     tls = TlsFiles.from_env()  # KVSTORE_TLS_*: an indexer with mutual TLS
     ch = (
@@ -80,7 +89,7 @@ def _indexer_status(args: argparse.Namespace) -> int:
     with ch:
         try:
             nodes = indexer_pb2_grpc.IndexerServiceStub(ch).ListNodes(
-                indexer_pb2.ListNodesRequest(), timeout=args.timeout_s
+                indexer_pb2.ListNodesRequest(), timeout=args.timeout_s, metadata=metadata
             )
             health = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(), timeout=args.timeout_s
@@ -120,7 +129,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     from kvstore.client import Client
 
-    with Client(args.address, timeout_s=args.timeout_s, map_region=False) as client:
+    with Client(
+        args.address, timeout_s=args.timeout_s, map_region=False, token_file=args.token_file
+    ) as client:
         stats = client.stats()
         info = client.info
     addresses = {name: getattr(info, name) or None for name in _ADDRESS_FIELDS}

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvstore import errors, local_wire, memcopy
 from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
+from kvstore.identity import client_token, token_metadata
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.tls import TlsFiles
@@ -234,6 +235,8 @@ class Client:
         clock: Callable[[], float] = time.monotonic,
         local_channel: bool | None = None,
         tls: TlsFiles | None = None,
+        token: str | None = None,
+        token_file: str = "",
     ) -> None:
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
@@ -245,7 +248,14 @@ class Client:
         # The id the daemon counts this client's leases against (limits.max_leases_per_client).
         self.client_id = os.urandom(8).hex()
         client_id = ((CLIENT_ID_METADATA_KEY, self.client_id),)
-        self._metadata = (((SECRET_METADATA_KEY, secret),) if secret else ()) + client_id
+        # Our identity where the daemon maps callers to tenants (kvstore.identity): the
+        # token given, else token_file, else $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE.
+        self._token = client_token(token, token_file)
+        self._metadata = (
+            (((SECRET_METADATA_KEY, secret),) if secret else ())
+            + token_metadata(self._token)
+            + client_id
+        )
         if local_channel is None:
             local_channel = os.environ.get("KVSTORE_LOCAL_CHANNEL", "1") not in ("0", "false")
         use_local = local_channel and self.address.startswith("unix:")
@@ -302,7 +312,7 @@ class Client:
 
         path = local_socket_path(socket_path)
         try:
-            return LocalChannel.open(path, self.client_id, self.timeout_s)
+            return LocalChannel.open(path, self.client_id, self.timeout_s, self._token)
         except (OSError, errors.KVStoreError) as exc:
             log.debug("kvstore: no lean channel at %s (%s); using gRPC", path, exc)
             return None

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from kvstore.errors import ConfigError
+from kvstore.identity import Authorizer, PrincipalConfig, split_list_fields
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -223,6 +224,18 @@ class TlsConfig(_Section):
     needs the secret as well. Changed files are reloaded for new connections."""
 
 
+class AuthConfig(_Section):
+    principals: dict[str, PrincipalConfig] = msgspec.field(default_factory=dict)
+    """Identities mapped to tenants (docs/security.md, "Identities"): name -> { token_sha256
+    (hex SHA-256 of a bearer token), cert_names (client certificate CN/SAN), uids / gids
+    (lean-channel peers), tenants (cache_salts; "*" = all; "" = the default tenant),
+    models, namespaces ([] = any), roles (admin: Clear, Snapshot; node: Snapshot) }. Set:
+    every data call needs an identity and may use only its tenants' namespaces
+    (PERMISSION_DENIED otherwise); gRPC on the Unix socket needs a token. {} = no
+    identities: one trust domain, as before. Env/flags take lists comma-separated
+    (--set auth.principals.a.tenants=t1,t2)."""
+
+
 class LogConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["text", "json"] = "text"
@@ -329,6 +342,7 @@ class Config(_Section):
     gpu: GpuConfig = msgspec.field(default_factory=GpuConfig)
     peer: PeerConfig = msgspec.field(default_factory=PeerConfig)
     tls: TlsConfig = msgspec.field(default_factory=TlsConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
@@ -397,6 +411,8 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_CONFIG",
         "KVSTORE_ADDRESS",
         "KVSTORE_SECRET",
+        "KVSTORE_TOKEN",  # a client's bearer token (kvstore.identity)
+        "KVSTORE_TOKEN_FILE",
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
@@ -450,6 +466,9 @@ def load_config(
     # "true" -> True for typed fields, so no hand-made parsers here.
     tree = _deep_merge(tree, env_overrides(environ))
     tree = _deep_merge(tree, flag_overrides(assignments))
+    auth = tree.get("auth")
+    if isinstance(auth, dict) and "principals" in auth:
+        tree["auth"] = {**auth, "principals": split_list_fields(auth["principals"])}
     try:
         config = msgspec.convert(_normalise_sizes(tree), Config, strict=False)
     except msgspec.ValidationError as exc:
@@ -536,6 +555,7 @@ def validate(config: Config) -> None:
             problems.append(f"router.backends.{node}: {url!r} is not http(s)://... or unix:/...")
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
+    Authorizer.from_config(config.auth.principals, "auth.principals")  # its own checks
 
 
 def to_toml(config: Config) -> str:

@@ -5,7 +5,10 @@ channel) decode their own wire formats, then call the same methods here: the
 same validation (packed-field sizes, the per-request block bound, tiers,
 peer-hint rules), the same manager calls with the same lease owner and client
 key, the same errors (``kvstore.errors`` classes, raised for the front-end to
-send). Packed fields stay packed (little-endian uint64/int32 bytes) and are
+send), the same authorization (with principals configured, ``kvstore.identity``:
+each call's ``who`` may use only its tenants' namespaces, Clear and Snapshot
+need the admin role; a refusal is PERMISSION_DENIED, audited, and touches
+nothing). Packed fields stay packed (little-endian uint64/int32 bytes) and are
 decoded with numpy in one call each, never element by element.
 """
 
@@ -19,7 +22,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kvstore import errors
+from kvstore import audit, errors
+from kvstore.identity import Authorizer, Caller
 from kvstore.manager import BlockManager, LookupResult, StoreChain
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
@@ -125,13 +129,87 @@ class StoreRequests:
 
     ``owner``: who may commit or release the leases a call takes ("unix" for
     local clients of either front-end, so a lease taken over one channel can be
-    ended over the other). ``client``: whose lease count it is charged to.
+    ended over the other; ``owner_of`` adds the principal's name). ``client``:
+    whose lease count it is charged to. ``who``: the caller's identity
+    (``kvstore.identity.Caller``), checked when ``auth`` is set (principals
+    configured); without ``auth`` every caller may do everything, as before.
     """
 
-    def __init__(self, manager: BlockManager, peer_fill: PeerFill | None = None) -> None:
+    def __init__(
+        self,
+        manager: BlockManager,
+        peer_fill: PeerFill | None = None,
+        auth: Authorizer | None = None,
+    ) -> None:
         self.manager = manager
         self.peer_fill = peer_fill
+        self.auth = auth
         self.max_blocks = manager.config.limits.max_blocks_per_request
+
+    # ------------------------------------------------------------ authorization
+
+    def owner_of(self, base: str, who: Caller | None) -> str:
+        """The lease owner of a call: its channel's owner, and its principal's name
+        (so one tenant cannot end another's lease, over either channel)."""
+        if self.auth is None or who is None or who.principal is None:
+            return base
+        return f"{base}/{who.principal.name}"
+
+    def _deny(self, who: Caller | None, what: str, reason: str, text: str) -> None:
+        if who is None:
+            audit.denied("unknown", what, reason)
+        else:
+            audit.denied(who.label, what, reason, who.key)
+        raise errors.PermissionDenied(text)
+
+    def _identified(self, who: Caller | None, what: str) -> Any:
+        principal = who.principal if who is not None else None
+        if principal is None:
+            self._deny(
+                who,
+                what,
+                audit.NO_IDENTITY,
+                f"{what} needs an identity: this daemon maps callers to tenants "
+                "(auth.principals); send a token (x-kvstore-token, KVSTORE_TOKEN), a "
+                "mapped client certificate, or connect the lean channel as a mapped uid",
+            )
+        return principal
+
+    def allow_namespace(self, who: Caller | None, namespace_id: str, what: str) -> None:
+        """PERMISSION_DENIED unless ``who`` may use ``namespace_id`` (no-op without auth).
+        An unknown id passes: the call then gets NOT_FOUND, as for anyone."""
+        if self.auth is None:
+            return
+        principal = self._identified(who, what)
+        ns = self.manager.namespaces.get(namespace_id)
+        if ns is None or principal.may_use(namespace_id, ns.spec.tenant, ns.spec.model):
+            return
+        self._deny(
+            who,
+            f"{what} {errors.clip(namespace_id)}",
+            audit.TENANT_DENIED,
+            f"{principal.name} may not use namespace {errors.clip(namespace_id)} "
+            f"(tenant {errors.clip(ns.spec.tenant)!r}, model {errors.clip(ns.spec.model)!r})",
+        )
+
+    def allow_role(self, who: Caller | None, what: str, *roles: str) -> None:
+        """PERMISSION_DENIED unless ``who`` has one of ``roles`` or admin (no-op without auth)."""
+        if self.auth is None:
+            return
+        principal = self._identified(who, what)
+        if not principal.has_role(*roles):
+            self._deny(
+                who,
+                what,
+                audit.ROLE_DENIED,
+                f"{what} needs the role {' or '.join(('admin', *roles))}; "
+                f"{principal.name} has {', '.join(sorted(principal.roles)) or 'none'}",
+            )
+
+    def allow_leases(self, who: Caller | None, what: str) -> None:
+        """Commit/Release: an identity is needed; ownership (owner_of) does the rest."""
+        if self.auth is not None:
+            self._identified(who, what)
 
     def hashes(self, data: bytes) -> list[int]:
         return unpack_u64(data, "block_hashes", self.max_blocks)
@@ -147,7 +225,19 @@ class StoreRequests:
             raise errors.InvalidRequest("peer_timeout_s must be >= 0")
         await self.peer_fill(namespace_id, hashes, peer_hint, peer_timeout_s)
 
-    def declare_namespace(self, spec: NamespaceSpec) -> Declared:
+    def declare_namespace(self, spec: NamespaceSpec, who: Caller | None = None) -> Declared:
+        if self.auth is not None:
+            principal = self._identified(who, "DeclareNamespace")
+            ns_id = spec.namespace_id()
+            if not principal.may_use(ns_id, spec.tenant, spec.model):
+                self._deny(
+                    who,
+                    f"DeclareNamespace tenant {errors.clip(spec.tenant)!r} "
+                    f"model {errors.clip(spec.model)!r}",
+                    audit.TENANT_DENIED,
+                    f"{principal.name} may not use tenant {errors.clip(spec.tenant)!r} "
+                    f"with model {errors.clip(spec.model)!r}",
+                )
         known = len(self.manager.namespaces)
         ns = self.manager.declare_namespace(spec)
         siblings = sibling_layouts(self.manager, ns.spec)
@@ -171,7 +261,9 @@ class StoreRequests:
         tier: int,
         owner: str,
         client: str,
+        who: Caller | None = None,
     ) -> PreparedStore:
+        self.allow_namespace(who, namespace_id, "PrepareStore")
         hashes = self.hashes(block_hashes)
         want = tier_of(tier)
         plan = self.manager.prepare_store(
@@ -194,7 +286,9 @@ class StoreRequests:
         token_ids: bytes,
         chains: list[Chain],
         owner: str,
+        who: Caller | None = None,
     ) -> int:
+        self.allow_leases(who, "CommitStore")
         hashes = self.hashes(block_hashes) if block_hashes else None
         tokens = unpack_i32(token_ids, "token_ids") if token_ids else None
         store_chains = [
@@ -214,13 +308,23 @@ class StoreRequests:
             owner=owner,
         )
 
-    def lookup(self, namespace_id: str, block_hashes: bytes) -> LookupResult:
+    def lookup(
+        self, namespace_id: str, block_hashes: bytes, who: Caller | None = None
+    ) -> LookupResult:
         """The hot path: no await."""
+        if self.auth is not None:
+            self.allow_namespace(who, namespace_id, "Lookup")
         return self.manager.lookup(namespace_id, self.hashes(block_hashes))
 
     async def lookup_hinted(
-        self, namespace_id: str, block_hashes: bytes, peer_hint: str, peer_timeout_s: float
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        peer_hint: str,
+        peer_timeout_s: float,
+        who: Caller | None = None,
     ) -> LookupResult:
+        self.allow_namespace(who, namespace_id, "Lookup")
         hashes = self.hashes(block_hashes)
         await self.fill_from_hint(namespace_id, hashes, peer_hint, peer_timeout_s)
         return self.manager.lookup(namespace_id, hashes)
@@ -235,7 +339,9 @@ class StoreRequests:
         peer_timeout_s: float,
         owner: str,
         client: str,
+        who: Caller | None = None,
     ) -> PreparedLoad:
+        self.allow_namespace(who, namespace_id, "PrepareLoad")
         hashes = self.hashes(block_hashes)
         await self.fill_from_hint(namespace_id, hashes, peer_hint, peer_timeout_s)
         plan = await self.manager.prepare_load_async(
@@ -258,10 +364,13 @@ class StoreRequests:
         tier: int,
         owner: str,
         client: str,
+        who: Caller | None = None,
     ) -> PreparedLoad:
         """prepare_load without a peer hint, for a node where nothing has to move
         (not loads_may_wait): no await, no task."""
         assert not self.loads_may_wait
+        if self.auth is not None:
+            self.allow_namespace(who, namespace_id, "PrepareLoad")
         hashes = self.hashes(block_hashes)
         plan = self.manager.prepare_load(
             namespace_id, hashes, lease_ttl_s, tier_of(tier), owner, client=client
@@ -279,7 +388,8 @@ class StoreRequests:
             self.manager.region.region_id,
         )
 
-    def release(self, lease_ids: list[int], owner: str) -> int:
+    def release(self, lease_ids: list[int], owner: str, who: Caller | None = None) -> int:
+        self.allow_leases(who, "Release")
         if len(lease_ids) > self.max_blocks:
             raise errors.InvalidRequest(
                 f"{len(lease_ids)} lease ids in one request exceeds "
@@ -287,8 +397,12 @@ class StoreRequests:
             )
         return self.manager.release(lease_ids, owner)
 
-    def delete(self, namespace_id: str, block_hashes: bytes) -> tuple[int, int]:
+    def delete(
+        self, namespace_id: str, block_hashes: bytes, who: Caller | None = None
+    ) -> tuple[int, int]:
+        self.allow_namespace(who, namespace_id, "Delete")
         return self.manager.delete(namespace_id, self.hashes(block_hashes))
 
-    def clear(self, namespace_id: str) -> int:
+    def clear(self, namespace_id: str, who: Caller | None = None) -> int:
+        self.allow_role(who, "Clear")  # every tenant's blocks of a namespace, or all
         return self.manager.clear(namespace_id)

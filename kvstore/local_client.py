@@ -70,14 +70,14 @@ class LocalChannel:
         self.frames_sent = 0  # request frames written (tests count them)
 
     @classmethod
-    def open(cls, path: str, client_id: str, timeout_s: float) -> LocalChannel:
+    def open(cls, path: str, client_id: str, timeout_s: float, token: str = "") -> LocalChannel:
         """Connect and Hello; OSError or a KVStoreError when the channel is not usable."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout_s)
             sock.connect(path)
             ch = cls(sock, timeout_s)
-            reply = ch.call(lambda seq: Hello(seq, client_id))
+            reply = ch.call(lambda seq: Hello(seq, client_id, token=token))
         except BaseException:
             sock.close()
             raise

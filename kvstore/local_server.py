@@ -9,7 +9,11 @@ only, the socket file made ``0600`` (``0660`` of ``server.file_group`` when
 one is named: its members map the region anyway) before it appears at its
 path (bound in a private directory, then renamed), a stale one replaced, a
 live one never stolen; a peer whose uid (SO_PEERCRED) is neither this
-daemon's nor root is refused when no group is named.
+daemon's nor root is refused when no group is named. With principals
+configured (``kvstore.identity``) the connection's identity is set at
+``hello``: its token's principal, else its uid's, else its gid's; none of
+them: ``hello`` is refused (PERMISSION_DENIED, audited) and the connection
+closed. Every request then runs as that principal (``kvstore.handling``).
 
 Bounds: a frame over ``server.max_message_bytes`` is answered with an
 ``invalid_request`` Error and the connection closed (its bytes are not read);
@@ -37,6 +41,7 @@ import msgspec
 from kvstore import audit, errors
 from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.handling import Chain, StoreRequests
+from kvstore.identity import Caller
 from kvstore.local_wire import (
     HEADER,
     PROTOCOL_VERSION,
@@ -110,13 +115,14 @@ def _bind_private(path: str, mode: int, policy: FilePolicy) -> socket.socket:
     return sock
 
 
-def _peer_uid(sock: Any) -> int | None:
+def _peer_creds(sock: Any) -> tuple[int | None, int | None]:
+    """(uid, gid) of the connected process (SO_PEERCRED: its primary gid only)."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return None
-    _, uid, _ = struct.unpack("3i", creds)
-    return uid
+        return None, None
+    _, uid, gid = struct.unpack("3i", creds)
+    return uid, gid
 
 
 def _unknown_ops(body: bytes) -> list[str]:
@@ -142,6 +148,10 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.client = ""  # the lease-count key, from hello; "" until then
+        self.uid: int | None = None  # the peer's credentials (SO_PEERCRED)
+        self.gid: int | None = None
+        self.who: Caller | None = None  # its identity, from hello (principals configured)
+        self.owner = LOCAL_OWNER  # the owner of its leases (handling.owner_of)
         self.busy: asyncio.Task[Any] | None = None  # a load that may wait (moves between tiers)
         self.paused = False  # the client is not reading its answers: read no more
         self.closed = False
@@ -150,7 +160,8 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.server.opened(self)
-        refusal = self.server.refusal(transport.get_extra_info("socket"))
+        self.uid, self.gid = _peer_creds(transport.get_extra_info("socket"))
+        refusal = self.server.refusal(self.uid)
         if refusal is not None:
             self._refuse(Error(0, refusal.reason, str(refusal)))
 
@@ -328,13 +339,14 @@ class LocalServer:
         self._connections.discard(conn)
         self.connections = len(self._connections)
 
-    def refusal(self, sock: Any) -> errors.KVStoreError | None:
+    def refusal(self, uid: int | None) -> errors.KVStoreError | None:
         if self.connections > self.max_connections:
             return errors.CapacityExhausted(
                 f"{self.max_connections} lean-channel connections are open "
                 "(server.local_max_connections); use gRPC or close one"
             )
-        uid = _peer_uid(sock)
+        if self.requests.auth is not None:
+            return None  # hello decides, by token or by this uid's principal
         if self.policy.gid < 0 and uid is not None and uid not in (os.geteuid(), 0):
             audit.denied(f"uid {uid}", "lean channel connection", audit.LOCAL_UID)
             return errors.PermissionDenied(
@@ -355,6 +367,11 @@ class LocalServer:
     def handle(self, conn: _Connection, m: Any) -> tuple[bool, Any]:
         """(True, the answer), or (False, a Task giving it: a load that may wait)."""
         if isinstance(m, Hello):
+            refused = self._identify(conn, m)
+            if refused is not None:
+                # nothing more from this connection: answer, then close (after the reply)
+                asyncio.get_running_loop().call_soon(conn.close)
+                return True, refused
             conn.client = "id:" + m.client_id
             return True, self._hello(m)
         if not conn.client:
@@ -362,8 +379,32 @@ class LocalServer:
         if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
             # Moves between tiers first (disk promotion): a task; the connection's
             # later requests wait for it, in order.
-            return False, asyncio.ensure_future(self._load(m, conn.client))
-        return True, self._one(m, conn.client)
+            return False, asyncio.ensure_future(self._load(m, conn))
+        return True, self._one(m, conn)
+
+    def _identify(self, conn: _Connection, m: Hello) -> Error | None:
+        """Set the connection's identity from its hello (principals configured):
+        None, or the refusal to answer (audited)."""
+        auth = self.requests.auth
+        if auth is None:
+            return None
+        label = f"uid {conn.uid}"
+        if m.token:
+            principal = auth.from_token(m.token)
+            why = "its token is no principal's"
+        else:
+            principal = auth.from_peer(conn.uid, conn.gid)
+            why = f"uid {conn.uid} / gid {conn.gid} is no principal's and it sent no token"
+        if principal is None:
+            audit.denied(label, "lean channel hello", audit.NO_IDENTITY)
+            return Error(
+                m.seq,
+                errors.PermissionDenied.reason,
+                f"this daemon maps callers to tenants (auth.principals): {why}",
+            )
+        conn.who = Caller(principal, f"{principal.name} ({label})", label)
+        conn.owner = self.requests.owner_of(LOCAL_OWNER, conn.who)
+        return None
 
     def _hello(self, message: Hello) -> Any:
         if message.version != PROTOCOL_VERSION:
@@ -375,10 +416,18 @@ class LocalServer:
             )
         return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
 
-    async def _load(self, m: PrepareLoad, client: str) -> Any:
+    async def _load(self, m: PrepareLoad, conn: _Connection) -> Any:
         try:
             q = await self.requests.prepare_load(
-                m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, "", 0.0, LOCAL_OWNER, client
+                m.namespace_id,
+                m.block_hashes,
+                m.lease_ttl_s,
+                m.tier,
+                "",
+                0.0,
+                conn.owner,
+                conn.client,
+                conn.who,
             )
         except errors.KVStoreError as exc:
             return Error(m.seq, exc.reason, errors.details_of(exc))
@@ -387,17 +436,18 @@ class LocalServer:
             return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
         return _load_prepared(m.seq, q)
 
-    def _one(self, m: Any, client: str) -> Any:
+    def _one(self, m: Any, conn: _Connection) -> Any:
         r = self.requests
+        who, owner, client = conn.who, conn.owner, conn.client
         try:
             if isinstance(m, Lookup):
-                result = r.lookup(m.namespace_id, m.block_hashes)
+                result = r.lookup(m.namespace_id, m.block_hashes, who)
                 return Looked(
                     m.seq, result.prefix_blocks, [(int(t), n) for t, n in result.by_tier.items()]
                 )
             if isinstance(m, PrepareStore):
                 p = r.prepare_store(
-                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, owner, client, who
                 )
                 return StorePrepared(
                     m.seq, p.lease_id, p.statuses, p.offsets, p.tier, p.lease_ttl_s, p.region_id
@@ -409,21 +459,22 @@ class LocalServer:
                     m.parent_block_hash,
                     m.token_ids,
                     [Chain(c.blocks, c.parent_block_hash, c.token_ids) for c in m.chains],
-                    LOCAL_OWNER,
+                    owner,
+                    who,
                 )
                 return Committed(m.seq, n)
             if isinstance(m, PrepareLoad):  # nothing to move on this node: no await
                 q = r.load_now(
-                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, LOCAL_OWNER, client
+                    m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, owner, client, who
                 )
                 return _load_prepared(m.seq, q)
             if isinstance(m, Release):
-                return Released(m.seq, r.release(list(m.lease_ids), LOCAL_OWNER))
+                return Released(m.seq, r.release(list(m.lease_ids), owner, who))
             if isinstance(m, Delete):
-                deleted, busy = r.delete(m.namespace_id, m.block_hashes)
+                deleted, busy = r.delete(m.namespace_id, m.block_hashes, who)
                 return Deleted(m.seq, deleted, busy)
             if isinstance(m, Declare):
-                d = r.declare_namespace(m.spec)
+                d = r.declare_namespace(m.spec, who)
                 return Declared(m.seq, d.namespace_id, d.block_bytes, d.sibling_layouts)
             raise AssertionError(f"unhandled lean request {type(m).__name__}")
         except errors.KVStoreError as exc:

@@ -32,6 +32,7 @@ HEADER = struct.Struct("<I")
 # A frame holds at most this many messages (a client batches releases into one).
 MAX_MESSAGES_PER_FRAME = 4096
 MAX_CLIENT_ID_CHARS = 64
+MAX_TOKEN_CHARS = 4096  # kvstore.identity.MAX_TOKEN_BYTES
 MAX_ID_CHARS = 256  # namespace ids are 32 hex characters; room for another scheme
 
 Seq = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
@@ -51,6 +52,10 @@ class _Message(msgspec.Struct, array_like=True, frozen=True, tag=True):
 class Hello(_Message, frozen=True, tag="hello"):
     client_id: Annotated[str, msgspec.Meta(max_length=MAX_CLIENT_ID_CHARS)]
     version: int = PROTOCOL_VERSION
+    # A bearer token (kvstore.identity): the connection's identity when the daemon maps
+    # callers to tenants; "" = the peer's uid/gid (SO_PEERCRED) decides. Last and
+    # defaulted, so a client that sends none still decodes.
+    token: Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_CHARS)] = ""
 
 
 class Declare(_Message, frozen=True, tag="declare"):

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -30,6 +30,7 @@ import numpy as np
 
 from kvstore import audit, errors
 from kvstore.auth import secret_matches
+from kvstore.identity import CURRENT
 from kvstore.manager import BlockManager
 from kvstore.service import call_async, pack_u64, spec_from_pb, unpack_u64
 from kvstore.tls import TlsFiles
@@ -215,6 +216,9 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
     def __init__(self, puller: Any, peers: dict[str, str]) -> None:  # Puller, maybe wrapped
         self.puller = puller
         self.peers = peers  # node id -> gRPC address
+        # (caller, namespace id, what) -> raises PERMISSION_DENIED: the store's tenant
+        # check (kvstore.handling.StoreRequests.allow_namespace), set by the daemon.
+        self.allow: Callable[[Any, str, str], None] | None = None
 
     def resolve(self, node_id: str = "", address: str = "") -> str:
         """A peer's gRPC address: given, or looked up by node id in [peer] peers."""
@@ -228,7 +232,11 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         return address
 
     async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         async def run() -> Any:
+            if self.allow is not None:
+                self.allow(who, request.namespace_id, "FetchFromPeer")
             address = self.resolve(request.peer_node_id, request.peer_address)
             if request.timeout_s < 0:
                 raise errors.InvalidRequest("timeout_s must be >= 0")

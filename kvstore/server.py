@@ -28,6 +28,7 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.files import FilePolicy, claim_socket_path
+from kvstore.identity import Authorizer
 from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
 from kvstore.metrics import (
@@ -80,6 +81,8 @@ class Daemon:
         # Read and checked before anything is allocated or listens: a bad file stops
         # the start with an error naming it (kvstore/tls.py).
         server_credentials = tls.server_credentials() if tls.enabled else None
+        # Principals mapped to tenants; None (none configured): one trust domain.
+        auth = Authorizer.from_config(cfg.auth.principals, "auth.principals")
         if cfg.server.socket_path:
             # Before anything is allocated: a second daemon on one socket stops here.
             claim_socket_path(cfg.server.socket_path)
@@ -121,7 +124,7 @@ class Daemon:
             ParseGuardInterceptor(),
         ]
         # Always: without a secret it keeps every data call off TCP (kvstore/auth.py).
-        interceptors.append(TcpSecretInterceptor(cfg.peer.secret, tls=tls.enabled))
+        interceptors.append(TcpSecretInterceptor(cfg.peer.secret, tls=tls.enabled, auth=auth))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=options,
@@ -133,7 +136,10 @@ class Daemon:
             peer_fill,
             peer_counters=peer_metrics.counters if peer_metrics is not None else None,
             addresses=self.endpoints,
+            auth=auth,
         )
+        if self.peer is not None:
+            self.peer.fetch_service.allow = store_service.requests.allow_namespace
         store_pb2_grpc.add_StoreServiceServicer_to_server(store_service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         peer_services = self.peer.add_to_server(self.server) if self.peer is not None else []

@@ -28,6 +28,7 @@ from kvstore.handling import (
     tier_of,
 )
 from kvstore.handling import unpack_u64 as unpack_u64  # peer_service and the benches use it
+from kvstore.identity import CURRENT, Authorizer
 from kvstore.manager import STORE_ALLOCATED, STORE_NO_ROOM, BlockManager
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
@@ -155,6 +156,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
         *,
         peer_counters: Any = None,
         addresses: Callable[[], dict[str, str | None]] | None = None,
+        auth: Authorizer | None = None,
     ) -> None:
         self.manager = manager
         self.config = manager.config
@@ -165,7 +167,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
         self.addresses = addresses or dict
         self.max_blocks = self.config.limits.max_blocks_per_request
         # the handling both front-ends share (kvstore.handling)
-        self.requests = StoreRequests(manager, peer_fill)
+        # (the caller of each call: identity.CURRENT, set by kvstore.auth's interceptor)
+        self.requests = StoreRequests(manager, peer_fill, auth)
 
     def _hashes(self, data: bytes) -> list[int]:
         return self.requests.hashes(data)
@@ -203,7 +206,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
         if not request.HasField("spec"):
             await errors.abort(context, errors.InvalidRequest("spec is required"))
         spec = await call(context, lambda: spec_from_pb(request.spec))
-        d = await call(context, lambda: self.requests.declare_namespace(spec))
+        who = CURRENT.get()
+        d = await call(context, lambda: self.requests.declare_namespace(spec, who))
         return pb.DeclareNamespaceResponse(
             namespace_id=d.namespace_id,
             block_bytes=d.block_bytes,
@@ -211,14 +215,18 @@ class StoreService(pb_grpc.StoreServiceServicer):
         )
 
     async def PrepareStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         def run() -> Any:
-            p = self.requests.prepare_store(
+            r = self.requests
+            p = r.prepare_store(
                 request.namespace_id,
                 request.block_hashes,
                 request.lease_ttl_s,
                 request.tier,
-                caller_of(context),
+                r.owner_of(caller_of(context), who),
                 client_key(context),
+                who,
             )
             return pb.PrepareStoreResponse(
                 lease_id=p.lease_id,
@@ -232,6 +240,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call(context, run)
 
     async def CommitStore(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         def run() -> Any:
             n = self.requests.commit_store(
                 request.lease_id,
@@ -246,7 +256,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
                     )
                     for c in request.chains
                 ],
-                caller_of(context),
+                self.requests.owner_of(caller_of(context), who),
+                who,
             )
             return pb.CommitStoreResponse(committed=n)
 
@@ -260,11 +271,12 @@ class StoreService(pb_grpc.StoreServiceServicer):
         )
 
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
         if not request.peer_hint:  # the hot path: no await
             return await call(
                 context,
                 lambda: self._lookup_response(
-                    self.requests.lookup(request.namespace_id, request.block_hashes)
+                    self.requests.lookup(request.namespace_id, request.block_hashes, who)
                 ),
             )
 
@@ -274,22 +286,27 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 request.block_hashes,
                 request.peer_hint,
                 request.peer_timeout_s,
+                who,
             )
             return self._lookup_response(result)
 
         return await call_async(context, pull_then_look)
 
     async def PrepareLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         async def run() -> Any:
-            p = await self.requests.prepare_load(
+            r = self.requests
+            p = await r.prepare_load(
                 request.namespace_id,
                 request.block_hashes,
                 request.lease_ttl_s,
                 request.tier,
                 request.peer_hint,
                 request.peer_timeout_s,
-                caller_of(context),
+                r.owner_of(caller_of(context), who),
                 client_key(context),
+                who,
             )
             return pb.PrepareLoadResponse(
                 lease_id=p.lease_id,
@@ -304,18 +321,21 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call_async(context, run)
 
     async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        owner = caller_of(context)
-        n = await call(context, lambda: self.requests.release(list(request.lease_ids), owner))
+        who = CURRENT.get()
+        owner = self.requests.owner_of(caller_of(context), who)
+        n = await call(context, lambda: self.requests.release(list(request.lease_ids), owner, who))
         return pb.ReleaseResponse(released=n)
 
     async def Delete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
         deleted, busy = await call(
-            context, lambda: self.requests.delete(request.namespace_id, request.block_hashes)
+            context, lambda: self.requests.delete(request.namespace_id, request.block_hashes, who)
         )
         return pb.DeleteResponse(deleted=deleted, busy=busy)
 
     async def Clear(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        n = await call(context, lambda: self.requests.clear(request.namespace_id))
+        who = CURRENT.get()
+        n = await call(context, lambda: self.requests.clear(request.namespace_id, who))
         return pb.ClearResponse(removed=n)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -352,7 +372,10 @@ class StoreService(pb_grpc.StoreServiceServicer):
         )
 
     async def PutInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         def run() -> Any:
+            self.requests.allow_namespace(who, request.namespace_id, "PutInline")
             m = self.manager
             hashes = self._hashes(request.block_hashes)
             ns = m.namespace(request.namespace_id)
@@ -385,7 +408,10 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call(context, run)
 
     async def GetInline(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
         async def run() -> Any:
+            self.requests.allow_namespace(who, request.namespace_id, "GetInline")
             m = self.manager
             hashes = self._hashes(request.block_hashes)
             ns = m.namespace(request.namespace_id)
@@ -407,6 +433,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
         return await call_async(context, run)
 
     async def Snapshot(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        # every tenant's block hashes: the indexer's (node role) or an admin's
+        await call(context, lambda: self.requests.allow_role(CURRENT.get(), "Snapshot", "node"))
         sink = self.manager.sink
         if not isinstance(sink, SequencedSink):
             await errors.abort(

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvstore.errors import InvalidRequest, KVStoreError, Unavailable, error_from_rpc
 from kvstore.hashing import BlockHasher
+from kvstore.identity import client_token, token_metadata
 from kvstore.tls import env_channel_credentials
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 from router_client.policy import (
@@ -89,10 +90,13 @@ class AsyncIndexClient:
     """The indexer's Score for an asyncio router (grpc.aio: no thread hop per
     decision). Create it inside the running loop."""
 
-    def __init__(self, address: str, *, deadline_s: float = 0.05) -> None:
+    def __init__(self, address: str, *, deadline_s: float = 0.05, token: str | None = None) -> None:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
         self.deadline_s = deadline_s
+        # The router's own identity for an indexer with principals (kvstore.identity):
+        # the token given, else $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE.
+        self._metadata = token_metadata(client_token(token))
         options = [("grpc.max_send_message_length", 64 << 20)]
         credentials = env_channel_credentials()  # an indexer with mutual TLS (KVSTORE_TLS_*)
         self._channel = (
@@ -112,7 +116,9 @@ class AsyncIndexClient:
         """Raises the indexer's error (``DeadlineExceeded``, ``Unavailable``...)."""
         req = score_request(model, block_hashes, candidates)
         try:
-            resp = await self._stub.Score(req, timeout=deadline_s or self.deadline_s)
+            resp = await self._stub.Score(
+                req, timeout=deadline_s or self.deadline_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise score_error(e) from None
         return score_result(resp)
@@ -123,7 +129,9 @@ class AsyncIndexClient:
         A node with several sources naming different URLs keeps the first by
         endpoint order (the indexer lists them sorted). Raises the indexer's error."""
         try:
-            resp = await self._stub.ListNodes(indexer_pb2.ListNodesRequest(), timeout=deadline_s)
+            resp = await self._stub.ListNodes(
+                indexer_pb2.ListNodesRequest(), timeout=deadline_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise score_error(e) from None
         out: dict[str, str] = {}
@@ -150,9 +158,12 @@ class RouterClient:
         policy: Policy = DEFAULT_POLICY,
         channel: grpc.Channel | None = None,
         hash_cache_tokens: int = 8 << 20,
+        token: str | None = None,
     ) -> None:
         if deadline_s <= 0:
             raise InvalidRequest(f"deadline_s must be > 0; got {deadline_s}")
+        # our identity for an indexer with principals: token, else $KVSTORE_TOKEN(_FILE)
+        self._metadata = token_metadata(client_token(token))
         self._block_size = block_size_tokens
         self._hash_algo = hash_algo
         self._hash_seed = hash_seed
@@ -194,7 +205,9 @@ class RouterClient:
         if len(self._sizes) >= _MAX_CACHED_MODELS:
             self._sizes.clear()
         try:
-            resp = self._stub.Models(indexer_pb2.ModelsRequest(), timeout=self.deadline_s)
+            resp = self._stub.Models(
+                indexer_pb2.ModelsRequest(), timeout=self.deadline_s, metadata=self._metadata
+            )
             for m in resp.models:
                 if m.block_size_tokens:
                     self._sizes[m.model] = (m.block_size_tokens, now + BLOCK_SIZE_TTL_S)
@@ -243,7 +256,9 @@ class RouterClient:
         """Raises the indexer's error (``DeadlineExceeded``, ``Unavailable``...)."""
         req = score_request(model, block_hashes, candidates)
         try:
-            resp = self._stub.Score(req, timeout=deadline_s or self.deadline_s)
+            resp = self._stub.Score(
+                req, timeout=deadline_s or self.deadline_s, metadata=self._metadata
+            )
         except grpc.RpcError as e:
             raise score_error(e) from None
         return score_result(resp)

@@ -58,6 +58,14 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     """Daemon tier the engine copies to and from: "gpu" = the daemon's GPU pool (device to
     device on a CUDA engine; needs gpu.device on the daemon), "dram" = its shared region."""
 
+    token: str = ""
+    """Bearer token where the daemon maps callers to tenants (docs/security.md,
+    "Identities"); "" = token_file, else $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE, else none
+    (the engine's uid identifies it on the lean channel)."""
+    token_file: str = ""
+    """File holding the token (first line; must be 0600): kept out of the engine's
+    command line."""
+
     def resolved_address(self) -> str:
         return self.address or os.environ.get("KVSTORE_ADDRESS", "") or DEFAULT_ADDRESS
 

@@ -40,6 +40,7 @@ from connectors.vllm.session import DaemonSession
 from connectors.vllm.stats import Deltas, KVStoreConnectorStats, KVStorePromMetrics
 from connectors.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError
+from kvstore.identity import client_token
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -249,6 +250,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             retry_max_s=self.config.retry_max_s,
             map_region=map_region,
             local_channel=self.config.local_channel,
+            # read now: a bad token file stops the engine at start, naming it
+            token=client_token(self.config.token or None, self.config.token_file),
         )
 
     @property

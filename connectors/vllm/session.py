@@ -60,9 +60,11 @@ class DaemonSession:
         map_region: bool = True,
         clock: Callable[[], float] = time.monotonic,
         local_channel: bool = True,
+        token: str = "",
     ) -> None:
         self.address = address
         self.local_channel = local_channel
+        self.token = token  # "" = the Client's own default ($KVSTORE_TOKEN...)
         self.timeout_s = timeout_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
@@ -113,6 +115,7 @@ class DaemonSession:
                 timeout_s=self.timeout_s,
                 map_region=self.map_region,
                 local_channel=self.local_channel,
+                token=self.token or None,
             )
         except (errors.KVStoreError, OSError, ValueError) as exc:
             self.failures += 1

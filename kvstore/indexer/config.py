@@ -14,6 +14,7 @@ import msgspec
 
 from kvstore.errors import ConfigError
 from kvstore.hashing import ALGOS
+from kvstore.identity import Authorizer, PrincipalConfig
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.tls import TlsFiles
 
@@ -80,6 +81,12 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """PEM CA bundle: gRPC callers must present a certificate it signed (mutual TLS,
     as the daemon's tls.ca_path); daemons' certificates are verified against it."""
 
+    principals: dict[str, PrincipalConfig] = msgspec.field(default_factory=dict)
+    """Identities of the indexer's callers (as the daemon's auth.principals: token_sha256,
+    cert_names; roles): set, Score, ListNodes and Models need the router or node role,
+    RegisterNode / UnregisterNode the node role (admin: all); the cluster secret counts
+    as every role. {} = as before (RegisterNode needs cluster_secret when set)."""
+
     def tls(self) -> TlsFiles:
         return TlsFiles(
             self.tls_cert_path, self.tls_key_path, self.tls_ca_path, section="indexer.tls_"
@@ -106,6 +113,7 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"indexer.{name} must be > 0")
+        Authorizer.from_config(self.principals, "indexer.principals")  # its own checks
         tls_problems = self.tls().problems()
         if tls_problems:
             raise ConfigError("; ".join(tls_problems))

@@ -15,7 +15,11 @@ then RESOURCE_EXHAUSTED), never replace or remove a configured source
 (PERMISSION_DENIED), and a registered node name belongs to its first
 registrant: later registrations and ``UnregisterNode`` of that name must
 present the owner token the first one got (or chose). With a cluster secret
-configured, both RPCs also need it (``x-kvstore-cluster-secret``).
+configured, both RPCs also need it (``x-kvstore-cluster-secret``). With
+principals configured (``principals``, ``kvstore.identity``) every call needs
+an identity of a role: Score, ListNodes, Models the router or node role,
+RegisterNode/UnregisterNode the node role (admin: all; the cluster secret:
+all); others get PERMISSION_DENIED, audited.
 
 Block sizes: the index learns each model's block size from the events and
 snapshots it ingests. A Score with token ids and no block size hashes at the
@@ -37,7 +41,7 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvstore import audit
+from kvstore import audit, identity
 from kvstore.auth import secret_matches
 from kvstore.errors import (
     CapacityExhausted,
@@ -83,6 +87,7 @@ class Indexer:
     def __init__(self, cfg: IndexerConfig, index: IndexBackend | None = None) -> None:
         cfg.check()
         self.cfg = cfg
+        self.auth = identity.Authorizer.from_config(cfg.principals, "indexer.principals")
         self.index = index if index is not None else make_backend(cfg)
         self.lock = threading.Lock()
         self.subscriber = Subscriber(
@@ -393,8 +398,42 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
     def __init__(self, indexer: Indexer) -> None:
         self._ix = indexer
 
+    def _authorize(self, context: grpc.ServicerContext, what: str, *roles: str) -> None:
+        """With principals configured: the caller's principal must have one of ``roles``
+        (or admin); PERMISSION_DENIED (audited) otherwise. Without: nothing to check."""
+        auth = self._ix.auth
+        if auth is None:
+            return
+        metadata = context.invocation_metadata()
+        token = identity.presented_token(metadata)
+        secret = self._ix.cfg.cluster_secret
+        principal = None
+        if token:
+            principal = auth.from_token(token)
+        elif secret and secret_matches(metadata, secret.encode()):
+            principal = identity.CLUSTER
+        else:
+            principal = auth.from_cert_names(identity.cert_names(context))
+        peer = context.peer()
+        if principal is None:
+            audit.denied(peer, what, audit.NO_IDENTITY, audit.tcp_caller(peer))
+            raise PermissionDenied(
+                f"{what.split()[0]} needs an identity here (indexer.principals): a token "
+                f"({identity.TOKEN_METADATA_KEY}, KVSTORE_TOKEN), a mapped client "
+                "certificate, or the cluster secret"
+            )
+        if not principal.has_role(*roles):
+            audit.denied(
+                f"{principal.name} ({peer})", what, audit.ROLE_DENIED, audit.tcp_caller(peer)
+            )
+            raise PermissionDenied(
+                f"{what.split()[0]} needs the role {' or '.join(('admin', *roles))}; "
+                f"{principal.name} has {', '.join(sorted(principal.roles)) or 'none'}"
+            )
+
     def Score(self, request, context):
         try:
+            self._authorize(context, "Score", "router", "node")
             if request.token_ids and request.block_hashes:
                 raise InvalidRequest("send token_ids or block_hashes, not both")
             if request.token_ids:
@@ -455,7 +494,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
     def RegisterNode(self, request, context):
         try:
             what = f"RegisterNode {request.source.node!r}"
-            self._check_secret(context, what)  # audits a refusal itself
+            if self._ix.auth is not None:
+                self._authorize(context, what, "node")
+            else:
+                self._check_secret(context, what)  # audits a refusal itself
         except KVStoreError as e:
             abort_sync(context, e)
         try:
@@ -472,7 +514,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
     def UnregisterNode(self, request, context):
         try:
             what = f"UnregisterNode {request.node!r}"
-            self._check_secret(context, what)
+            if self._ix.auth is not None:
+                self._authorize(context, what, "node")
+            else:
+                self._check_secret(context, what)
         except KVStoreError as e:
             abort_sync(context, e)
         try:
@@ -485,6 +530,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
         return indexer_pb2.UnregisterNodeResponse(removed_sources=n)
 
     def Models(self, request, context):
+        try:
+            self._authorize(context, "Models", "router", "node")
+        except KVStoreError as e:
+            abort_sync(context, e)
         learned = self._ix.subscriber.learned_models()
         seeds = dict(self._ix.subscriber.seeds.verdicts)
         with self._ix.lock:
@@ -510,6 +559,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
 
     def ListNodes(self, request, context):
         try:
+            self._authorize(context, "ListNodes", "router", "node")
             with self._ix.lock:
                 indexed = self._ix.index.nodes()
         except KVStoreError as e:
