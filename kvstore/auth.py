@@ -161,8 +161,8 @@ class TcpSecretInterceptor(grpc.aio.ServerInterceptor):
                         "mapped in auth.principals, or the cluster secret"
                     ),
                 )
-            label = f"{principal.name} ({key})" if principal is not None else key
-            return Caller(principal, label, key)
+            # rate-limited per principal and host (kvstore.audit), not per port
+            return Caller(principal, f"{principal.name} ({key})" if principal else key)
 
         return identify
 

@@ -189,7 +189,7 @@ class StoreRequests:
             f"{what} {errors.clip(namespace_id)}",
             audit.TENANT_DENIED,
             f"{principal.name} may not use namespace {errors.clip(namespace_id)} "
-            f"(tenant {errors.clip(ns.spec.tenant)!r}, model {errors.clip(ns.spec.model)!r})",
+            f"(tenant {errors.clip(ns.spec.tenant)}, model {errors.clip(ns.spec.model)})",
         )
 
     def allow_role(self, who: Caller | None, what: str, *roles: str) -> None:
@@ -232,11 +232,11 @@ class StoreRequests:
             if not principal.may_use(ns_id, spec.tenant, spec.model):
                 self._deny(
                     who,
-                    f"DeclareNamespace tenant {errors.clip(spec.tenant)!r} "
-                    f"model {errors.clip(spec.model)!r}",
+                    f"DeclareNamespace tenant {errors.clip(spec.tenant)} "
+                    f"model {errors.clip(spec.model)}",
                     audit.TENANT_DENIED,
-                    f"{principal.name} may not use tenant {errors.clip(spec.tenant)!r} "
-                    f"with model {errors.clip(spec.model)!r}",
+                    f"{principal.name} may not use tenant {errors.clip(spec.tenant)} "
+                    f"with model {errors.clip(spec.model)}",
                 )
         known = len(self.manager.namespaces)
         ns = self.manager.declare_namespace(spec)

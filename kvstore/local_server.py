@@ -402,7 +402,7 @@ class LocalServer:
                 errors.PermissionDenied.reason,
                 f"this daemon maps callers to tenants (auth.principals): {why}",
             )
-        conn.who = Caller(principal, f"{principal.name} ({label})", label)
+        conn.who = Caller(principal, f"{principal.name} ({label})")
         conn.owner = self.requests.owner_of(LOCAL_OWNER, conn.who)
         return None
 
