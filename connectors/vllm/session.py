@@ -65,6 +65,7 @@ class DaemonSession:
         self.address = address
         self.local_channel = local_channel
         self.token = token  # "" = the Client's own default ($KVSTORE_TOKEN...)
+        self._denied_logged = False
         self.timeout_s = timeout_s
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
@@ -190,6 +191,12 @@ class DaemonSession:
                     # The daemon is up but refused this request (full, bad
                     # size...): go on without the cache; keep the link.
                     self.failures += 1
+                    if isinstance(exc, errors.PermissionDenied) and not self._denied_logged:
+                        # a missing or wrong token: without this the cache is silently off
+                        self._denied_logged = True
+                        logger.warning(
+                            "kvstore: %s denied (token / tenant; logged once): %s", what, exc
+                        )
                     logger.debug("kvstore: %s refused: %s", what, exc)
                     return None
                 self.failures += 1

@@ -24,7 +24,7 @@ import pytest
 from kvstore import audit
 from kvstore.client import Client, pack_hashes
 from kvstore.errors import ConfigError, LeaseNotFound, PermissionDenied
-from kvstore.identity import TOKEN_METADATA_KEY, hash_token, read_token_file
+from kvstore.identity import TOKEN_METADATA_KEY, client_token, hash_token, read_token_file
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer
 from kvstore.indexer.service import serve as serve_indexer
@@ -341,3 +341,29 @@ def test_token_files_must_be_private(tmp_path):
         read_token_file(str(f))
     f.chmod(0o600)
     assert read_token_file(str(f)) == ALICE
+
+
+def test_the_vllm_connector_session_presents_its_token(daemon, stored, tmp_path):
+    from connectors.vllm.config import ConnectorConfig
+    from connectors.vllm.session import DaemonSession
+
+    f = tmp_path / "alice.token"
+    f.write_text(ALICE + "\n")
+    f.chmod(0o600)
+    config = ConnectorConfig.from_extra({"address": daemon.address, "token_file": str(f)})
+    token = client_token(config.token or None, config.token_file)
+    for who, expect in ((token, 3), ("", None)):
+        session = DaemonSession(
+            daemon.address, timeout_s=T, retry_initial_s=0.5, retry_max_s=1.0, token=who
+        )
+        try:
+            if expect is None:
+                # no token (none in the environment either): lean channel refused, gRPC denied
+                assert session.call("lookup", lambda c: c.lookup(stored, HASHES)) is None
+                assert session.connected and session.failures == 1  # refused, not down
+            else:
+                got = session.call("lookup", lambda c: c.lookup(stored, HASHES))
+                assert got is not None and got.prefix_blocks == expect
+                assert session.client().using_local_channel
+        finally:
+            session.close()
