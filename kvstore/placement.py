@@ -56,6 +56,10 @@ CLEAN_VICTIM_WINDOW = 64
 DISK_VICTIM_WINDOW = 64
 # GPU victims looked at per slot a store needs before giving up.
 GPU_VICTIM_WINDOW = 64
+# Tier indexes of a TenantAccount's lists, as plain ints (the hot paths index them
+# once or twice per block: an IntEnum member costs an attribute lookup and __index__).
+_GPU, _DRAM, _DISK = int(Tier.GPU), int(Tier.DRAM), int(Tier.DISK)
+_NO_ORDERS: tuple[None, ...] = (None, None, None, None)  # a namespace with no account yet
 # A tenant at its cap (docs/tenants.md): its own blocks looked at, coldest first, for
 # a victim, and among the first of them for a clean one (DRAM with a disk tier).
 TENANT_VICTIM_SCAN = 4096
@@ -192,7 +196,8 @@ class Placement:
 
     def tenant_stats(self) -> list[TenantStats]:
         """Bytes and caps by tenant (configured names; the others summed)."""
-        return self.quotas.report(self.accounts.values())
+        # A snapshot: /metrics reads this from its own thread.
+        return self.quotas.report(list(self.accounts.values()))
 
     def _resident(self, block: Block, tier: Tier) -> None:
         """The block's copy in ``tier`` entered that tier's eviction order: its
@@ -247,7 +252,7 @@ class Placement:
         if block.state is BlockState.COMMITTED:
             self.dram.policy(block.namespace.slot_bytes).touch(block)
             account = block.namespace.account
-            order = account.order[Tier.DRAM] if account is not None else None
+            order = account.order[_DRAM] if account is not None else None
             # Resident in the tenant's order (pop finds it): back in as the hottest.
             if order is not None and order.pop(block, 0) is None:
                 order[block] = None
@@ -298,10 +303,11 @@ class Placement:
         The slot counts against the namespace at once; ``occupy``/``place`` put
         the block in it, ``unreserve`` gives it back."""
         ns = block.namespace
+        account = ns.account or self.account(ns)
         if evict:
-            offset = self._allocate(ns)
+            offset = self._allocate(ns, account)
         elif (self.quota_bytes and ns.used_bytes + ns.slot_bytes > self.quota_bytes) or (
-            self.account(ns).over(Tier.DRAM, ns.slot_bytes)
+            account.quota_bytes[_DRAM] and account.over(Tier.DRAM, ns.slot_bytes)
         ):
             offset = None
         else:
@@ -310,7 +316,7 @@ class Placement:
             return None
         self.dram.owner[offset] = block
         ns.used_bytes += ns.slot_bytes
-        self._charge(ns, Tier.DRAM, ns.slot_bytes)
+        account.used_bytes[_DRAM] += ns.slot_bytes
         return offset
 
     def reserve_gpu(self, block: Block) -> int | None:
@@ -357,13 +363,15 @@ class Placement:
         ns = blocks[0].namespace
         chosen = set(map(id, committed))
         policy = self.pool(tier).policy(ns.slot_bytes)
+        order = (ns.account or self.account(ns)).order[tier]  # the tenant's, if capped there
         for block in blocks:
             del ns.pending[block.block_hash]
             if id(block) in chosen:
                 block.state = BlockState.COMMITTED
                 ns.blocks[block.block_hash] = block
                 policy.insert(block)
-                self._resident(block, tier)
+                if order is not None:
+                    order[block] = None
             else:
                 self.abort(block)
         self.counters.stored_blocks += len(committed)
@@ -380,9 +388,10 @@ class Placement:
             self._free_dram_slot(block)
 
     def _free_dram_slot(self, block: Block) -> None:
+        ns = block.namespace
         self.dram.free(block.offset)
-        block.namespace.used_bytes -= block.namespace.slot_bytes
-        self._charge(block.namespace, Tier.DRAM, -block.namespace.slot_bytes)
+        ns.used_bytes -= ns.slot_bytes
+        (ns.account or self.account(ns)).used_bytes[_DRAM] -= ns.slot_bytes
         block.dram_generation += 1
         block.offset = -1
 
@@ -453,21 +462,26 @@ class Placement:
         if ns.blocks.get(block.block_hash) is block:
             del ns.blocks[block.block_hash]
         media = []
+        # The tenant's own orders, where it has caps (inline: every removal passes here).
+        orders = ns.account.order if ns.account is not None else _NO_ORDERS
         if self.disk is not None:
             self.dirty.pop(block, None)
             if self.on_leave is not None:
                 self.on_leave(block)
             if block.disk_slot >= 0:
                 self.disk_policy(ns).remove(block)
-                self._gone(block, Tier.DISK)
+                if (order := orders[_DISK]) is not None:
+                    order.pop(block, None)
                 media.append(Tier.DISK.medium)
         if block.offset >= 0:
             self.dram.policy(ns.slot_bytes).remove(block)
-            self._gone(block, Tier.DRAM)
+            if (order := orders[_DRAM]) is not None:
+                order.pop(block, None)
             media.append(Tier.DRAM.medium)
         if block.gpu_offset >= 0 and self.gpu is not None:
             self.gpu.policy(ns.slot_bytes).remove(block)
-            self._gone(block, Tier.GPU)
+            if (order := orders[_GPU]) is not None:
+                order.pop(block, None)
             media.append(Tier.GPU.medium)
         return media
 
@@ -492,7 +506,7 @@ class Placement:
         self.remove(block, emit=True)
         self.counters.evicted_blocks += 1
 
-    def _allocate(self, ns: Namespace) -> int | None:
+    def _allocate(self, ns: Namespace, account: TenantAccount) -> int | None:
         """A DRAM slot for one block of ns, evicting cold unpinned blocks if needed."""
         quota = self.quota_bytes
         # A disk that cannot take writes (disk.when_full = "reject"): never drop
@@ -507,9 +521,11 @@ class Placement:
         # A tenant at its DRAM cap makes room from its own blocks only (never
         # another tenant's), or gets the answer of a full tier. Under its cap it
         # shares the rest of the tier like any tenant: caps, not reservations.
-        account = self.account(ns)
-        if account.over(Tier.DRAM, ns.slot_bytes) and not self._evict_own(
-            account, Tier.DRAM, ns.slot_bytes, clean_only=keep_dirty
+        cap = account.quota_bytes[_DRAM]
+        if (
+            cap
+            and account.used_bytes[_DRAM] + ns.slot_bytes > cap
+            and not self._evict_own(account, Tier.DRAM, ns.slot_bytes, clean_only=keep_dirty)
         ):
             return None
         alloc = self.dram.allocator

@@ -171,7 +171,7 @@ def test_bad_quota_config_is_refused_precisely(settings, message):
 BLOCK = 16 * 1024
 
 
-def tiered_manager(tmp_path, *, gpu=False, **quota):
+def tiered_manager(tmp_path, *, gpu=False, extra=(), **quota):
     """A manager over a real region and a real disk tier (and a host-mode GPU pool)."""
     (tmp_path / "disk").mkdir(exist_ok=True)
     settings = {
@@ -193,7 +193,8 @@ def tiered_manager(tmp_path, *, gpu=False, **quota):
             "gpu.chunk_bytes": "64KiB",
             "gpu.demote_free_fraction": 0,
         }
-    config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
+    assignments = [f"{k}={v}" for k, v in settings.items()] + list(extra)
+    config = load_config(environ={}, assignments=assignments)
     region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
     return BlockManager(config, region, RecordingSink()), region
 
@@ -287,4 +288,54 @@ def test_warm_restart_restores_each_tenants_usage(tmp_path):
         assert held(m, a, [1, 2, 3, 5, 6]) == [2, 3, 5, 6]
         check_accounts(m)
     finally:
+        region.close(unlink=True)
+
+
+async def test_usage_matches_the_slots_through_random_operations(tmp_path):
+    """Seeded random stores, loads, deletes and clears of three tenants (two capped
+    in DRAM and on disk) over DRAM + disk: after every step each account equals its
+    tenant's slots and no capped tenant is past a cap."""
+    import random
+
+    m, region = tiered_manager(
+        tmp_path,
+        dram_bytes="64KiB",
+        disk_bytes="128KiB",
+        extra=["quotas.tenants.beta.tenant=b", "quotas.tenants.beta.dram_bytes=96KiB"],
+    )
+    rng = random.Random(1234)
+    try:
+        spaces = [
+            m.declare_namespace(make_spec(BLOCK, tenant=t, model=model))
+            for t in (SALT_A, "b", "c")
+            for model in ("m1", "m2")
+        ]
+        caps = {SALT_A: (64 << 10, 128 << 10), "b": (96 << 10, 0)}
+        for _ in range(150):
+            ns = rng.choice(spaces)
+            if ns.namespace_id not in m.namespaces:
+                ns = m.declare_namespace(ns.spec)
+                spaces = [s if s.spec != ns.spec else ns for s in spaces]
+            op = rng.random()
+            hashes = rng.sample(range(64), rng.randint(1, 6))
+            if op < 0.6:
+                store(m, ns, hashes)
+            elif op < 0.8:
+                plan = await m.prepare_load_async(ns.namespace_id, hashes)
+                if plan.lease_id:
+                    m.release([plan.lease_id])
+            elif op < 0.95:
+                m.delete(ns.namespace_id, [h for h in hashes if h in ns.blocks])
+            else:
+                m.clear(ns.namespace_id)
+            await settled(m)
+            check_accounts(m)
+            for tenant, (dram_cap, disk_cap) in caps.items():
+                account = m.placement.accounts.get(tenant)
+                if account is not None:
+                    assert account.used_bytes[Tier.DRAM] <= dram_cap
+                    assert not disk_cap or account.used_bytes[Tier.DISK] <= disk_cap
+        assert m.placement.pinned_blocks == 0
+    finally:
+        await m.close()
         region.close(unlink=True)
