@@ -185,14 +185,21 @@ class Placement:
         return account
 
     def forget_namespace(self, ns: Namespace) -> None:
-        """An empty namespace was dropped: its tenant's account goes with its last one."""
+        """A namespace was dropped: its tenant's account counts one namespace fewer,
+        and accounts with no namespace and no bytes left go.
+
+        ``ns.account`` stays: a Clear drops a namespace whose pinned blocks are
+        only doomed, and their slots, freed at the last unpin, are still its
+        tenant's bytes until then. Sweeping here (rare: a drop) rather than at
+        each free keeps the per-block paths free of it; the map stays bounded by
+        the tenants of live namespaces plus those with doomed blocks."""
         account = ns.account
         if account is None:
             return
-        ns.account = None
         account.namespaces -= 1
-        if account.namespaces == 0 and not any(account.used_bytes):
-            del self.accounts[account.tenant]
+        for tenant in [t for t, a in self.accounts.items() if not a.namespaces]:
+            if not any(self.accounts[tenant].used_bytes):
+                del self.accounts[tenant]
 
     def tenant_stats(self) -> list[TenantStats]:
         """Bytes and caps by tenant (configured names; the others summed)."""

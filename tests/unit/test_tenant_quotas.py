@@ -147,6 +147,25 @@ def test_report_names_configured_tenants_never_salts_and_accounts_go(make_manage
     assert [r.label for r in m.stats().tenants] == ["alpha"]
 
 
+def test_a_cleared_namespace_with_pinned_blocks_keeps_its_bytes_counted(make_manager):
+    m = make_manager(QUOTA_A)
+    a = m.declare_namespace(make_spec(4096, tenant=SALT_A))
+    store(m, a, [1, 2])
+    load = m.prepare_load(a.namespace_id, [1])
+    m.clear(a.namespace_id)  # [1] is doomed (pinned), the namespace is dropped
+    assert a.namespace_id not in m.namespaces
+    account = m.placement.accounts[SALT_A]
+    assert account.namespaces == 0 and account.used_bytes[Tier.DRAM] == 4 << 10
+    again = m.declare_namespace(make_spec(4096, tenant=SALT_A))  # same tenant, new object
+    assert m.placement.accounts[SALT_A] is account and account.namespaces == 1
+    m.release([load.lease_id])  # the doomed block's slot goes: off the same account
+    assert account.used_bytes[Tier.DRAM] == 0 and account.namespaces == 1
+    check_accounts(m)
+    m.clear(again.namespace_id)
+    assert SALT_A not in m.placement.accounts
+    assert [(r.label, r.namespaces) for r in m.stats().tenants] == [("alpha", 0)]
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
