@@ -153,6 +153,15 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"  {name:<5} {t.used_bytes / 2**20:10.1f} / {t.capacity_bytes / 2**20:.1f} MiB ({pct:5.1f}%)"
             f"  blocks={t.blocks} pinned={t.pinned_blocks}"
         )
+    for r in stats.tenants:  # configured names; "_other" sums the rest (docs/tenants.md)
+        parts = []
+        for tier in ("dram", "disk", "gpu"):
+            used, cap = getattr(r, f"{tier}_bytes"), getattr(r, f"{tier}_quota_bytes")
+            if used or cap:
+                of = f" / {cap / 2**20:.1f}" if cap else ""
+                parts.append(f"{tier} {used / 2**20:.1f}{of} MiB")
+        who = f"{r.tenant} ({r.tenants} tenants)" if r.tenant == "_other" else r.tenant
+        print(f"  tenant {who}: namespaces={r.namespaces} " + (", ".join(parts) or "no bytes"))
     looked = stats.lookup_hit_blocks + stats.lookup_miss_blocks
     hit = 100.0 * stats.lookup_hit_blocks / looked if looked else 0.0
     print(

@@ -130,6 +130,33 @@ class LimitsConfig(_Section):
     """Per-namespace cap in the DRAM tier; 0 = none."""
 
 
+class TenantQuotaConfig(_Section):
+    """One tenant's caps (a ``[quotas.tenants.<name>]`` table; docs/tenants.md)."""
+
+    tenant: str
+    """The namespace's tenant this entry caps (vLLM cache_salt; "" = the default tenant)."""
+    dram_bytes: int = 0
+    """Cap in the DRAM tier; 0 = none."""
+    disk_bytes: int = 0
+    """Cap in the disk tier; 0 = none."""
+    gpu_bytes: int = 0
+    """Cap in the GPU tier; 0 = none."""
+
+
+class QuotasConfig(_Section):
+    tenants: dict[str, TenantQuotaConfig] = msgspec.field(default_factory=dict)
+    """Per-tenant caps in bytes per tier, by a name Stats, /metrics and `kvstore status`
+    show instead of the tenant's cache_salt: [quotas.tenants.<name>] with tenant =
+    "<cache_salt>" and dram_bytes / disk_bytes / gpu_bytes (0 = no cap). A tenant at its
+    cap evicts only its own blocks (docs/tenants.md)."""
+    default_dram_bytes: int = 0
+    """DRAM cap of each tenant not listed in quotas.tenants (each on its own); 0 = none."""
+    default_disk_bytes: int = 0
+    """Disk cap of each tenant not listed in quotas.tenants; 0 = none."""
+    default_gpu_bytes: int = 0
+    """GPU cap of each tenant not listed in quotas.tenants; 0 = none."""
+
+
 class MetricsConfig(_Section):
     address: str = "127.0.0.1:9400"
     """host:port of the Prometheus /metrics endpoint; port 0 picks one; "" = off."""
@@ -336,6 +363,7 @@ class Config(_Section):
     eviction: EvictionConfig = msgspec.field(default_factory=EvictionConfig)
     leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
@@ -505,6 +533,7 @@ def validate(config: Config) -> None:
         problems.append("limits.namespace_idle_s must be >= 0")
     if config.limits.max_leases_per_client <= 0 or config.limits.max_leases <= 0:
         problems.append("limits.max_leases_per_client and limits.max_leases must be > 0")
+    problems.extend(_quota_problems(config.quotas))
     if config.gpu.device and (
         config.gpu.chunk_bytes <= 0 or config.gpu.capacity_bytes < config.gpu.chunk_bytes
     ):
@@ -556,6 +585,34 @@ def validate(config: Config) -> None:
     if problems:
         raise ConfigError("invalid config: " + "; ".join(problems))
     Authorizer.from_config(config.auth.principals, "auth.principals")  # its own checks
+
+
+# Tenant names label metrics and Stats rows: Prometheus-safe, and never the label
+# that sums the tenants not configured (kvstore.quotas.OTHER_TENANTS).
+_TENANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def _quota_problems(q: QuotasConfig) -> list[str]:
+    problems = []
+    for name in ("default_dram_bytes", "default_disk_bytes", "default_gpu_bytes"):
+        if getattr(q, name) < 0:
+            problems.append(f"quotas.{name} must be >= 0")
+    seen: dict[str, str] = {}
+    for name, entry in q.tenants.items():
+        if not _TENANT_NAME_RE.match(name):
+            problems.append(
+                f"quotas.tenants.{name}: a tenant name is 1-64 of A-Z a-z 0-9 _ . - "
+                "(it labels metrics), starting with a letter or digit"
+            )
+        for field_name in ("dram_bytes", "disk_bytes", "gpu_bytes"):
+            if getattr(entry, field_name) < 0:
+                problems.append(f"quotas.tenants.{name}.{field_name} must be >= 0")
+        if entry.tenant in seen:
+            problems.append(
+                f"quotas.tenants.{name} and quotas.tenants.{seen[entry.tenant]} cap the same tenant"
+            )
+        seen.setdefault(entry.tenant, name)
+    return problems
 
 
 def to_toml(config: Config) -> str:

@@ -66,6 +66,7 @@ from kvstore.events.sink import EventSink, NullSink
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.namespace import Block, Namespace, NamespaceSpec
 from kvstore.placement import Counters, Placement, StoredBatch
+from kvstore.quotas import QuotaTable, TenantStats
 from kvstore.tiers import Tier, warm
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
 from kvstore.tiers.hierarchy import DiskLayer
@@ -143,6 +144,8 @@ class Stats:
     namespaces: int
     active_leases: int
     counters: Counters = field(default_factory=Counters)
+    # Bytes and caps by tenant: configured names, the others summed (kvstore.quotas).
+    tenants: list[TenantStats] = field(default_factory=list)
 
 
 class BlockManager:
@@ -175,6 +178,7 @@ class BlockManager:
             copy_ttl_s=config.eviction.copy_ttl_s,
             copy_window=config.eviction.copy_window,
             copy_learn=config.eviction.copy_learn,
+            quotas=QuotaTable(config.quotas),  # per-tenant caps (docs/tenants.md)
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
@@ -223,6 +227,7 @@ class BlockManager:
         ns = Namespace(spec, ns_id, spec.block_bytes, slot_bytes_for(spec.block_bytes))
         self.namespaces[ns_id] = ns
         self._ns_used_s[ns_id] = self._clock()
+        self.placement.account(ns)  # its tenant's caps and usage (docs/tenants.md)
         if self.disk is not None:
             self.disk.attach(ns)  # its recovered disk blocks, announced
         return ns
@@ -243,6 +248,7 @@ class BlockManager:
         assert self._is_empty(ns), "dropping a namespace that holds blocks"
         del self.namespaces[ns.namespace_id]
         self._ns_used_s.pop(ns.namespace_id, None)
+        self.placement.forget_namespace(ns)
 
     def _reclaim_namespace(self) -> bool:
         """Drop the least recently used empty namespace idle for namespace_idle_s; False if none.
@@ -371,6 +377,15 @@ class BlockManager:
                         + self.disk.full_message()
                     )
                 capacity = self.allocator.capacity_bytes if gpu is None else gpu.capacity_bytes
+                account = placement.account(ns)
+                if account.over(tier, ns.slot_bytes):
+                    # The same answer as a full tier: the tenant's own share is full.
+                    raise CapacityExhausted(
+                        f"no room for {n} blocks of {ns.block_bytes} bytes: tenant "
+                        f"{account.label!r} is at its {tier.name} quota "
+                        f"({account.quota_bytes[tier]} bytes) and its blocks there are "
+                        "pinned or in flight"
+                    )
                 raise CapacityExhausted(
                     f"no room for {n} blocks of {ns.block_bytes} bytes: the {tier.name} tier "
                     f"({capacity} bytes) is full of pinned or in-flight blocks"
@@ -712,6 +727,7 @@ class BlockManager:
             # Quarantined leases still hold their slots and pins.
             active_leases=len(self.leases) + self.leases.quarantined,
             counters=dataclasses.replace(self.counters),
+            tenants=placement.tenant_stats(),
         )
 
     # --------------------------------------------------------- warm restart
@@ -727,6 +743,7 @@ class BlockManager:
         for ns in restored:
             self.namespaces[ns.namespace_id] = ns
             self._ns_used_s[ns.namespace_id] = self._clock()
+            self.placement.account(ns)
         if restored and self.disk is not None:
             self.disk.wake()  # the restored blocks are dirty: copy them down
 

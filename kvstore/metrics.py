@@ -108,6 +108,27 @@ class ManagerCollector(Collector):
             for name, family in gauges.items():
                 family.add_metric([t.tier.name.lower()], getattr(t, name))
         yield from gauges.values()
+        # By tenant (docs/tenants.md): configured names only, every other tenant
+        # summed under "_other", so the label set is bounded by the config and no
+        # cache_salt is shown. Caps only where one is set.
+        held = GaugeMetricFamily(
+            "kvstore_tenant_bytes",
+            'Bytes a tenant holds in a tier ("_other": the tenants not configured, summed).',
+            labels=["tenant", "tier"],
+        )
+        quota = GaugeMetricFamily(
+            "kvstore_tenant_quota_bytes",
+            'A tenant\'s cap in a tier ("_other": the cap of each tenant not configured).',
+            labels=["tenant", "tier"],
+        )
+        for row in s.tenants:
+            for t in s.tiers:
+                tier = t.tier.name.lower()
+                held.add_metric([row.label, tier], row.used_bytes[t.tier])
+                if row.quota_bytes[t.tier]:
+                    quota.add_metric([row.label, tier], row.quota_bytes[t.tier])
+        yield held
+        yield quota
         yield GaugeMetricFamily("kvstore_lease_active", "Live leases.", value=s.active_leases)
         yield GaugeMetricFamily("kvstore_namespaces", "Declared namespaces.", value=s.namespaces)
         c = s.counters

@@ -157,6 +157,32 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 @dataclass(eq=False, slots=True)
+class TenantAccount:
+    """One tenant's bytes in each tier and its caps (docs/tenants.md), shared by the
+    tenant's namespaces; kept by ``kvstore.placement`` at each transition.
+
+    Lists are indexed by ``Tier`` (1..3; index 0 unused). ``label`` names the
+    tenant in Stats and metrics: its configured name, never its cache_salt.
+    """
+
+    tenant: str
+    label: str
+    configured: bool
+    quota_bytes: list[int]  # 0 = no cap in that tier
+    used_bytes: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    # The tenant's resident blocks in each capped tier, coldest first (insert and
+    # touch order): a tenant at its cap finds its own victims here without
+    # walking the other tenants' blocks. None for a tier without a cap.
+    order: list[dict[Block, None] | None] = field(default_factory=lambda: [None] * 4)
+    namespaces: int = 0  # declared namespaces of this tenant the placement has seen
+
+    def over(self, tier: Tier, extra_bytes: int) -> bool:
+        """True when ``extra_bytes`` more in ``tier`` would pass its cap."""
+        cap = self.quota_bytes[tier]
+        return bool(cap) and self.used_bytes[tier] + extra_bytes > cap
+
+
+@dataclass(eq=False, slots=True)
 class Namespace:
     """A declared namespace and the blocks held under it."""
 
@@ -168,6 +194,8 @@ class Namespace:
     blocks: dict[int, Block] = field(default_factory=dict)
     pending: dict[int, Block] = field(default_factory=dict)
     used_bytes: int = 0
+    # Its tenant's usage and caps (set by kvstore.placement on first use).
+    account: TenantAccount | None = None
 
     # EventSink's NamespaceRef view
     @property

@@ -16,6 +16,11 @@ placement, does its I/O, then reports ``place``/``vacate``; it never imports
 the manager. ``Placement`` itself does no I/O and never awaits: each call is
 atomic on the daemon's event loop.
 
+Tenants (docs/tenants.md): each transition that takes or gives back a slot
+also keeps the tenant's bytes in that tier (``TenantAccount``, one per tenant,
+shared by its namespaces), and a tenant past its cap in a tier finds victims
+among its own blocks only (its own coldest-first order there).
+
 Pins and holds (docs/slot-lifetimes.md): a *pin* says "something reads or
 writes this block's bytes where they are"; a *hold* (counted in ``pins`` too)
 only "keep this block in the store": a held block may change tiers. A slot is
@@ -36,7 +41,8 @@ from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
-from kvstore.namespace import Block, BlockState, Namespace, Tier
+from kvstore.namespace import Block, BlockState, Namespace, TenantAccount, Tier
+from kvstore.quotas import QuotaTable, TenantStats
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 from kvstore.tiers.dram import SlabAllocator
 from kvstore.tiers.pool import GpuSlabPool, SlabPool
@@ -50,6 +56,13 @@ CLEAN_VICTIM_WINDOW = 64
 DISK_VICTIM_WINDOW = 64
 # GPU victims looked at per slot a store needs before giving up.
 GPU_VICTIM_WINDOW = 64
+# Tier indexes of a TenantAccount's lists, as plain ints (the hot paths index them
+# once or twice per block: an IntEnum member costs an attribute lookup and __index__).
+_GPU, _DRAM, _DISK = int(Tier.GPU), int(Tier.DRAM), int(Tier.DISK)
+_NO_ORDERS: tuple[None, ...] = (None, None, None, None)  # a namespace with no account yet
+# A tenant at its cap (docs/tenants.md): its own blocks looked at, coldest first, for
+# a victim, and among the first of them for a clean one (DRAM with a disk tier).
+TENANT_VICTIM_SCAN = 4096
 # Copy-aware eviction: unpinned DRAM victims looked at for a redundant copy (one
 # a lower-id node is believed to hold) before a sole copy goes (docs/eviction.md),
 # by default and at most (eviction.copy_window).
@@ -90,6 +103,7 @@ class Placement:
         copy_ttl_s: float = 300.0,
         copy_window: int = COPY_VICTIM_WINDOW,
         copy_learn: str = "served",
+        quotas: QuotaTable | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -113,6 +127,11 @@ class Placement:
         self.learn_served = copy_learn in ("served", "both")
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
+        # Per-tenant caps and usage (docs/tenants.md): one account per tenant, by
+        # tenant, shared by its namespaces; bounded by the declared namespaces
+        # (forget_namespace drops an account with none).
+        self.quotas = quotas or QuotaTable()
+        self.accounts: dict[str, TenantAccount] = {}
         self.eviction_policy = eviction_policy
         self.dram = SlabPool(dram_allocator, eviction_policy)
         self.gpu: GpuSlabPool | None = None
@@ -152,6 +171,58 @@ class Placement:
             return self.gpu
         return self.dram
 
+    # --------------------------------------------------------- tenants
+
+    def account(self, ns: Namespace) -> TenantAccount:
+        """The tenant account of ns (created, with its caps, on first use)."""
+        account = ns.account
+        if account is None:
+            account = self.accounts.get(ns.tenant)
+            if account is None:
+                account = self.accounts[ns.tenant] = self.quotas.account(ns.tenant)
+            account.namespaces += 1
+            ns.account = account
+        return account
+
+    def forget_namespace(self, ns: Namespace) -> None:
+        """A namespace was dropped: its tenant's account counts one namespace fewer,
+        and accounts with no namespace and no bytes left go.
+
+        ``ns.account`` stays: a Clear drops a namespace whose pinned blocks are
+        only doomed, and their slots, freed at the last unpin, are still its
+        tenant's bytes until then. Sweeping here (rare: a drop) rather than at
+        each free keeps the per-block paths free of it; the map stays bounded by
+        the tenants of live namespaces plus those with doomed blocks."""
+        account = ns.account
+        if account is None:
+            return
+        account.namespaces -= 1
+        for tenant in [t for t, a in self.accounts.items() if not a.namespaces]:
+            if not any(self.accounts[tenant].used_bytes):
+                del self.accounts[tenant]
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Bytes and caps by tenant (configured names; the others summed)."""
+        # A snapshot: /metrics reads this from its own thread.
+        return self.quotas.report(list(self.accounts.values()))
+
+    def _resident(self, block: Block, tier: Tier) -> None:
+        """The block's copy in ``tier`` entered that tier's eviction order: its
+        tenant's own order too, when the tenant has a cap there."""
+        order = self.account(block.namespace).order[tier]
+        if order is not None:
+            order[block] = None
+
+    def _gone(self, block: Block, tier: Tier) -> None:
+        """The block's copy in ``tier`` left that tier's eviction order."""
+        account = block.namespace.account
+        if account is not None and (order := account.order[tier]) is not None:
+            order.pop(block, None)
+
+    def _charge(self, ns: Namespace, tier: Tier, nbytes: int) -> None:
+        """A slot of ns in ``tier`` was taken (nbytes > 0) or given back (< 0)."""
+        self.account(ns).used_bytes[tier] += nbytes
+
     # ------------------------------------------------------------ pins
 
     def pin(self, block: Block) -> None:
@@ -187,6 +258,11 @@ class Placement:
     def touch(self, block: Block) -> None:
         if block.state is BlockState.COMMITTED:
             self.dram.policy(block.namespace.slot_bytes).touch(block)
+            account = block.namespace.account
+            order = account.order[_DRAM] if account is not None else None
+            # Resident in the tenant's order (pop finds it): back in as the hottest.
+            if order is not None and order.pop(block, 0) is None:
+                order[block] = None
 
     @staticmethod
     def set_checksum(block: Block, checksum: int) -> None:
@@ -234,9 +310,12 @@ class Placement:
         The slot counts against the namespace at once; ``occupy``/``place`` put
         the block in it, ``unreserve`` gives it back."""
         ns = block.namespace
+        account = ns.account or self.account(ns)
         if evict:
-            offset = self._allocate(ns)
-        elif self.quota_bytes and ns.used_bytes + ns.slot_bytes > self.quota_bytes:
+            offset = self._allocate(ns, account)
+        elif (self.quota_bytes and ns.used_bytes + ns.slot_bytes > self.quota_bytes) or (
+            account.quota_bytes[_DRAM] and account.over(Tier.DRAM, ns.slot_bytes)
+        ):
             offset = None
         else:
             offset = self.dram.allocator.alloc(ns.slot_bytes)  # free room only
@@ -244,12 +323,19 @@ class Placement:
             return None
         self.dram.owner[offset] = block
         ns.used_bytes += ns.slot_bytes
+        account.used_bytes[_DRAM] += ns.slot_bytes
         return offset
 
     def reserve_gpu(self, block: Block) -> int | None:
         """A free GPU pool slot for ``block`` (making room is the GPU mover's: it must copy)."""
         assert self.gpu is not None, "no GPU tier"
-        return self.gpu.alloc(block)
+        ns = block.namespace
+        if self.account(ns).over(Tier.GPU, ns.slot_bytes):
+            return None  # at its cap: gpu_room_victims names its own blocks to move
+        offset = self.gpu.alloc(block)
+        if offset is not None:
+            self._charge(ns, Tier.GPU, ns.slot_bytes)
+        return offset
 
     def unreserve(self, block: Block, tier: Tier, offset: int) -> None:
         """Give back a slot reserved for a block that never moved into it."""
@@ -257,6 +343,7 @@ class Placement:
         assert owner is block, "unreserving another block's slot"
         if tier is Tier.DRAM:
             block.namespace.used_bytes -= block.namespace.slot_bytes
+        self._charge(block.namespace, tier, -block.namespace.slot_bytes)
 
     def occupy(self, block: Block, tier: Tier, offset: int) -> None:
         """A new store's block takes its reserved slot (pending until commit)."""
@@ -283,12 +370,15 @@ class Placement:
         ns = blocks[0].namespace
         chosen = set(map(id, committed))
         policy = self.pool(tier).policy(ns.slot_bytes)
+        order = (ns.account or self.account(ns)).order[tier]  # the tenant's, if capped there
         for block in blocks:
             del ns.pending[block.block_hash]
             if id(block) in chosen:
                 block.state = BlockState.COMMITTED
                 ns.blocks[block.block_hash] = block
                 policy.insert(block)
+                if order is not None:
+                    order[block] = None
             else:
                 self.abort(block)
         self.counters.stored_blocks += len(committed)
@@ -305,14 +395,17 @@ class Placement:
             self._free_dram_slot(block)
 
     def _free_dram_slot(self, block: Block) -> None:
+        ns = block.namespace
         self.dram.free(block.offset)
-        block.namespace.used_bytes -= block.namespace.slot_bytes
+        ns.used_bytes -= ns.slot_bytes
+        (ns.account or self.account(ns)).used_bytes[_DRAM] -= ns.slot_bytes
         block.dram_generation += 1
         block.offset = -1
 
     def _free_gpu_slot(self, block: Block) -> None:
         assert self.gpu is not None
         self.gpu.free(block.gpu_offset)
+        self._charge(block.namespace, Tier.GPU, -block.namespace.slot_bytes)
         block.gpu_offset = -1
 
     def _dirty(self, blocks: Iterable[Block]) -> None:
@@ -376,18 +469,26 @@ class Placement:
         if ns.blocks.get(block.block_hash) is block:
             del ns.blocks[block.block_hash]
         media = []
+        # The tenant's own orders, where it has caps (inline: every removal passes here).
+        orders = ns.account.order if ns.account is not None else _NO_ORDERS
         if self.disk is not None:
             self.dirty.pop(block, None)
             if self.on_leave is not None:
                 self.on_leave(block)
             if block.disk_slot >= 0:
                 self.disk_policy(ns).remove(block)
+                if (order := orders[_DISK]) is not None:
+                    order.pop(block, None)
                 media.append(Tier.DISK.medium)
         if block.offset >= 0:
             self.dram.policy(ns.slot_bytes).remove(block)
+            if (order := orders[_DRAM]) is not None:
+                order.pop(block, None)
             media.append(Tier.DRAM.medium)
         if block.gpu_offset >= 0 and self.gpu is not None:
             self.gpu.policy(ns.slot_bytes).remove(block)
+            if (order := orders[_GPU]) is not None:
+                order.pop(block, None)
             media.append(Tier.GPU.medium)
         return media
 
@@ -412,7 +513,7 @@ class Placement:
         self.remove(block, emit=True)
         self.counters.evicted_blocks += 1
 
-    def _allocate(self, ns: Namespace) -> int | None:
+    def _allocate(self, ns: Namespace, account: TenantAccount) -> int | None:
         """A DRAM slot for one block of ns, evicting cold unpinned blocks if needed."""
         quota = self.quota_bytes
         # A disk that cannot take writes (disk.when_full = "reject"): never drop
@@ -422,6 +523,16 @@ class Placement:
             quota
             and ns.used_bytes + ns.slot_bytes > quota
             and not self._evict_one(ns.slot_bytes, only=ns, clean_only=keep_dirty)
+        ):
+            return None
+        # A tenant at its DRAM cap makes room from its own blocks only (never
+        # another tenant's), or gets the answer of a full tier. Under its cap it
+        # shares the rest of the tier like any tenant: caps, not reservations.
+        cap = account.quota_bytes[_DRAM]
+        if (
+            cap
+            and account.used_bytes[_DRAM] + ns.slot_bytes > cap
+            and not self._evict_own(account, Tier.DRAM, ns.slot_bytes, clean_only=keep_dirty)
         ):
             return None
         alloc = self.dram.allocator
@@ -483,6 +594,46 @@ class Placement:
         self._evict(victim)
         return True
 
+    def _own_victim(
+        self, account: TenantAccount, tier: Tier, slot_bytes: int, *, clean_only: bool = False
+    ) -> Block | None:
+        """The coldest unpinned block of the tenant in ``tier`` among its
+        TENANT_VICTIM_SCAN coldest: one of ``slot_bytes`` first (its slot is the one
+        the caller needs), clean ones (also on disk) preferred in DRAM with a disk
+        tier; else one of another size (the tenant's bytes go down all the same)."""
+        order = account.order[tier]
+        assert order is not None, "victims of a tier without a cap"
+        prefer_clean = tier is Tier.DRAM and self.disk is not None
+        same: Block | None = None
+        other: Block | None = None
+        window = CLEAN_VICTIM_WINDOW
+        for block in itertools.islice(order, TENANT_VICTIM_SCAN):
+            if block.pins or (clean_only and block.disk_slot < 0):
+                continue
+            if block.namespace.slot_bytes != slot_bytes:
+                other = other or block
+                continue
+            if not prefer_clean or block.disk_slot >= 0:
+                return block
+            same = same or block
+            window -= 1
+            if window <= 0:
+                break
+        return same or other
+
+    def _evict_own(
+        self, account: TenantAccount, tier: Tier, slot_bytes: int, *, clean_only: bool = False
+    ) -> bool:
+        """Evict the tenant's own coldest unpinned blocks from DRAM (or the GPU pool's
+        caller moves them: see gpu_room_victims) until ``slot_bytes`` more fit its cap.
+        False when they cannot (all pinned)."""
+        while account.over(tier, slot_bytes):
+            victim = self._own_victim(account, tier, slot_bytes, clean_only=clean_only)
+            if victim is None:
+                return False
+            self._evict(victim)
+        return True
+
     def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False) -> bool:
         """Free a whole chunk held by another slot size whose blocks are all evictable."""
         victims = self.dram.chunk_victims(slot_bytes, self._clean if clean_only else None)
@@ -527,6 +678,8 @@ class Placement:
                 block.disk_slot = entry.slot
                 ns.blocks[h] = block
             self.disk_policy(ns).insert(block)
+            self._resident(block, Tier.DISK)
+            self._charge(ns, Tier.DISK, align_up(ns.block_bytes))
             adopted.append(h)
         if adopted:
             self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
@@ -536,6 +689,7 @@ class Placement:
         """DRAM eviction of a clean block: it stays, on disk only."""
         ns = block.namespace
         self.dram.policy(ns.slot_bytes).remove(block)
+        self._gone(block, Tier.DRAM)
         self._free_dram_slot(block)
         self.clean_bytes -= ns.slot_bytes
         self.counters.demoted_blocks += 1
@@ -545,7 +699,9 @@ class Placement:
         """Forget a block's disk copy (it must not be pinned by a disk read)."""
         assert self.disk is not None
         self.disk_policy(block.namespace).remove(block)
+        self._gone(block, Tier.DISK)
         self.disk.free(block.disk_slot)
+        self._charge(block.namespace, Tier.DISK, -align_up(block.namespace.block_bytes))
         block.disk_slot = -1
         if block.offset >= 0:
             self.clean_bytes -= block.namespace.slot_bytes
@@ -554,17 +710,40 @@ class Placement:
 
     def reserve_disk(self, ns: Namespace) -> int | None:
         """A disk slot for one block of ns, dropping the disk's coldest copies if needed."""
+        slot = self._disk_slot(ns)
+        if slot is not None:
+            self._charge(ns, Tier.DISK, align_up(ns.block_bytes))
+        return slot
+
+    def tenant_disk_room(self, ns: Namespace) -> bool:
+        """Whether one more block of ns fits its tenant's disk cap, dropping the
+        tenant's own coldest unpinned disk copies to make it fit. False when it
+        cannot (they are all pinned): the block is not demoted, and no other
+        tenant's copy goes (the demoter skips it; the disk is not full)."""
+        account = self.account(ns)
+        nbytes = align_up(ns.block_bytes)
+        while account.over(Tier.DISK, nbytes):
+            victim = self._own_victim(account, Tier.DISK, ns.slot_bytes)
+            if victim is None:
+                return False
+            self._drop_disk_victim(victim)
+        return True
+
+    def _drop_disk_victim(self, victim: Block) -> None:
+        if victim.offset >= 0 or victim.gpu_offset >= 0:
+            self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
+        else:
+            self.remove(victim, emit=True)  # its only copy: the block leaves the store
+            self.counters.evicted_blocks += 1
+
+    def _disk_slot(self, ns: Namespace) -> int | None:
         disk = self.disk
         assert disk is not None
         slot = disk.allocate(ns.block_bytes)
         if slot is not None:
             return slot
         for victim in self._disk_victims(ns):
-            if victim.offset >= 0 or victim.gpu_offset >= 0:
-                self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
-            else:
-                self.remove(victim, emit=True)  # its only copy: the block leaves the store
-                self.counters.evicted_blocks += 1
+            self._drop_disk_victim(victim)
             slot = disk.allocate(ns.block_bytes)
             if slot is not None:
                 return slot
@@ -586,10 +765,16 @@ class Placement:
         coldest = itertools.islice(self.disk_policy(ns).victims(), DISK_VICTIM_WINDOW)
         return [b for b in cast("Iterator[Block]", coldest) if not b.pins]
 
-    def unreserve_disk(self, slot: int) -> None:
-        """Give back a disk slot whose write did not become a block's copy."""
+    def unreserve_disk(self, ns: Namespace, slot: int) -> None:
+        """Give back a disk slot of ns whose write did not become a block's copy."""
         assert self.disk is not None
         self.disk.free(slot)
+        self._charge(ns, Tier.DISK, -align_up(ns.block_bytes))
+
+    def disk_write_failed(self, ns: Namespace) -> None:
+        """A write into a disk slot reserved for ns failed or was cancelled: the disk
+        tier gave the slot back itself (DiskTier.write); its tenant's bytes too."""
+        self._charge(ns, Tier.DISK, -align_up(ns.block_bytes))
 
     def place_disk(
         self, block: Block, slot: int, checksum: int, *, dram_offset: int, dram_generation: int
@@ -612,6 +797,7 @@ class Placement:
         block.checksum = checksum
         self.clean_bytes += ns.slot_bytes
         self.disk_policy(ns).insert(block)
+        self._resident(block, Tier.DISK)
         self.sink.blocks_stored(ns, [block.block_hash], Tier.DISK.medium, None, None)
         return True
 
@@ -637,11 +823,14 @@ class Placement:
             block.offset = offset
             self.clean_bytes += ns.slot_bytes
             self.dram.policy(ns.slot_bytes).insert(block)
+            self._resident(block, Tier.DRAM)
             promoted.append(block)
         for block, offset, corrupt in missed:
             self.unreserve(block, Tier.DRAM, offset)
             if corrupt:
                 self.disk_policy(ns).remove(block)
+                self._gone(block, Tier.DISK)
+                self._charge(ns, Tier.DISK, -align_up(ns.block_bytes))  # the tier freed it
                 block.disk_slot = -1
                 if not block.doomed:
                     # It leaves the index now, its slots at its last unpin (the read's).
@@ -669,6 +858,31 @@ class Placement:
         assert self.gpu is not None
         return self.gpu.chunk_victims(slot_bytes)
 
+    def gpu_room_victims(self, block: Block) -> list[Block] | None:
+        """The GPU blocks to move out so ``block`` gets a pool slot: for a tenant at
+        its GPU cap, its own coldest unpinned ones (enough to fit; None when they
+        are pinned: no other tenant's block moves for it); else the coldest
+        unpinned block of its size, or the blocks of the coldest chunk of another
+        size."""
+        assert self.gpu is not None
+        ns = block.namespace
+        account = self.account(ns)
+        if account.over(Tier.GPU, ns.slot_bytes):
+            victims: list[Block] = []
+            order = account.order[Tier.GPU]
+            assert order is not None
+            freed = 0
+            for b in itertools.islice(order, TENANT_VICTIM_SCAN):
+                if b.pins:
+                    continue
+                victims.append(b)
+                freed += b.namespace.slot_bytes
+                if not account.over(Tier.GPU, ns.slot_bytes - freed):
+                    return victims
+            return None
+        victim = self.gpu_victim(ns.slot_bytes)
+        return [victim] if victim is not None else self.gpu_chunk_victims(ns.slot_bytes)
+
     def vacate_gpu(self, block: Block, dram_offset: int | None) -> None:
         """A committed GPU block leaves the pool: into its reserved DRAM slot
         ``dram_offset`` (its bytes copied there), else onto its disk copy, else out
@@ -676,6 +890,7 @@ class Placement:
         assert self.gpu is not None
         ns = block.namespace
         self.gpu.policy(ns.slot_bytes).remove(block)
+        self._gone(block, Tier.GPU)
         if dram_offset is None and block.disk_slot < 0:
             self.remove(block, emit=True)
             self.counters.evicted_blocks += 1
@@ -694,6 +909,7 @@ class Placement:
         assert self.gpu is not None
         ns = block.namespace
         self.dram.policy(ns.slot_bytes).remove(block)
+        self._gone(block, Tier.DRAM)
         self._free_dram_slot(block)
         if self.disk is not None:
             if block.disk_slot >= 0:
@@ -704,6 +920,7 @@ class Placement:
                     self.on_leave(block)
         block.gpu_offset = gpu_offset
         self.gpu.policy(ns.slot_bytes).insert(block)
+        self._resident(block, Tier.GPU)
         self.counters.promoted_blocks += 1
         self.sink.blocks_stored(ns, [block.block_hash], Tier.GPU.medium, None, None)
         self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
@@ -712,6 +929,7 @@ class Placement:
         ns = block.namespace
         block.offset = offset
         self.dram.policy(ns.slot_bytes).insert(block)
+        self._resident(block, Tier.DRAM)
         if self.disk is not None:
             if block.disk_slot >= 0:
                 self.clean_bytes += ns.slot_bytes
@@ -740,7 +958,9 @@ class Placement:
             self.dram.owner[offset] = block
             ns.blocks[block_hash] = block
             ns.used_bytes += ns.slot_bytes
+            self._charge(ns, Tier.DRAM, ns.slot_bytes)
             self.dram.policy(ns.slot_bytes).insert(block)
+            self._resident(block, Tier.DRAM)
             restored.append(block)
             if self.disk is not None:
                 self.dirty[block] = None

@@ -364,6 +364,20 @@ class StoreService(pb_grpc.StoreServiceServicer):
             loaded_blocks=c.loaded_blocks,
             demoted_blocks=c.demoted_blocks,
             promoted_blocks=c.promoted_blocks,
+            tenants=[
+                pb.TenantStats(
+                    tenant=r.label,
+                    namespaces=r.namespaces,
+                    tenants=r.tenants,
+                    dram_bytes=r.used_bytes[Tier.DRAM],
+                    dram_quota_bytes=r.quota_bytes[Tier.DRAM],
+                    disk_bytes=r.used_bytes[Tier.DISK],
+                    disk_quota_bytes=r.quota_bytes[Tier.DISK],
+                    gpu_bytes=r.used_bytes[Tier.GPU],
+                    gpu_quota_bytes=r.quota_bytes[Tier.GPU],
+                )
+                for r in s.tenants
+            ],
             peer=[
                 pb.PeerTransportStats(transport=t, **dataclasses.asdict(p))
                 for t, p in (self.peer_counters.by_transport.items() if self.peer_counters else ())

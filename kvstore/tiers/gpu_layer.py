@@ -125,9 +125,7 @@ class GpuLayer:
         offset = p.reserve_gpu(block)
         if offset is not None:
             return offset
-        slot_bytes = block.namespace.slot_bytes
-        victim = p.gpu_victim(slot_bytes)
-        victims = [victim] if victim is not None else p.gpu_chunk_victims(slot_bytes)
+        victims = p.gpu_room_victims(block)  # a tenant at its cap: its own only
         if not victims:
             return None
         for victim in victims:

@@ -268,6 +268,8 @@ class DiskLayer:
                 return
             if block.pins or block.offset < 0:
                 continue
+            if not p.tenant_disk_room(block.namespace):
+                continue  # its tenant is at its disk cap, its copies pinned: not demoted
             slot = p.reserve_disk(block.namespace)
             if slot is None:
                 self._paused_until_s = time.monotonic() + DISK_FULL_BACKOFF_S
@@ -287,6 +289,7 @@ class DiskLayer:
         """Write the DRAM copy at ``offset`` (of ``generation``) to disk ``slot``."""
         p = self.placement
         ns = block.namespace
+        settled = False  # the slot became the block's copy or was given back by us
         try:
             view = self.region.view(offset, ns.block_bytes)
             checksum = await self.tier.write(slot, view, (ns.namespace_id, block.block_hash))
@@ -302,13 +305,16 @@ class DiskLayer:
             if not p.place_disk(
                 block, slot, checksum, dram_offset=offset, dram_generation=generation
             ):
-                p.unreserve_disk(slot)  # deleted while it was written
+                p.unreserve_disk(ns, slot)  # deleted while it was written
+            settled = True
             if self.full_reason and (
                 not p.dirty or time.monotonic() - self._full_at_s >= DISK_FULL_CLEAR_S
             ):
                 log.warning("disk tier %s takes writes again", self.config.path)
                 self.full_reason = ""
         finally:
+            if not settled:
+                p.disk_write_failed(ns)  # the tier gave the slot back itself
             self._inflight_bytes -= ns.slot_bytes
             p.unpin(block)
             # Leave the in-flight set before waking the loop (a done callback

@@ -304,7 +304,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks", "peer")
+    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks", "peer", "tenants")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class StatsResponse(_message.Message):
     DEMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -333,7 +334,30 @@ class StatsResponse(_message.Message):
     demoted_blocks: int
     promoted_blocks: int
     peer: _containers.RepeatedCompositeFieldContainer[PeerTransportStats]
-    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., peer: _Optional[_Iterable[_Union[PeerTransportStats, _Mapping]]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., peer: _Optional[_Iterable[_Union[PeerTransportStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("tenant", "namespaces", "tenants", "dram_bytes", "dram_quota_bytes", "disk_bytes", "disk_quota_bytes", "gpu_bytes", "gpu_quota_bytes")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAM_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GPU_QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    namespaces: int
+    tenants: int
+    dram_bytes: int
+    dram_quota_bytes: int
+    disk_bytes: int
+    disk_quota_bytes: int
+    gpu_bytes: int
+    gpu_quota_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., namespaces: _Optional[int] = ..., tenants: _Optional[int] = ..., dram_bytes: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_quota_bytes: _Optional[int] = ..., gpu_bytes: _Optional[int] = ..., gpu_quota_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerTransportStats(_message.Message):
     __slots__ = ("transport", "pulls", "pull_failures", "fetched_blocks", "fetched_bytes", "checksum_failed_blocks", "pull_s", "serve_pins", "serve_failures", "served_blocks", "served_bytes")
