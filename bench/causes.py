@@ -3,7 +3,8 @@ every recomputed token to, with their report labels (shared by the replay and th
 
 from __future__ import annotations
 
-# Why a recomputed input token was not served from any cache (see Replay._diagnose).
+# Why a recomputed input token was not served from any cache (see class Diagnosis in
+# bench/agentic_diagnosis.py).
 CAUSES: dict[str, str] = {
     "new": "new in the trace (first sight: tool output, a task's first read)",
     "partial_block": "partial last block (caches hold whole blocks) and the last token",

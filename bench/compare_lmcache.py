@@ -82,7 +82,8 @@ class LMCacheMPSystem:
                 "head_dim": self.head_dim,
             },
         )
-        self._instance_id = self._reg._instance_id
+        # LMCache's SDK object (not kvstore's) has no public getter for it.
+        self._instance_id = self._reg._instance_id  # noqa: SLF001
         self._xfer = ContiguousTransferWrapper(self._reg.engine_driven_context, CHUNK_TOKENS)
         self._key_cls = IPCCacheServerKey
 

@@ -38,7 +38,7 @@ import zmq
 
 from bench._common import repeat, summarize
 from kvstore.events.wire import BlockStored, KVEventBatch, lean_decoder
-from kvstore.hashing import BlockHasher
+from kvstore.hashing import BlockHasher, hash_fn
 from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.subscriber import SourceSpec, Subscriber
@@ -203,11 +203,12 @@ def ingest_zmq(payloads: list[bytes], per_batch_hashes: int) -> float:
         # done = every hash is in the index (read under the index lock, so a
         # flush in progress is waited for)
         want = len({h for p in payloads for h in _hashes_of(p)})
+        index = ix.index
+        assert isinstance(index, MemoryIndex), type(index)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             with ix.lock:
-                table = ix.index._tables.get("model")  # type: ignore[attr-defined]
-                if table is not None and table.used >= want:
+                if index.block_count("model") >= want:
                     break
             time.sleep(0.001)
         else:
@@ -218,6 +219,20 @@ def ingest_zmq(payloads: list[bytes], per_batch_hashes: int) -> float:
     finally:
         ix.close()
         pub.close(linger=0)
+
+
+def reference_hashes(hasher: BlockHasher, tokens: np.ndarray, n_blocks: int) -> list[bytes]:
+    """The reference the fast path is measured against: vLLM's way, the hash
+    function (pickle.dumps + digest) over (parent, block tokens, extra keys), one
+    block at a time, from the hasher's public settings."""
+    fn, bs = hash_fn(hasher.algo), hasher.block_size
+    ids = tokens.tolist()
+    prev = hasher.none_hash
+    out: list[bytes] = []
+    for i in range(n_blocks):
+        prev = fn((prev, tuple(ids[i * bs : (i + 1) * bs]), None))
+        out.append(prev)
+    return out
 
 
 def _hashes_of(payload: bytes) -> list[int]:
@@ -283,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     hasher = BlockHasher(args.block_size)
     n_blocks = tokens.size // args.block_size
     fast = summarize(repeat(lambda: hasher.hash_tokens(tokens), 7))
-    generic = summarize(repeat(lambda: hasher._generic(tokens, n_blocks, None, None), 7))
+    generic = summarize(repeat(lambda: reference_hashes(hasher, tokens, n_blocks), 7))
     print(f"\nhash {tokens.size} tokens (sha256/pickle): fast {fmt_ms(fast)}")
     print(f"  reference (pickle.dumps per block, as vLLM): {fmt_ms(generic)}")
     print(f"  ratio reference/fast: {generic.median_s / fast.median_s:.2f}x")
@@ -333,21 +348,22 @@ def run(args: argparse.Namespace) -> int:
 
     # redis ------------------------------------------------------------------------------
     if args.redis != "off":
+        import redis
+
         from kvstore.indexer.redis_index import RedisIndex
 
         local = LocalRedis() if args.redis == "auto" else None
         url = local.url if local else args.redis
         try:
-            r = RedisIndex(
-                url,
-                key_prefix=f"kvbench{int(time.time())}",
-                max_nodes=max(128, (args.nodes + 63) // 64 * 64),
-            )
-            before = int(r._r.info("memory")["used_memory"])
+            key_prefix = f"kvbench{int(time.time())}"
+            max_nodes = max(128, (args.nodes + 63) // 64 * 64)
+            r = RedisIndex(url, key_prefix=key_prefix, max_nodes=max_nodes)
+            server = redis.Redis.from_url(url)  # the server's own memory figure
+            before = int(server.info("memory")["used_memory"])
             t0 = time.perf_counter()
             populate(r, np.random.default_rng(args.seed + 1), args, request)
             rfill = replicas / (time.perf_counter() - t0)
-            after = int(r._r.info("memory")["used_memory"])
+            after = int(server.info("memory")["used_memory"])
             r_scores = r.score("model", request)
             r_s = summarize(
                 repeat(lambda: r.score("model", request), max(10, args.score_repeats // 4))
@@ -365,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
             from kvstore.indexer.mirror import MirroredIndex
 
             t0 = time.perf_counter()
-            mirror = MirroredIndex(RedisIndex(url, key_prefix=r._p, max_nodes=r._max_nodes))
+            mirror = MirroredIndex(RedisIndex(url, key_prefix=key_prefix, max_nodes=max_nodes))
             load_s = time.perf_counter() - t0
             m_scores = mirror.score("model", request)
             m_s = summarize(repeat(lambda: mirror.score("model", request), args.score_repeats))
@@ -404,6 +420,7 @@ def run(args: argparse.Namespace) -> int:
             ok &= direct_ok and mem_rate <= 5 * r_rate
             mirror.close()
             r.close()
+            server.close()
         finally:
             if local:
                 local.close()

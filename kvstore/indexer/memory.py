@@ -227,6 +227,11 @@ class MemoryIndex:
     def models(self) -> list[str]:
         return sorted(self._tables)
 
+    def block_count(self, model: str) -> int:
+        """Distinct blocks indexed for ``model`` (constant time, unlike stats())."""
+        t = self._tables.get(model)
+        return 0 if t is None else t.used
+
     def _table(self, model: str) -> _Table:
         t = self._tables.get(model)
         if t is None:

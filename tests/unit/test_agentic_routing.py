@@ -9,15 +9,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import agentic as A
+from bench.agentic_diagnosis import Diagnosis, Tally
+from bench.agentic_engine import GpuCacheModel
+from bench.agentic_replay import block_payload, verify
+from bench.agentic_routing import EventIndex, index_scores
 from router_client import NodeLoad, make_strategy
 
 
 def test_gpu_cache_events_reach_the_index_and_precise_router(tmp_path: Path) -> None:
     ep0, ep1 = f"ipc://{tmp_path}/e0", f"ipc://{tmp_path}/e1"
-    g0 = A.GpuCacheModel("n0", 3, ep0, 16)
-    g1 = A.GpuCacheModel("n1", 3, ep1, 16)
-    index = A.EventIndex([ep0, ep1])
+    g0 = GpuCacheModel("n0", 3, ep0, 16)
+    g1 = GpuCacheModel("n1", 3, ep1, 16)
+    index = EventIndex([ep0, ep1])
     try:
         time.sleep(0.3)  # ZMQ slow joiner
         hashes = np.array([11, 12, 13, 14], dtype=np.uint64)
@@ -34,7 +37,7 @@ def test_gpu_cache_events_reach_the_index_and_precise_router(tmp_path: Path) -> 
         assert index.score(hashes[1:])["n1"].gpu_blocks == 3
         assert "n1" not in index.score(hashes)  # 11 was removed: no prefix from block 0
         idle = {"n0": NodeLoad(), "n1": NodeLoad()}
-        scores = A.index_scores(index, hashes[1:])
+        scores = index_scores(index, hashes[1:])
         assert router.choose(hashes[1:], ["n0", "n1"], idle, scores).node == "n1"
     finally:
         g0.close()
@@ -44,12 +47,12 @@ def test_gpu_cache_events_reach_the_index_and_precise_router(tmp_path: Path) -> 
 
 def test_block_payload_verifies_and_detects_corruption() -> None:
     hashes = np.array([5, 2**64 - 1, 42], dtype=np.uint64)
-    data = A.block_payload(hashes, 64)
+    data = block_payload(hashes, 64)
     assert data.shape == (3, 64)
-    assert A.verify(data, hashes) == 0
+    assert verify(data, hashes) == 0
     data[1, 10] ^= 1
-    assert A.verify(data, hashes) == 1
-    assert A.verify(data[:0], hashes[:0]) == 0
+    assert verify(data, hashes) == 1
+    assert verify(data[:0], hashes[:0]) == 0
 
 
 def test_diagnosis_attributes_every_recomputed_token(tmp_path: Path) -> None:
@@ -59,15 +62,15 @@ def test_diagnosis_attributes_every_recomputed_token(tmp_path: Path) -> None:
     last whole block are the partial block. Engines only (no daemons): a lost
     block is in another engine's cache or evicted from all of them."""
     B = 16
-    g0 = A.GpuCacheModel("n0", 8, f"ipc://{tmp_path}/e0", B)
-    g1 = A.GpuCacheModel("n1", 8, f"ipc://{tmp_path}/e1", B)
+    g0 = GpuCacheModel("n0", 8, f"ipc://{tmp_path}/e0", B)
+    g1 = GpuCacheModel("n1", 8, f"ipc://{tmp_path}/e1", B)
     try:
-        diag = A.Diagnosis([], [], [g0, g1], None, False, False, B)
+        diag = Diagnosis([], [], [g0, g1], None, False, False, B)
         hashes = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint64)
         diag.computed.update([1, 2, 3])  # a finished request computed blocks 1..3
         diag.inflight[4] = 1  # a running one is computing block 4
         g1.insert(hashes[:3])  # and node 1's engine still holds 1..3
-        tally = A.Tally()
+        tally = Tally()
         # Served block 1 on node 0; 5 blocks recomputed + 7 tokens past the last block.
         recompute = 5 * B + 7
         diag.attribute(hashes, 1, recompute, 0, -1, tally)
@@ -77,7 +80,7 @@ def test_diagnosis_attributes_every_recomputed_token(tmp_path: Path) -> None:
         assert sum(c.values()) == recompute
         # Once node 1 forgets them too, the same blocks are evicted everywhere.
         g1.insert(np.arange(100, 108, dtype=np.uint64))
-        tally = A.Tally()
+        tally = Tally()
         diag.attribute(hashes, 1, recompute, 0, -1, tally)
         assert tally.recompute_causes["evicted_gpu"] == 2 * B
     finally:

@@ -35,6 +35,21 @@ def test_removals_reclaim_memory():
     assert ix.score("m", hashes[:10])[0].prefix_blocks == 10
 
 
+def test_block_count_per_model_follows_adds_and_removes():
+    """block_count (what kvstore-bench indexer polls for ingest completion) is the
+    distinct blocks of one model, whatever the nodes and tiers holding them."""
+    ix = MemoryIndex()
+    assert ix.block_count("m") == 0
+    ix.add("m", "a", "CPU", np.array([1, 2, 3], dtype=np.uint64))
+    ix.add("m", "b", "GPU", np.array([2, 3, 4], dtype=np.uint64))
+    ix.add("other", "a", "CPU", np.array([9], dtype=np.uint64))
+    assert ix.block_count("m") == 4
+    assert ix.block_count("other") == 1
+    ix.remove("m", "a", "CPU", np.array([1, 2], dtype=np.uint64))
+    assert ix.block_count("m") == 3  # 2 is still on b
+    assert ix.block_count("m") + ix.block_count("other") == ix.stats()["blocks"]
+
+
 def test_duplicate_hashes_in_one_batch_and_hash_zero():
     ix = MemoryIndex()
     ix.add("m", "a", "GPU", np.array([0, 0, 7, 7, 2**64 - 1], dtype=np.uint64))
