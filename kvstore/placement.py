@@ -9,9 +9,9 @@ module writes a block's offsets, a pool's owner map or a namespace's used
 bytes, and the 19 ways of getting one of them wrong are one.
 
 Who calls it (see docs/architecture.md): ``kvstore.manager`` (the API: stores,
-loads, deletes), and the movers under it, ``kvstore.tiers.hierarchy`` (disk
-demotion and promotion), ``kvstore.tiers.gpu_layer`` (GPU <-> DRAM moves) and
-``kvstore.tiers.warm`` (warm restart). A mover pins or holds through the
+loads, deletes), and the movers under it, ``kvstore.movers.disk`` (disk
+demotion and promotion), ``kvstore.movers.gpu`` (GPU <-> DRAM moves) and
+``kvstore.movers.warm`` (warm restart). A mover pins or holds through the
 placement, does its I/O, then reports ``place``/``vacate``; it never imports
 the manager. ``Placement`` itself does no I/O and never awaits: each call is
 atomic on the daemon's event loop.
@@ -125,7 +125,7 @@ class Placement:
         # Recovered disk blocks no namespace declared yet, by namespace id.
         self.parked: dict[str, dict[int, DiskEntry]] = {}
         # DRAM blocks with no disk copy, oldest commit first: what the demoter
-        # copies down (kvstore.tiers.hierarchy).
+        # copies down (kvstore.movers.disk).
         self.dirty: dict[Block, None] = {}
         self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
         # While the disk cannot take writes and disk.when_full is "reject", DRAM
