@@ -3,8 +3,9 @@
 Every change to a block's copies or pins goes through ``Placement``: reserve a
 slot (admission and eviction), commit a store, place a copy in a tier, vacate
 a tier, remove, pin/unpin/hold, set a checksum. Each transition updates the
-block, the pools (``kvstore.tiers.pool.SlabPool`` for DRAM and the GPU pool,
-the disk tier's slots), the counters, and emits its KV events, so no other
+block, the pools (``kvstore.tiers.pool.SlabPool`` for DRAM and the GPU pool;
+for the disk, its ``DiskEvictionOrders`` beside the DiskTier's own slots), the
+counters, and emits its KV events, so no other
 module writes a block's offsets, a pool's owner map or a namespace's used
 bytes, and the 19 ways of getting one of them wrong are one.
 
@@ -25,21 +26,18 @@ freed or moved; a doomed block's slots go at its last unpin.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
-from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.namespace import Block, BlockState, Namespace, Tier
-from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
+from kvstore.tiers.disk import DiskEntry, DiskTier
 from kvstore.tiers.dram import SlabAllocator
-from kvstore.tiers.pool import GpuSlabPool, SlabPool
+from kvstore.tiers.pool import DiskEvictionOrders, GpuSlabPool, SlabPool
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +118,8 @@ class Placement:
         self.pinned_blocks = 0
         # --- the disk tier's slots, when there is one (attach_disk)
         self.disk: DiskTier | None = None
-        self.disk_policies: dict[int, EvictionPolicy] = {}  # by disk slot size
-        self.disk_eviction_policy = eviction_policy
+        # The disk's eviction orders (the DiskTier owns its slots; see tiers/pool.py).
+        self.disk_orders = DiskEvictionOrders(eviction_policy)
         # Recovered disk blocks no namespace declared yet, by namespace id.
         self.parked: dict[str, dict[int, DiskEntry]] = {}
         # DRAM blocks with no disk copy, oldest commit first: what the demoter
@@ -142,7 +140,7 @@ class Placement:
 
     def attach_disk(self, tier: DiskTier, eviction_policy: str) -> None:
         self.disk = tier
-        self.disk_eviction_policy = eviction_policy
+        self.disk_orders = DiskEvictionOrders(eviction_policy)
         for entry in tier.recover():
             self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
 
@@ -495,11 +493,7 @@ class Placement:
     # ------------------------------------------------------ DRAM <-> disk
 
     def disk_policy(self, ns: Namespace) -> EvictionPolicy:
-        size = align_up(ns.block_bytes)
-        policy = self.disk_policies.get(size)
-        if policy is None:
-            policy = self.disk_policies[size] = make_policy(self.disk_eviction_policy)
-        return policy
+        return self.disk_orders.policy_of(ns)
 
     def adopt_disk(self, ns: Namespace) -> list[int]:
         """Adopt the recovered disk blocks of a namespace just declared (or restored
@@ -559,7 +553,10 @@ class Placement:
         slot = disk.allocate(ns.block_bytes)
         if slot is not None:
             return slot
-        for victim in self._disk_victims(ns):
+        # The coldest unpinned disk copy of this size goes (the victim search DRAM
+        # and the GPU pool use); its slot is of this size, so one is enough.
+        victim = self.disk_orders.victim(self.disk_orders.slot_bytes_of(ns), DISK_VICTIM_WINDOW)
+        if victim is not None:
             if victim.offset >= 0 or victim.gpu_offset >= 0:
                 self.drop_disk_copy(victim, emit=True)  # still in DRAM/GPU: only the disk copy goes
             else:
@@ -579,12 +576,6 @@ class Placement:
                     return slot
             del self.parked[ns_id]
         return None
-
-    def _disk_victims(self, ns: Namespace) -> list[Block]:
-        """The unpinned ones among the disk's coldest copies of ns's size (a list:
-        dropping them changes the order being walked)."""
-        coldest = itertools.islice(self.disk_policy(ns).victims(), DISK_VICTIM_WINDOW)
-        return [b for b in cast("Iterator[Block]", coldest) if not b.pins]
 
     def unreserve_disk(self, slot: int) -> None:
         """Give back a disk slot whose write did not become a block's copy."""
