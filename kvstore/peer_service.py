@@ -227,14 +227,30 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
             )
         return address
 
+    async def fetch(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        peer_node_id: str = "",
+        peer_address: str = "",
+        timeout_s: float = 0.0,
+    ) -> Any:
+        """One FetchFromPeer, whichever channel asked (gRPC here, or the lean local
+        channel, kvstore.local_server): the same checks, the same pull (PullResult)."""
+        address = self.resolve(peer_node_id, peer_address)
+        if timeout_s < 0:
+            raise errors.InvalidRequest("timeout_s must be >= 0")
+        hashes = unpack_u64(block_hashes)
+        return await self.puller.pull(namespace_id, hashes, address, timeout_s)
+
     async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         async def run() -> Any:
-            address = self.resolve(request.peer_node_id, request.peer_address)
-            if request.timeout_s < 0:
-                raise errors.InvalidRequest("timeout_s must be >= 0")
-            hashes = unpack_u64(request.block_hashes)
-            result = await self.puller.pull(
-                request.namespace_id, hashes, address, request.timeout_s
+            result = await self.fetch(
+                request.namespace_id,
+                request.block_hashes,
+                request.peer_node_id,
+                request.peer_address,
+                request.timeout_s,
             )
             return peer_pb2.FetchFromPeerResponse(
                 prefix_blocks=result.prefix_blocks,
