@@ -3,15 +3,17 @@
 For each block size (default 2 MiB and 64 KiB, 1 GiB in all), in one run and
 interleaved repetition by repetition so the machine's swings hit all alike:
 
-- daemon: ``FetchFromPeer`` on daemon B for blocks daemon A holds (pin RPC on
-  A, one NIXL READ, xxh3 verification of every block on B, commit, release),
-  timed at the client; B's copies are deleted between repetitions.
+- daemon: ``Client.fetch_from_peer`` on daemon B (over B's lean local channel)
+  for blocks daemon A holds (pin RPC on A, one NIXL READ, xxh3 verification of
+  every block on B, commit, release), timed at the client; B's copies are
+  deleted between repetitions.
 - bare NIXL: two plain processes, one NIXL READ of the *same descriptors*
   (A's and B's slot offsets, regions of the same size in /dev/shm), posted and
   polled with nothing else around it: the reference.
 - memcpy: numpy copy of the same bytes in the same block size, one process.
 
-Also: time to first byte (a one-block pull, connected and warm) and the
+Also: time to first byte (a one-block pull, connected and warm; beside it the
+same pull asked over gRPC ``FetchFromPeer``, one round trip more) and the
 per-transfer overhead (daemon minus bare NIXL medians). Ratios are
 bare_time / daemon_time (1.0 = the daemon adds nothing).
 """
@@ -36,6 +38,8 @@ import numpy as np
 from bench._common import Summary, gbps, results_dir, summarize, write_json
 
 MiB = 1 << 20
+# The daemon's bound on each pull (under the puller's 115 s maximum).
+PULL_TIMEOUT_S = 60.0
 SECRET = "bench-secret"
 NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 
@@ -243,11 +247,25 @@ def _one_size(
         packed = np.asarray(hashes, dtype="<u8").tobytes()
 
         def pull(hs: bytes) -> Any:
+            # As an engine's client pulls: Client.fetch_from_peer, over the lean
+            # local channel (the first byte waits for one gRPC call: A's pin).
+            return cb.fetch_from_peer(
+                ns_b,
+                np.frombuffer(hs, dtype="<u8"),
+                peer_address=a.tcp_address,
+                timeout_s=PULL_TIMEOUT_S,
+            )
+
+        def pull_grpc(hs: bytes) -> Any:
+            # The same pull asked over gRPC (FetchFromPeer, then A's pin: two calls).
             return stub.FetchFromPeer(
                 peer_pb2.FetchFromPeerRequest(
-                    namespace_id=ns_b.namespace_id, block_hashes=hs, peer_address=a.tcp_address
+                    namespace_id=ns_b.namespace_id,
+                    block_hashes=hs,
+                    peer_address=a.tcp_address,
+                    timeout_s=PULL_TIMEOUT_S,
                 ),
-                timeout=300,
+                timeout=PULL_TIMEOUT_S + 5,
             )
 
         first = pull(packed)  # warm: connects, and A hashes each block once (then cached)
@@ -309,15 +327,22 @@ def _one_size(
             memcpy_s.append(time.perf_counter() - t0)
         del src, dst
 
-        # Time to first byte: a warm one-block pull, whole protocol, vs a one-block bare READ.
+        # Time to first byte: a warm one-block pull, whole protocol, vs a one-block bare
+        # READ; interleaved with the same pull asked over gRPC (one call more before it).
         one = np.asarray(ttfb_hash, dtype="<u8").tobytes()
-        ttfb_s = []
+        ttfb_s: list[float] = []
+        ttfb_grpc_s: list[float] = []
+        ttfb_pin_s: list[float] = []
+        lean = "fetch_from_peer" in (cb.local.ops if cb.local is not None else ())
         for _ in range(args.ttfb_repeats):
-            cb.delete(ns_b, ttfb_hash)
-            t0 = time.perf_counter()
-            r = pull(one)
-            ttfb_s.append(time.perf_counter() - t0)
-            assert r.fetched_blocks == 1
+            for how, samples in ((pull, ttfb_s), (pull_grpc, ttfb_grpc_s)):
+                cb.delete(ns_b, ttfb_hash)
+                t0 = time.perf_counter()
+                r = how(one)
+                samples.append(time.perf_counter() - t0)
+                assert r.fetched_blocks == 1
+                if how is pull:
+                    ttfb_pin_s.append(r.pin_s)
         bare1_s = bare_read("1", args.ttfb_repeats)
         got = cb.get(ns_b, hashes[:4])
         with Client(a.address) as ca:
@@ -337,6 +362,9 @@ def _one_size(
             "bare_nixl": bn,
             "memcpy": m,
             "ttfb_daemon": t1,
+            "ttfb_daemon_grpc": summarize(ttfb_grpc_s),
+            "ttfb_pin_median_s": float(np.median(ttfb_pin_s)),
+            "ttfb_lean_channel": lean,
             "ttfb_bare_nixl": b1,
             "ratio_vs_bare": bn.median_s / d.median_s,
             "ratio_vs_memcpy": m.median_s / d.median_s,
@@ -393,6 +421,13 @@ def run(args: argparse.Namespace) -> int:
             f"time to first byte (1-block pull) {r['ttfb_daemon'].median_s * 1e3:.2f} ms "
             f"[p10 {r['ttfb_daemon'].p10_s * 1e3:.2f}, p90 {r['ttfb_daemon'].p90_s * 1e3:.2f}] "
             f"vs bare 1-block READ {r['ttfb_bare_nixl'].median_s * 1e3:.3f} ms"
+        )
+        g = r["ttfb_daemon_grpc"]
+        print(
+            f"  first byte after: {'the lean channel + ' if r['ttfb_lean_channel'] else ''}"
+            f"one gRPC call (A's pin, {r['ttfb_pin_median_s'] * 1e3:.2f} ms); the same pull "
+            f"asked over gRPC FetchFromPeer (two calls): {g.median_s * 1e3:.2f} ms "
+            f"[p10 {g.p10_s * 1e3:.2f}, p90 {g.p90_s * 1e3:.2f}]"
         )
         p = r["daemon_parts_median_s"]
         print(

@@ -317,7 +317,13 @@ class Client:
             log.debug("kvstore: no lean channel at %s (%s); using gRPC", path, exc)
             return None
 
-    def _local_call(self, make: Callable[[int], Any], *, ns: Namespace | None = None) -> Any:
+    def _local_call(
+        self,
+        make: Callable[[int], Any],
+        *,
+        ns: Namespace | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         """One lean-channel call. With ``ns``, a namespace the daemon dropped is
         declared again and the call retried once (as _call does); a request that
         could not even be sent (the daemon went away: a restart) is sent once more
@@ -329,7 +335,7 @@ class Client:
                 raise errors.Unavailable("lean channel to the daemon: cannot connect again")
             try:
                 with self._lock:
-                    return local.call(make)
+                    return local.call(make, timeout_s)
             except errors.NamespaceNotFound:
                 if ns is None or redeclared:
                     raise
@@ -882,20 +888,41 @@ class Client:
         """
         from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
+        packed = pack_hashes(hashes)
+        # The daemon bounds the pull by timeout_s; give the call a little more.
+        call_timeout_s = (timeout_s or self.timeout_s) + 2.0
+        local = self._local()
+        if local is not None and "fetch_from_peer" in local.ops:
+            # Over the lean channel: the pull's first byte then waits for one gRPC
+            # call (the daemon's pin on the owner), not this one as well.
+            def make(seq: int) -> Any:
+                return local_wire.FetchFromPeer(
+                    seq, ns.namespace_id, packed, peer_node_id, peer_address, timeout_s
+                )
+
+            r = self._local_call(make, ns=ns, timeout_s=call_timeout_s)
+            return peer_pb2.FetchFromPeerResponse(
+                prefix_blocks=r.prefix_blocks,
+                fetched_blocks=r.fetched_blocks,
+                local_blocks=r.local_blocks,
+                corrupt_blocks=r.corrupt_blocks,
+                transport=r.transport,
+                pin_s=r.pin_s,
+                transfer_s=r.transfer_s,
+                verify_s=r.verify_s,
+                pieces=r.pieces,
+            )
         stub = peer_pb2_grpc.PeerFetchServiceStub(self._channel)
         request = peer_pb2.FetchFromPeerRequest(
             namespace_id=ns.namespace_id,
-            block_hashes=pack_hashes(hashes),
+            block_hashes=packed,
             peer_node_id=peer_node_id,
             peer_address=peer_address,
             timeout_s=timeout_s,
         )
-        # The daemon bounds the pull by timeout_s; give the call a little more.
         # ns: a daemon that restarted since the declare gets it again, as for the
         # other calls naming a namespace (else NamespaceNotFound after any restart).
-        return self._call(
-            stub.FetchFromPeer, request, timeout_s=(timeout_s or self.timeout_s) + 2.0, ns=ns
-        )
+        return self._call(stub.FetchFromPeer, request, timeout_s=call_timeout_s, ns=ns)
 
     # ---------------------------------------------------------------- data
 

@@ -63,6 +63,7 @@ class LocalChannel:
         self.max_frame_bytes = 0
         self.region_id = 0
         self.node_id = ""
+        self.ops: frozenset[str] = frozenset()  # optional ops the daemon serves (HelloReply.ops)
         self._pending: collections.deque[Any] = collections.deque()  # read, not yet consumed
         self.broken: errors.KVStoreError | None = None
         # broken while sending: the daemon never got the frame (safe to send again)
@@ -85,6 +86,7 @@ class LocalChannel:
         ch.max_frame_bytes = reply.max_frame_bytes
         ch.region_id = reply.region_id
         ch.node_id = reply.node_id
+        ch.ops = frozenset(reply.ops)
         return ch
 
     # ------------------------------------------------------------ sending
@@ -130,11 +132,19 @@ class LocalChannel:
 
     # ------------------------------------------------------------ calls
 
-    def call(self, make: Callable[[int], msgspec.Struct]) -> Any:
-        """One request, its answer waited for (earlier answers read on the way)."""
+    def call(self, make: Callable[[int], msgspec.Struct], timeout_s: float | None = None) -> Any:
+        """One request, its answer waited for (earlier answers read on the way);
+        ``timeout_s`` bounds each read instead of the channel's own (a peer pull)."""
         seq = self._next_seq()
         self._send(self._take_queued(make(seq)))
-        return self._read_until(seq)
+        if timeout_s is None:
+            return self._read_until(seq)
+        self._sock.settimeout(timeout_s)
+        try:
+            return self._read_until(seq)
+        finally:
+            if self.broken is None:
+                self._sock.settimeout(self.timeout_s)
 
     def call_later(self, make: Callable[[int], msgspec.Struct], on_done: OnDone | None) -> None:
         """Send a request now; its answer goes to ``on_done`` when read (see module doc)."""
@@ -214,7 +224,8 @@ class LocalChannel:
             if len(body) < size:
                 raise self._break("the daemon closed the connection mid-answer")
         except TimeoutError:
-            raise self._break(f"no answer within {self.timeout_s}s", deadline=True) from None
+            waited_s = self._sock.gettimeout()
+            raise self._break(f"no answer within {waited_s}s", deadline=True) from None
         except OSError as exc:
             raise self._break(f"reading failed: {exc}") from None
         try:

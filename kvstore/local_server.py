@@ -34,6 +34,7 @@ import socket
 import struct
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -53,6 +54,8 @@ from kvstore.local_wire import (
     Delete,
     Deleted,
     Error,
+    Fetched,
+    FetchFromPeer,
     Hello,
     HelloReply,
     LoadPrepared,
@@ -79,6 +82,7 @@ _RPC_NAMES: dict[type, str] = {
     PrepareLoad: "PrepareLoad",
     Release: "Release",
     Delete: "Delete",
+    FetchFromPeer: "FetchFromPeer",
 }
 LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
 SUFFIX = ".lean"
@@ -298,8 +302,11 @@ class LocalServer:
         max_connections: int,
         policy: FilePolicy,
         metrics: RpcMetrics | None = None,
+        fetch: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.requests = requests
+        # PeerFetchService.fetch when peers are enabled: FetchFromPeer is served here.
+        self._fetch = fetch
         self.path = path
         self.node_id = node_id
         self._region_id = region_id  # () -> int: the region answers name
@@ -376,6 +383,10 @@ class LocalServer:
             return True, self._hello(m)
         if not conn.client:
             return True, Error(m.seq, errors.StateConflict.reason, "send hello first")
+        if isinstance(m, FetchFromPeer):
+            # A pull waits for the peer: a task, the connection's later requests
+            # wait for it, in order (as a load that promotes from disk).
+            return False, asyncio.ensure_future(self._fetch_from_peer(m, conn))
         if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
             # Moves between tiers first (disk promotion): a task; the connection's
             # later requests wait for it, in order.
@@ -414,7 +425,41 @@ class LocalServer:
                 f"lean channel version {message.version} is not served here "
                 f"({PROTOCOL_VERSION} is)",
             )
-        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes)
+        ops = ["fetch_from_peer"] if self._fetch is not None else []
+        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes, ops)
+
+    async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
+        if self._fetch is None:
+            exc: errors.KVStoreError = errors.StateConflict(
+                "FetchFromPeer needs peer.enabled on this daemon"
+            )
+            return Error(m.seq, exc.reason, str(exc))
+        try:
+            r = await self._fetch(
+                m.namespace_id,
+                m.block_hashes,
+                m.peer_node_id,
+                m.peer_address,
+                m.timeout_s,
+                who=conn.who,
+            )
+        except errors.KVStoreError as exc:
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
+            log.exception("lean channel: FetchFromPeer failed")
+            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
+        return Fetched(
+            m.seq,
+            r.prefix_blocks,
+            r.fetched_blocks,
+            r.local_blocks,
+            r.corrupt_blocks,
+            r.transport,
+            r.pin_s,
+            r.transfer_s,
+            r.verify_s,
+            r.pieces,
+        )
 
     async def _load(self, m: PrepareLoad, conn: _Connection) -> Any:
         try:

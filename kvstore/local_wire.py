@@ -13,7 +13,10 @@ with their semantics: the same fields (packed little-endian uint64 hashes and
 offsets, packed int32 token ids), the same validation and bounds, the same
 leases (owner "unix", charged to the client id of ``Hello``), the same
 errors (``Error`` carries the ``kvstore.errors`` reason; the client raises
-that exact class). Everything else (inline data, peers, stats, snapshots,
+that exact class). ``FetchFromPeer`` (the ``PeerFetchService`` call: this
+daemon pulls from a peer now) rides here too when the daemon names it in
+``HelloReply.ops``, so a local pull's first byte waits for one gRPC call (the
+pin on the owner), not two. Everything else (inline data, stats, snapshots,
 health) stays on gRPC. See docs/local-channel.md.
 """
 
@@ -104,7 +107,28 @@ class Delete(_Message, frozen=True, tag="delete"):
     block_hashes: bytes
 
 
-Request = Hello | Declare | Lookup | PrepareStore | CommitStore | PrepareLoad | Release | Delete
+class FetchFromPeer(_Message, frozen=True, tag="fetch_from_peer"):
+    """As the gRPC FetchFromPeerRequest (its checks are the handler's, so a bad
+    timeout or an unknown peer is answered with the same error)."""
+
+    namespace_id: Id
+    block_hashes: bytes
+    peer_node_id: Id = ""
+    peer_address: Id = ""
+    timeout_s: float = 0.0
+
+
+Request = (
+    Hello
+    | Declare
+    | Lookup
+    | PrepareStore
+    | CommitStore
+    | PrepareLoad
+    | Release
+    | Delete
+    | FetchFromPeer
+)
 REQUEST_TAGS = (
     "hello",
     "declare",
@@ -114,7 +138,10 @@ REQUEST_TAGS = (
     "prepare_load",
     "release",
     "delete",
+    "fetch_from_peer",
 )
+# Ops a daemon serves only when configured so (peers); HelloReply.ops lists them.
+OPTIONAL_OPS = ("fetch_from_peer",)
 
 # ---------------------------------------------------------------- replies
 
@@ -123,6 +150,9 @@ class HelloReply(_Message, frozen=True, tag="hello"):
     node_id: str
     region_id: int
     max_frame_bytes: int
+    # The OPTIONAL_OPS this daemon serves. Last and defaulted: an older client
+    # ignores it, an older daemon's reply reads as none (the client uses gRPC).
+    ops: list[str] = []
 
 
 class Declared(_Message, frozen=True, tag="declared"):
@@ -168,6 +198,20 @@ class Deleted(_Message, frozen=True, tag="deleted"):
     busy: int
 
 
+class Fetched(_Message, frozen=True, tag="fetched"):
+    """As the gRPC FetchFromPeerResponse."""
+
+    prefix_blocks: int
+    fetched_blocks: int
+    local_blocks: int
+    corrupt_blocks: int
+    transport: str
+    pin_s: float
+    transfer_s: float
+    verify_s: float
+    pieces: int
+
+
 class Error(_Message, frozen=True, tag="error"):
     """A refused request: ``reason`` is the kvstore.errors class's reason code.
     ``seq`` 0: the frame itself was refused (malformed, oversize), not one request."""
@@ -185,6 +229,7 @@ Reply = (
     | LoadPrepared
     | Released
     | Deleted
+    | Fetched
     | Error
 )
 

@@ -37,8 +37,8 @@ block) and frees its slots at the last unpin.
 Who owns what (docs/architecture.md): the manager is the API (namespaces,
 leases, limits, the per-request checks); ``kvstore.placement.Placement`` is
 the only code that changes where a block lives or what pins it (and emits the
-KV events); the movers (``tiers.hierarchy`` for disk, ``tiers.gpu_layer`` for
-the GPU pool, ``tiers.warm`` for warm restart) do the I/O and report to it.
+KV events); the movers (``movers.disk`` for disk, ``movers.gpu`` for
+the GPU pool, ``movers.warm`` for warm restart) do the I/O and report to it.
 """
 
 from __future__ import annotations
@@ -64,15 +64,16 @@ from kvstore.errors import (
 )
 from kvstore.events.sink import EventSink, NullSink
 from kvstore.leases import Lease, LeaseKind, LeaseTable
+from kvstore.movers import warm
+from kvstore.movers.disk import DiskLayer
 from kvstore.namespace import Block, Namespace, NamespaceSpec
 from kvstore.placement import Counters, Placement, StoredBatch
 from kvstore.quotas import QuotaTable, TenantStats
-from kvstore.tiers import Tier, warm
+from kvstore.tiers import Tier
 from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
-from kvstore.tiers.hierarchy import DiskLayer
 
 if TYPE_CHECKING:
-    from kvstore.tiers.gpu_layer import GpuLayer
+    from kvstore.movers.gpu import GpuLayer
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class BlockManager:
         # The GPU tier above DRAM, if configured (imports torch only then).
         self.gpu: GpuLayer | None = None
         if config.gpu.device:
-            from kvstore.tiers.gpu_layer import GpuLayer
+            from kvstore.movers.gpu import GpuLayer
 
             self.gpu = GpuLayer(
                 self.placement,

@@ -231,18 +231,38 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
             )
         return address
 
+    async def fetch(
+        self,
+        namespace_id: str,
+        block_hashes: bytes,
+        peer_node_id: str = "",
+        peer_address: str = "",
+        timeout_s: float = 0.0,
+        who: Any = None,
+    ) -> Any:
+        """One FetchFromPeer, whichever channel asked (gRPC here, or the lean local
+        channel, kvstore.local_server): the same checks, the same pull (PullResult).
+        ``who``: the caller's identity (kvstore.identity.Caller, None without
+        principals), checked against the namespace's tenant first."""
+        if self.allow is not None:
+            self.allow(who, namespace_id, "FetchFromPeer")
+        address = self.resolve(peer_node_id, peer_address)
+        if timeout_s < 0:
+            raise errors.InvalidRequest("timeout_s must be >= 0")
+        hashes = unpack_u64(block_hashes)
+        return await self.puller.pull(namespace_id, hashes, address, timeout_s)
+
     async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         who = CURRENT.get()
 
         async def run() -> Any:
-            if self.allow is not None:
-                self.allow(who, request.namespace_id, "FetchFromPeer")
-            address = self.resolve(request.peer_node_id, request.peer_address)
-            if request.timeout_s < 0:
-                raise errors.InvalidRequest("timeout_s must be >= 0")
-            hashes = unpack_u64(request.block_hashes)
-            result = await self.puller.pull(
-                request.namespace_id, hashes, address, request.timeout_s
+            result = await self.fetch(
+                request.namespace_id,
+                request.block_hashes,
+                request.peer_node_id,
+                request.peer_address,
+                request.timeout_s,
+                who=who,
             )
             return peer_pb2.FetchFromPeerResponse(
                 prefix_blocks=result.prefix_blocks,

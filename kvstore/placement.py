@@ -3,15 +3,16 @@
 Every change to a block's copies or pins goes through ``Placement``: reserve a
 slot (admission and eviction), commit a store, place a copy in a tier, vacate
 a tier, remove, pin/unpin/hold, set a checksum. Each transition updates the
-block, the pools (``kvstore.tiers.pool.SlabPool`` for DRAM and the GPU pool,
-the disk tier's slots), the counters, and emits its KV events, so no other
+block, the pools (``kvstore.tiers.pool.SlabPool`` for DRAM and the GPU pool;
+for the disk, its ``DiskEvictionOrders`` beside the DiskTier's own slots), the
+counters, and emits its KV events, so no other
 module writes a block's offsets, a pool's owner map or a namespace's used
 bytes, and the 19 ways of getting one of them wrong are one.
 
 Who calls it (see docs/architecture.md): ``kvstore.manager`` (the API: stores,
-loads, deletes), and the movers under it, ``kvstore.tiers.hierarchy`` (disk
-demotion and promotion), ``kvstore.tiers.gpu_layer`` (GPU <-> DRAM moves) and
-``kvstore.tiers.warm`` (warm restart). A mover pins or holds through the
+loads, deletes), and the movers under it, ``kvstore.movers.disk`` (disk
+demotion and promotion), ``kvstore.movers.gpu`` (GPU <-> DRAM moves) and
+``kvstore.movers.warm`` (warm restart). A mover pins or holds through the
 placement, does its I/O, then reports ``place``/``vacate``; it never imports
 the manager. ``Placement`` itself does no I/O and never awaits: each call is
 atomic on the daemon's event loop.
@@ -33,19 +34,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
-from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.namespace import Block, BlockState, Namespace, TenantAccount, Tier
 from kvstore.quotas import QuotaTable, TenantStats
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 from kvstore.tiers.dram import SlabAllocator
-from kvstore.tiers.pool import GpuSlabPool, SlabPool
+from kvstore.tiers.pool import DiskEvictionOrders, GpuSlabPool, SlabPool
 
 log = logging.getLogger(__name__)
 
@@ -139,12 +138,12 @@ class Placement:
         self.pinned_blocks = 0
         # --- the disk tier's slots, when there is one (attach_disk)
         self.disk: DiskTier | None = None
-        self.disk_policies: dict[int, EvictionPolicy] = {}  # by disk slot size
-        self.disk_eviction_policy = eviction_policy
+        # The disk's eviction orders (the DiskTier owns its slots; see tiers/pool.py).
+        self.disk_orders = DiskEvictionOrders(eviction_policy)
         # Recovered disk blocks no namespace declared yet, by namespace id.
         self.parked: dict[str, dict[int, DiskEntry]] = {}
         # DRAM blocks with no disk copy, oldest commit first: what the demoter
-        # copies down (kvstore.tiers.hierarchy).
+        # copies down (kvstore.movers.disk).
         self.dirty: dict[Block, None] = {}
         self.clean_bytes = 0  # DRAM bytes of blocks that also have a disk copy
         # While the disk cannot take writes and disk.when_full is "reject", DRAM
@@ -161,7 +160,7 @@ class Placement:
 
     def attach_disk(self, tier: DiskTier, eviction_policy: str) -> None:
         self.disk = tier
-        self.disk_eviction_policy = eviction_policy
+        self.disk_orders = DiskEvictionOrders(eviction_policy)
         for entry in tier.recover():
             self.parked.setdefault(entry.namespace_id, {})[entry.block_hash] = entry
 
@@ -646,11 +645,7 @@ class Placement:
     # ------------------------------------------------------ DRAM <-> disk
 
     def disk_policy(self, ns: Namespace) -> EvictionPolicy:
-        size = align_up(ns.block_bytes)
-        policy = self.disk_policies.get(size)
-        if policy is None:
-            policy = self.disk_policies[size] = make_policy(self.disk_eviction_policy)
-        return policy
+        return self.disk_orders.policy_of(ns)
 
     def adopt_disk(self, ns: Namespace) -> list[int]:
         """Adopt the recovered disk blocks of a namespace just declared (or restored
@@ -742,7 +737,10 @@ class Placement:
         slot = disk.allocate(ns.block_bytes)
         if slot is not None:
             return slot
-        for victim in self._disk_victims(ns):
+        # The coldest unpinned disk copy of this size goes (the victim search DRAM
+        # and the GPU pool use); its slot is of this size, so one is enough.
+        victim = self.disk_orders.victim(self.disk_orders.slot_bytes_of(ns), DISK_VICTIM_WINDOW)
+        if victim is not None:
             self._drop_disk_victim(victim)
             slot = disk.allocate(ns.block_bytes)
             if slot is not None:
@@ -758,12 +756,6 @@ class Placement:
                     return slot
             del self.parked[ns_id]
         return None
-
-    def _disk_victims(self, ns: Namespace) -> list[Block]:
-        """The unpinned ones among the disk's coldest copies of ns's size (a list:
-        dropping them changes the order being walked)."""
-        coldest = itertools.islice(self.disk_policy(ns).victims(), DISK_VICTIM_WINDOW)
-        return [b for b in cast("Iterator[Block]", coldest) if not b.pins]
 
     def unreserve_disk(self, ns: Namespace, slot: int) -> None:
         """Give back a disk slot of ns whose write did not become a block's copy."""

@@ -181,6 +181,7 @@ class Daemon:
                 max_connections=cfg.server.local_max_connections,
                 policy=FilePolicy.from_group(cfg.server.file_group),
                 metrics=rpc_metrics,
+                fetch=self.peer.fetch_service.fetch if self.peer is not None else None,
             )
             try:
                 await self.local.start()

@@ -35,6 +35,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     command -v redis-server >/dev/null || missing+=(redis-server)
     command -v promtool >/dev/null || missing+=(prometheus)
     command -v yamllint >/dev/null || missing+=(yamllint)
+    command -v systemd-analyze >/dev/null || missing+=(systemd)  # deploy/validate.sh systemd (tests/integration/test_deploy.py)
     command -v objcopy >/dev/null || missing+=(binutils)  # tests/unit/test_memcopy.py reassembles the copy loop
     command -v openssl >/dev/null || missing+=(openssl)  # scripts/make_certs.sh (tests/integration/test_tls.py)
     if [ ${#missing[@]} -gt 0 ]; then

@@ -1,7 +1,7 @@
 """Storage media of the block store (the DRAM region, the disk file, the GPU
 pool, and ``pool.SlabPool``, the slot bookkeeping under DRAM and the GPU pool
-alike) and the movers between them (``hierarchy``, ``gpu_layer``, ``warm``),
-which sit above ``kvstore.placement`` (see tests/unit/test_layers.py).
+alike). They sit below ``kvstore.placement``; the movers between them are in
+``kvstore.movers`` (see tests/unit/test_layers.py).
 ``Tier`` (defined in kvstore.namespace, beside ``Block``) is re-exported here.
 
 Values match ``kvstore.v1.Tier`` so the service converts with ``int()``.

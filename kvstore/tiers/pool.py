@@ -1,14 +1,22 @@
-"""A slab pool: the storage medium under the DRAM tier and the GPU tier.
+"""Slab pools and eviction orders: the slot bookkeeping under every tier.
 
-One ``SlabPool`` is slots of several sizes over one byte range (the DRAM
-region or the GPU pool), the block that owns each slot, and one eviction order
-per slot size. It holds the one victim search both tiers use: the coldest
-unpinned block of a size, or the coldest chunk of another size whose blocks can
-all go. It decides nothing and moves nothing: ``kvstore.placement`` (the one
-owner of where a block lives) asks it, then evicts, demotes or moves what it
-names.
+``EvictionOrders`` is one eviction order per slot size and the one victim
+search every tier uses (the coldest unpinned block of a size, optionally a
+preferred one within a window). ``SlabPool`` adds slots of several sizes over
+one byte range (the DRAM region or the GPU pool) and the block that owns each
+slot, and with them the search for the coldest chunk of another size whose
+blocks can all go. Neither decides nor moves anything: ``kvstore.placement``
+(the one owner of where a block lives) asks them, then evicts, demotes or
+moves what they name.
 
-Pure bookkeeping, no bytes, no I/O: a pool can be tested without a region, a
+The disk tier uses ``DiskEvictionOrders`` only, not a ``SlabPool``: its slots
+are the ``DiskTier``'s own, durably (every allocation and free is a journal
+record that a crash replays), and the tier itself frees slots the placement
+never sees (a write that failed, a block that failed its checksum), so an
+owner map here would be a second copy of the tier's journal index kept in
+step by hand.
+
+Pure bookkeeping, no bytes, no I/O: each can be tested without a region, a
 device or a manager (tests/unit/test_slab_pool.py).
 """
 
@@ -20,52 +28,24 @@ from typing import cast
 
 from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
-from kvstore.namespace import Block, BlockState
+from kvstore.namespace import Block, BlockState, Namespace
+from kvstore.tiers.disk import align_up
 from kvstore.tiers.dram import SlabAllocator
 
 
-class SlabPool:
-    """Slots, their owners and per-size eviction orders over one byte range."""
+class EvictionOrders:
+    """One eviction order per slot size (of the committed blocks whose bytes are
+    in the tier), and the one victim search over them."""
 
-    def __init__(self, allocator: SlabAllocator, eviction_policy: str) -> None:
-        self.allocator = allocator
+    def __init__(self, eviction_policy: str) -> None:
         self.eviction_policy = eviction_policy
-        # slot offset -> the block it is reserved for or holds (pending, committed,
-        # or the target of a move or promotion still running)
-        self.owner: dict[int, Block] = {}
         # One policy per slot size: eviction for a size finds a victim of that
-        # size in O(1) instead of walking every other size's blocks. Holds the
-        # committed blocks whose bytes are in this pool.
+        # size in O(1) instead of walking every other size's blocks.
         self.policies: dict[int, EvictionPolicy] = {}
 
-    # ------------------------------------------------------------ slots
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.allocator.capacity_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return self.allocator.used_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self.allocator.capacity_bytes - self.allocator.used_bytes
-
-    def alloc(self, block: Block) -> int | None:
-        """A free slot for ``block`` (never evicting), now owned by it; None if none is free."""
-        offset = self.allocator.alloc(block.namespace.slot_bytes)
-        if offset is not None:
-            self.owner[offset] = block
-        return offset
-
-    def free(self, offset: int) -> Block:
-        """Give a slot back; returns the block that owned it."""
-        block = self.owner.pop(offset)
-        self.allocator.free(offset)
-        return block
-
-    # --------------------------------------------------------- eviction order
+    def slot_bytes_of(self, ns: Namespace) -> int:
+        """The slot size (the key of its eviction order) of ns's blocks in this tier."""
+        return ns.slot_bytes
 
     def policy(self, slot_bytes: int) -> EvictionPolicy:
         policy = self.policies.get(slot_bytes)
@@ -73,8 +53,12 @@ class SlabPool:
             policy = self.policies[slot_bytes] = make_policy(self.eviction_policy)
         return policy
 
+    def policy_of(self, ns: Namespace) -> EvictionPolicy:
+        """The eviction order ns's blocks are in, in this tier."""
+        return self.policy(self.slot_bytes_of(ns))
+
     def committed_blocks(self) -> int:
-        """Committed blocks whose bytes are in this pool."""
+        """Committed blocks whose bytes are in this tier."""
         return sum(len(p) for p in self.policies.values())
 
     def coldest(self) -> Iterator[Block]:
@@ -112,6 +96,54 @@ class SlabPool:
             if window <= 0:
                 break
         return None if prefer_only else fallback
+
+
+class DiskEvictionOrders(EvictionOrders):
+    """The disk tier's eviction orders: by disk slot size (a block's bytes rounded
+    up to the 4 KiB the disk's direct I/O aligns to). Its slots are the DiskTier's."""
+
+    def slot_bytes_of(self, ns: Namespace) -> int:
+        return align_up(ns.block_bytes)
+
+
+class SlabPool(EvictionOrders):
+    """Slots, their owners and per-size eviction orders over one byte range."""
+
+    def __init__(self, allocator: SlabAllocator, eviction_policy: str) -> None:
+        super().__init__(eviction_policy)
+        self.allocator = allocator
+        # slot offset -> the block it is reserved for or holds (pending, committed,
+        # or the target of a move or promotion still running)
+        self.owner: dict[int, Block] = {}
+
+    # ------------------------------------------------------------ slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.allocator.capacity_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.allocator.used_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.allocator.capacity_bytes - self.allocator.used_bytes
+
+    def alloc(self, block: Block) -> int | None:
+        """A free slot for ``block`` (never evicting), now owned by it; None if none is free."""
+        offset = self.allocator.alloc(block.namespace.slot_bytes)
+        if offset is not None:
+            self.owner[offset] = block
+        return offset
+
+    def free(self, offset: int) -> Block:
+        """Give a slot back; returns the block that owned it."""
+        block = self.owner.pop(offset)
+        self.allocator.free(offset)
+        return block
+
+    # --------------------------------------------------------- eviction
 
     def chunk_victims(
         self, slot_bytes: int, accept: Callable[[Block], bool] | None = None

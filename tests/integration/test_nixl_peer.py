@@ -21,7 +21,13 @@ import numpy as np
 import pytest
 
 from kvstore.client import Client
-from kvstore.errors import InvalidRequest, StateConflict
+from kvstore.errors import (
+    DeadlineExceeded,
+    InvalidRequest,
+    KVStoreError,
+    StateConflict,
+    Unavailable,
+)
 from kvstore.process import DaemonProcess
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 from tests.conftest import make_spec
@@ -742,3 +748,59 @@ def test_fetch_from_peer_after_the_puller_restarted_declares_the_namespace_again
         r = cb.fetch_from_peer(ns, [21, 22], peer_node_id="node-a")
         assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (2, 2, 0)
     assert_holds(b, [21, 22], block)
+
+
+def test_client_fetch_from_peer_rides_the_lean_channel(peer_daemon, daemon_factory) -> None:  # type: ignore[no-untyped-def]
+    """A local client's FetchFromPeer goes over the lean channel (kvstore-bench p2p:
+    the first byte then waits for one gRPC call, the owner's pin, not two), with
+    the gRPC call's checks, errors and bounds; a pull that fails or times out
+    leaves the channel and the leases as they were."""
+    a = peer_daemon("node-a")
+    b = peer_daemon(
+        "node-b",
+        timeout_s=2.0,
+        extra={
+            "peer.peers.node-a": a.tcp_address,
+            "peer.peers.node-gone": f"127.0.0.1:{free_port()}",
+        },
+    )
+    block = 64 << 10
+    put(a, [31, 32, 33], block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        assert cb.using_local_channel and cb.local is not None
+        assert "fetch_from_peer" in cb.local.ops
+        frames = cb.local.frames_sent
+        r = cb.fetch_from_peer(ns, [31, 32, 33, 34], peer_node_id="node-a")
+        assert cb.local.frames_sent == frames + 1  # asked over the lean channel, not gRPC
+        assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (3, 3, 0)
+        assert r.transport == "nixl" and r.pin_s > 0
+        r = cb.fetch_from_peer(ns, [31, 32], peer_node_id="node-a")  # all here already
+        assert (r.fetched_blocks, r.local_blocks) == (0, 2)
+        # Bad input: the exact classes the gRPC call raises, and the channel goes on.
+        with pytest.raises(InvalidRequest, match="unknown peer 'node-unknown'"):
+            cb.fetch_from_peer(ns, [35], peer_node_id="node-unknown")
+        with pytest.raises(InvalidRequest, match="timeout_s must be >= 0"):
+            cb.fetch_from_peer(ns, [35], peer_node_id="node-a", timeout_s=-1.0)
+        with pytest.raises(InvalidRequest, match="timeout_s must be in"):
+            cb.fetch_from_peer(ns, [35], peer_node_id="node-a", timeout_s=1e6)
+        with pytest.raises(InvalidRequest, match="give its host:port"):
+            cb.fetch_from_peer(ns, [35])
+        started = time.monotonic()
+        with pytest.raises((Unavailable, DeadlineExceeded)):
+            cb.fetch_from_peer(ns, [35], peer_node_id="node-gone", timeout_s=1.0)
+        assert time.monotonic() - started < 10
+        assert cb.using_local_channel  # neither a refusal nor a slow peer broke it
+        assert cb.lookup(ns, [31, 32, 33]).prefix_blocks == 3
+    assert_holds(b, [31, 32, 33], block)
+    assert leases_and_used(b)[0] == 0 and no_leases_soon(a)
+
+    # A daemon without peers does not offer it: the call goes over gRPC, as before.
+    plain = daemon_factory()
+    with Client(plain.address) as c:
+        assert c.using_local_channel and c.local is not None and c.local.ops == frozenset()
+        ns = c.declare_namespace(make_spec(block))
+        frames = c.local.frames_sent
+        with pytest.raises(KVStoreError):
+            c.fetch_from_peer(ns, [31], peer_address=a.tcp_address)
+        assert c.local.frames_sent == frames

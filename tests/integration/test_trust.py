@@ -18,8 +18,8 @@ import pytest
 
 from kvstore.client import Client, pack_hashes
 from kvstore.errors import CapacityExhausted, PermissionDenied, Unavailable
+from kvstore.movers import warm
 from kvstore.process import DaemonProcess
-from kvstore.tiers import warm
 from kvstore.tiers.disk import checksum_of
 from kvstore.tiers.dram import slot_bytes_for
 from kvstore.v1 import store_pb2 as pb

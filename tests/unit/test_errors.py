@@ -50,3 +50,53 @@ def test_a_class_without_its_own_reason_is_refused():
 
     gc.collect()  # the half-made class leaves NotFound.__subclasses__() now
     assert len(all_classes()) == 16
+
+
+def _raw_status_calls(source: str, filename: str) -> list[str]:
+    """Calls that fail an RPC with a status of their own choosing: ``x.abort(...)``
+    given a ``StatusCode``, any ``x.set_code(...)``/``x.set_details(...)``."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        name = node.func.attr
+        args = [*node.args, *(k.value for k in node.keywords)]
+        names_a_status = any("StatusCode" in ast.unparse(a) for a in args)
+        if name in ("set_code", "set_details") or (name == "abort" and names_a_status):
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_only_the_error_table_sets_a_status():
+    """Every servicer (store, peer, indexer, router) fails a call through
+    ``errors.abort``/``abort_sync``: the class's status and its reason code. A raw
+    ``context.abort(StatusCode...)`` would send a status with no reason, which
+    clients could only read by its message."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    packages = [p.parent for p in root.glob("*/__init__.py") if p.parent.name != "tests"]
+    assert any(p.name == "kvstore" for p in packages)
+    found = []
+    for package in packages:
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel == "kvstore/errors.py" or "/v1/" in rel:
+                continue
+            found += _raw_status_calls(path.read_text(), rel)
+    assert not found, "status set outside kvstore/errors.py:\n" + "\n".join(found)
+    # the check itself sees both forms
+    assert (
+        len(
+            _raw_status_calls(
+                "async def f(context):\n"
+                "    await context.abort(grpc.StatusCode.NOT_FOUND, 'x')\n"
+                "    context.set_code(code)\n"
+                "    placement.abort(block)\n",
+                "probe.py",
+            )
+        )
+        == 2
+    )

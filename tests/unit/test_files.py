@@ -16,8 +16,8 @@ from kvstore.config import load_config
 from kvstore.errors import CapacityExhausted, ConfigError
 from kvstore.files import FilePolicy
 from kvstore.manager import BlockManager
+from kvstore.movers import warm
 from kvstore.rpc_guard import RateLimitedLog
-from kvstore.tiers import warm
 from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
 from tests.unprivileged import OTHER_UID
