@@ -38,6 +38,9 @@ LEASE_NOT_OWNER = "lease_not_owner"  # a lease committed/released by another cal
 FOREIGN_FILE = "foreign_file"  # a daemon file owned by another user
 INDEXER_WRONG_SECRET = "indexer_wrong_secret"  # Register/UnregisterNode without the secret
 INDEXER_NODE_REFUSED = "indexer_node_refused"  # another caller's node, or a configured one
+EVENTS_CURVE_DENIED = "events_curve_denied"  # a KV events subscriber whose CURVE key is not allowed
+# a KV events connection whose handshake failed (no CURVE, or the wrong server key)
+EVENTS_HANDSHAKE_FAILED = "events_handshake_failed"
 REASONS = (
     TCP_NO_SECRET,
     TCP_WRONG_SECRET,
@@ -47,6 +50,8 @@ REASONS = (
     FOREIGN_FILE,
     INDEXER_WRONG_SECRET,
     INDEXER_NODE_REFUSED,
+    EVENTS_CURVE_DENIED,
+    EVENTS_HANDSHAKE_FAILED,
 )
 
 MAX_FIELD_CHARS = 200  # who/what come from callers: clipped, as errors clip identifiers
