@@ -247,8 +247,9 @@ HANDSHAKE_FAILED = (
 )
 
 
-def handshake_failure(event: Mapping[str, Any]) -> str:
-    """Words for a handshake-failure monitor event (what an operator should check)."""
+def handshake_failure(event: Mapping[str, Any], curve: bool = True) -> str:
+    """Words for a handshake-failure monitor event (what an operator should check);
+    ``curve``: whether our side of the connection uses CURVE."""
     kind, value = event["event"], event.get("value", 0)
     if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "the publisher refused our CURVE key (not in its curve_allowed_keys)"
@@ -261,7 +262,13 @@ def handshake_failure(event: Mapping[str, Any]) -> str:
         if value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC:
             return "CURVE cryptographic error (the wrong server public key?)"
         return f"ZMTP protocol error {value:#x}"
-    return "CURVE handshake failed without detail (the wrong server public key?)"
+    if not curve:
+        # a plaintext socket meeting a CURVE server sees this first, not the mismatch
+        return (
+            "security mechanism mismatch: the publisher uses CURVE and this source has "
+            "no curve_server_key"
+        )
+    return "CURVE handshake failed without detail (the wrong server public key, or a peer without CURVE?)"
 
 
 def write_keypair(directory: str, name: str) -> tuple[str, str, str]:

@@ -453,11 +453,14 @@ class ZmqEventPublisher:
                 ev = zmq.utils.monitor.recv_monitor_message(mon)
                 if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     continue
-                # the monitor names our endpoint, not the peer's address
+                # the monitor names our endpoint, not the peer's address; rate
+                # limited per cause (no CURVE and a wrong server key are two problems)
+                cause = handshake_failure(ev)
                 audit.denied(
                     f"a peer of {endpoint}",
-                    f"KV events of {self.node_id}: {handshake_failure(ev)}",
+                    f"KV events of {self.node_id}: {cause}",
                     audit.EVENTS_HANDSHAKE_FAILED,
+                    key=f"{endpoint}|{cause}",
                 )
 
     def __enter__(self) -> ZmqEventPublisher:

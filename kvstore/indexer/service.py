@@ -97,7 +97,7 @@ class Indexer:
             error_log_interval_s=cfg.error_log_interval_s,
             cluster_secret=cfg.cluster_secret,
             # Read (and checked) here: a bad file stops the indexer at start, naming it.
-            snapshot_credentials=(cfg.tls().channel_credentials() if cfg.tls().enabled else None),
+            snapshot_credentials=(cfg.tls().client_credentials() if cfg.tls().enabled else None),
             hash_algo=cfg.hash_algo,
             hash_seed=cfg.hash_seed or None,
             # read and checked (0600, ours) here: a bad key file stops the start, naming it

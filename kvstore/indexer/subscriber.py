@@ -93,6 +93,7 @@ from kvstore.indexer.backend import (
     source_medium,
 )
 from kvstore.indexer.seedcheck import SeedChecker
+from kvstore.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class _Source:
         self.retry_at = 0.0
         self.backoff_s = _SNAPSHOT_BACKOFF_S[0]
         self.channel: grpc.Channel | None = None
+        self.channel_generation = 0  # of the TLS credentials the channel was made with
         # staleness and health (monotonic seconds)
         self.last_event_at: float | None = None
         self.matched_at: float | None = None
@@ -306,7 +308,7 @@ class Subscriber:
         error_log_interval_s: float = 10.0,
         backend_ping_s: float = 1.0,
         cluster_secret: str = "",
-        snapshot_credentials: grpc.ChannelCredentials | None = None,
+        snapshot_credentials: ClientCredentials | None = None,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         context: zmq.Context | None = None,
@@ -677,11 +679,22 @@ class Subscriber:
     def _stub(self, src: _Source) -> Any:
         from kvstore.v1 import store_pb2_grpc  # grpc stubs only where snapshots are used
 
+        credentials, generation = (
+            self._snapshot_credentials.current()
+            if self._snapshot_credentials is not None
+            else (None, 0)
+        )
+        if src.channel is not None and generation != src.channel_generation:
+            # renewed certificate files: the next snapshot connects with them (this
+            # thread is the channel's only user, and no call is in flight on it now)
+            src.channel.close()
+            src.channel = None
         if src.channel is None:
             options = [("grpc.max_receive_message_length", 64 << 20)]
-            if self._snapshot_credentials is not None:
+            src.channel_generation = generation
+            if credentials is not None:
                 src.channel = grpc.secure_channel(
-                    src.spec.snapshot_address, self._snapshot_credentials, options=options
+                    src.spec.snapshot_address, credentials, options=options
                 )
             else:
                 src.channel = grpc.insecure_channel(src.spec.snapshot_address, options=options)
@@ -876,7 +889,7 @@ class Subscriber:
                 return
             if ev["event"] & HANDSHAKE_FAILED:
                 # a CURVE mismatch would otherwise look like a silent publisher
-                src.handshake_error = handshake_failure(ev)
+                src.handshake_error = handshake_failure(ev, bool(src.spec.curve_server_key))
                 src.errors += 1
                 self.stats.handshake_failures += 1
                 self._log_error(
@@ -1130,12 +1143,23 @@ class Subscriber:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # A DEALER's send waits for a peer; one whose handshake fails (a CURVE
+        # mismatch) never comes, and this thread must not wait for it unbounded.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self._replay_timeout_s * 1000)))
         secure_socket(sock, self._curve(src.spec))
         out: list[tuple[int, bytes, bytes]] = []
         got_bytes = 0
         try:
             sock.connect(src.spec.replay_endpoint)
-            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            try:
+                sock.send_multipart((b"", start.to_bytes(8, "big")))
+            except zmq.Again:
+                self._log_error(
+                    f"replay:{src.spec.key}",
+                    f"replay from {src.spec.replay_endpoint}: no connection within "
+                    f"{self._replay_timeout_s:.1f}s (see the handshake errors)",
+                )
+                return out
             deadline = time.monotonic() + self._replay_timeout_s
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)

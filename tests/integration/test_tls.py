@@ -30,10 +30,11 @@ from kvstore.indexer.service import serve as serve_indexer
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
 from kvstore.router.backends import Fleet
-from kvstore.tls import TlsFiles
+from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
 from router_client import RouterClient
 from tests.conftest import make_spec
+from tests.integration._redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "tls-test-secret"
@@ -364,3 +365,65 @@ def test_router_watches_a_tls_daemon_with_its_certificate(daemon_factory, pki, m
     for var, name in (("CERT", "client.pem"), ("KEY", "client.key"), ("CA", "ca.pem")):
         monkeypatch.setenv(f"KVSTORE_TLS_{var}", str(pki / name))
     assert asyncio.run(daemon_serving()) is True
+
+
+# --- client certificates renewed ------------------------------------------------------
+
+
+def test_client_certificates_renewed_are_used_for_new_connections(daemon_factory, tmp_path):
+    """The whole PKI is replaced (a new CA) while a Client runs: after the daemon comes
+    back with the new CA only, the same Client, not restarted, connects again with the
+    renewed files. Before, its channel kept the certificate it was made with."""
+    old = make_pki(tmp_path / "old", "client")
+    new = make_pki(tmp_path / "new", "client")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = ("server.pem", "server.key", "ca.pem", "client.pem", "client.key")
+    for name in files:
+        shutil.copy(old / name, live / name)
+    settings = {**server_settings(live), "server.tcp_address": f"127.0.0.1:{free_port()}"}
+    a = daemon_factory("tls-old", settings=settings)
+    address = a.tcp_address
+    with Client(address, map_region=False, tls=client_tls(live), timeout_s=2.0) as c:
+        assert c.stats().node_id == "tls-old"
+        for name in files:  # rename: each file changes at once
+            shutil.copy(new / name, live / f".{name}.tmp")
+            os.replace(live / f".{name}.tmp", live / name)
+        a.stop()  # its connections go; the next daemon trusts the new CA only
+        daemon_factory("tls-new", settings=settings)
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                assert c.stats().node_id == "tls-new"
+                break
+            except Unavailable:
+                # the files are looked at once a second (kvstore.tls.RELOAD_CHECK_S)
+                assert time.monotonic() < deadline, "the renewed client certificate was not used"
+                time.sleep(0.1)
+    # an old-CA client is refused by the new daemon: it was the renewal that got through
+    with pytest.raises(Unavailable):
+        Client(address, map_region=False, tls=client_tls(old), timeout_s=2.0)
+
+
+def test_client_credentials_follow_the_files_and_keep_the_old_on_a_bad_renewal(tmp_path):
+    old = make_pki(tmp_path / "old", "client")
+    new = make_pki(tmp_path / "new", "client")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("client.pem", "client.key", "ca.pem"):
+        shutil.copy(old / name, live / name)
+    now = [0.0]
+    creds = ClientCredentials(client_tls(live), check_interval_s=1.0, clock=lambda: now[0])
+    first, gen = creds.current()
+    assert gen == 0
+    # half a rotation (the certificate, not yet its key): not loadable, the old stay
+    shutil.copy(new / "client.pem", live / "client.pem")
+    now[0] = 1.0
+    assert creds.current() == (first, 0)
+    shutil.copy(new / "client.key", live / "client.key")
+    shutil.copy(new / "ca.pem", live / "ca.pem")
+    now[0] = 1.5  # within the check interval: not looked at yet
+    assert creds.current()[1] == 0
+    now[0] = 2.0
+    renewed, gen = creds.current()
+    assert gen == 1 and renewed is not first
