@@ -3,7 +3,8 @@
 Every refusal at a trust boundary calls ``denied()``: a TCP call without the
 cluster secret (``kvstore.auth``), a peer call with a wrong secret, a lean
 channel connection from a foreign uid, a lease used by a caller that does not
-own it, a file another user owns. Each is one structured WARNING line on the
+own it, a file another user owns, a KV events subscriber refused by CURVE
+(``kvstore.events.curve``). Each is one structured WARNING line on the
 ``kvstore.audit`` logger (fields ``audit=denied who what reason``; the record's
 timestamp is the when), and one count in ``kvstore_denied_requests_total``
 (read at scrape time from ``counts()``, see ``kvstore.metrics``).

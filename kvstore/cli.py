@@ -109,6 +109,7 @@ def _indexer_status(args: argparse.Namespace) -> int:
             f"{'up' if n.connected else 'DOWN':<4} last event {age(n.last_event_age_s):>7} ago, "
             f"snapshot {age(n.since_snapshot_s):>7} ago, seq {n.next_seq}, "
             f"snapshots={n.snapshots} errors={n.errors}"
+            + (f"\n    handshake failed: {n.handshake_error}" if n.handshake_error else "")
         )
     return 0
 
