@@ -427,3 +427,56 @@ def test_client_credentials_follow_the_files_and_keep_the_old_on_a_bad_renewal(t
     now[0] = 2.0
     renewed, gen = creds.current()
     assert gen == 1 and renewed is not first
+
+
+def test_indexer_snapshots_with_renewed_certificates(daemon_factory, tmp_path):
+    """The PKI is replaced while the indexer runs; the daemon comes back (same
+    addresses) with the new CA only: the indexer's next Snapshot connects with its
+    renewed files, without a restart. Before, its snapshot channel kept the old ones."""
+    old = make_pki(tmp_path / "old")
+    new = make_pki(tmp_path / "new")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = ("server.pem", "server.key", "ca.pem")
+    for name in files:
+        shutil.copy(old / name, live / name)
+    s = {
+        **server_settings(live),
+        "server.tcp_address": f"127.0.0.1:{free_port()}",
+        "events.enabled": True,
+        "events.publish_address": f"tcp://127.0.0.1:{free_port()}",
+        "events.replay_address": f"tcp://127.0.0.1:{free_port()}",
+    }
+    a = daemon_factory("snap-old", settings=s)
+    source = SourceSpec(
+        node="node-a",
+        endpoint=str(s["events.publish_address"]),
+        replay_endpoint=str(s["events.replay_address"]),
+        snapshot_address=a.tcp_address,
+    )
+    ix = Indexer(IndexerConfig(sources=[source], **indexer_tls(live)))  # type: ignore[arg-type]
+    ix.start()
+    try:
+        deadline = time.monotonic() + 20
+        while ix.subscriber.stats.snapshots < 1:
+            assert time.monotonic() < deadline, "no first snapshot"
+            time.sleep(0.05)
+        for name in files:  # rename: each file changes at once
+            shutil.copy(new / name, live / f".{name}.tmp")
+            os.replace(live / f".{name}.tmp", live / name)
+        a.stop()
+        b = daemon_factory("snap-new", settings=s)  # the new CA only, same addresses
+        hashes = BlockHasher(16).hash_tokens_int(np.arange(16 * 4) % 30_000)
+        with Client(b.address) as c:
+            ns = c.declare_namespace(make_spec(4096))
+            assert c.put(ns, hashes, np.zeros((4, 4096), np.uint8)).stored == 4
+        # the reconnection makes a snapshot due; it must get through with the new files
+        deadline = time.monotonic() + 30
+        while ix.subscriber.stats.snapshots < 2:
+            assert time.monotonic() < deadline, (
+                f"no snapshot with the renewed certificate "
+                f"({ix.subscriber.stats.snapshot_failures} failed)"
+            )
+            time.sleep(0.05)
+    finally:
+        ix.close()
