@@ -3,7 +3,8 @@
 Every refusal at a trust boundary calls ``denied()``: a TCP call without the
 cluster secret (``kvstore.auth``), a peer call with a wrong secret, a lean
 channel connection from a foreign uid, a lease used by a caller that does not
-own it, a file another user owns. Each is one structured WARNING line on the
+own it, a file another user owns, a KV events subscriber refused by CURVE
+(``kvstore.events.curve``). Each is one structured WARNING line on the
 ``kvstore.audit`` logger (fields ``audit=denied who what reason``; the record's
 timestamp is the when), and one count in ``kvstore_denied_requests_total``
 (read at scrape time from ``counts()``, see ``kvstore.metrics``).
@@ -42,6 +43,9 @@ INDEXER_NODE_REFUSED = "indexer_node_refused"  # another caller's node, or a con
 NO_IDENTITY = "no_identity"  # no credential, or one no principal has
 TENANT_DENIED = "tenant_denied"  # a namespace (tenant, model) the principal may not use
 ROLE_DENIED = "role_denied"  # a call of a role (admin, node, router) the principal lacks
+EVENTS_CURVE_DENIED = "events_curve_denied"  # a KV events subscriber whose CURVE key is not allowed
+# a KV events connection whose handshake failed (no CURVE, or the wrong server key)
+EVENTS_HANDSHAKE_FAILED = "events_handshake_failed"
 REASONS = (
     TCP_NO_SECRET,
     TCP_WRONG_SECRET,
@@ -54,6 +58,8 @@ REASONS = (
     NO_IDENTITY,
     TENANT_DENIED,
     ROLE_DENIED,
+    EVENTS_CURVE_DENIED,
+    EVENTS_HANDSHAKE_FAILED,
 )
 
 MAX_FIELD_CHARS = 200  # who/what come from callers: clipped, as errors clip identifiers

@@ -5,6 +5,7 @@ kvstore status [--address unix:/tmp/kvstore.sock] [--json]
 kvstore status --indexer HOST:PORT [--json]   (sources, staleness, health)
 kvstore indexer ...            (the cluster indexer; see `kvstore indexer -h`)
 kvstore router [--config FILE] [--set router.key=value ...] [--print-config]
+kvstore keys curve --out DIR [--name NAME]   (a ZMQ CURVE key pair for the KV events)
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def _indexer_status(args: argparse.Namespace) -> int:
             f"{'up' if n.connected else 'DOWN':<4} last event {age(n.last_event_age_s):>7} ago, "
             f"snapshot {age(n.since_snapshot_s):>7} ago, seq {n.next_seq}, "
             f"snapshots={n.snapshots} errors={n.errors}"
+            + (f"\n    handshake failed: {n.handshake_error}" if n.handshake_error else "")
         )
     return 0
 
@@ -211,6 +213,32 @@ def _add_router(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     p.set_defaults(func=router_cli.run)
 
 
+def _add_keys(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("keys", help="make keys: `keys curve` for the KV event streams")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    c = kinds.add_parser(
+        "curve",
+        help="a ZMQ CURVE key pair: OUT/NAME.key (public) and OUT/NAME.key_secret (0600)",
+    )
+    c.add_argument("--out", required=True, help="directory to write the two files into")
+    c.add_argument("--name", default="", help="file name without suffix (default: host name)")
+    p.set_defaults(func=_cmd_keys)
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    import os
+    import socket
+
+    from kvstore.events.curve import write_keypair
+
+    os.makedirs(args.out, mode=0o700, exist_ok=True)
+    public_path, secret_path, public = write_keypair(args.out, args.name or socket.gethostname())
+    print(f"public key {public}")
+    print(f"wrote {public_path} (public: give it, or the key above, to the other side)")
+    print(f"wrote {secret_path} (secret, 0600: keep it on this host)")
+    return 0
+
+
 def _add_demo(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvstore import demo
 
@@ -228,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_status(sub)
     _add_indexer(sub)
     _add_router(sub)
+    _add_keys(sub)
     _add_demo(sub)
     args = parser.parse_args(argv)
     try:

@@ -52,7 +52,7 @@ from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.identity import client_token, token_metadata
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
-from kvstore.tls import TlsFiles
+from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
 
@@ -261,25 +261,26 @@ class Client:
         use_local = local_channel and self.address.startswith("unix:")
         # Over TCP to a daemon with mutual TLS: our certificate, its CA (kvstore.tls).
         tls = tls if tls is not None else TlsFiles.from_env()
-        credentials = (
-            tls.channel_credentials()
+        # Renewed certificate files are used for new connections: a channel made with
+        # older credentials is replaced when next used (kvstore.tls.ClientCredentials).
+        self._credentials: ClientCredentials | None = (
+            tls.client_credentials()
             if tls.enabled and not self.address.startswith("unix:")
             else None
         )
-        self._channel = _channel(
-            self.address,
-            credentials,
-            [
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-                # With the lean channel carrying the hot path this one can sit idle
-                # for long; an idle timeout would read as a dropped link
-                # (watch_connection) and restart the session for nothing.
-                *((("grpc.client_idle_timeout_ms", 2**31 - 1),) if use_local else ()),
-                *CHANNEL_OPTIONS,
-            ],
-        )
-        self._stub = pb_grpc.StoreServiceStub(self._channel)
+        self._channel_options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # With the lean channel carrying the hot path this one can sit idle
+            # for long; an idle timeout would read as a dropped link
+            # (watch_connection) and restart the session for nothing.
+            *((("grpc.client_idle_timeout_ms", 2**31 - 1),) if use_local else ()),
+            *CHANNEL_OPTIONS,
+        ]
+        self._credentials_generation = -1
+        self._grpc_channel: grpc.Channel | None = None
+        self._grpc_stub: Any = None
+        self._renew_channel()
         self._mmap: mmap.mmap | None = None
         self.region: np.ndarray | None = None
         # The GPU tier's pool: a CUDA tensor (IPC) or, in host mode, a mapped file.
@@ -306,6 +307,32 @@ class Client:
             )
 
     # ------------------------------------------------------------ plumbing
+
+    def _renew_channel(self) -> None:
+        """(Re)open the gRPC channel when there is none, or when the certificate files
+        were renewed since it was made. The old channel is not closed: calls in flight
+        on it finish, and it goes when the last of them drops it."""
+        credentials, generation = (
+            self._credentials.current() if self._credentials is not None else (None, 0)
+        )
+        if self._grpc_channel is not None and generation == self._credentials_generation:
+            return
+        self._grpc_channel = _channel(self.address, credentials, self._channel_options)
+        self._grpc_stub = pb_grpc.StoreServiceStub(self._grpc_channel)
+        self._credentials_generation = generation
+
+    @property
+    def _channel(self) -> grpc.Channel:
+        if self._credentials is not None:
+            self._renew_channel()
+        assert self._grpc_channel is not None
+        return self._grpc_channel
+
+    @property
+    def _stub(self) -> Any:
+        if self._credentials is not None:
+            self._renew_channel()
+        return self._grpc_stub
 
     def _open_local(self, socket_path: str) -> LocalChannel | None:
         from kvstore.local_server import local_socket_path
@@ -835,7 +862,8 @@ class Client:
             self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=ids))
             return
         if self._releaser is None:
-            self._releaser = _Releaser(self._stub, self.timeout_s, self._metadata)
+            # the stub as of each send: a renewed channel is picked up (kvstore.tls)
+            self._releaser = _Releaser(lambda: self._stub, self.timeout_s, self._metadata)
         for lease_id in ids:
             self._releaser.put(lease_id)
 
@@ -1230,7 +1258,7 @@ class _Releaser:
     MAX_QUEUED = 65536  # beyond this, put() blocks: a bound, never a leak
     MAX_BATCH = 4096
 
-    def __init__(self, stub: Any, timeout_s: float, metadata: Any) -> None:
+    def __init__(self, stub: Callable[[], Any], timeout_s: float, metadata: Any) -> None:
         self._stub = stub
         self._timeout_s = timeout_s
         self._metadata = metadata
@@ -1266,7 +1294,7 @@ class _Releaser:
                     batch.append(item)
             if batch:
                 try:
-                    self._stub.Release(
+                    self._stub().Release(
                         pb.ReleaseRequest(lease_ids=batch),
                         timeout=self._timeout_s,
                         metadata=self._metadata,

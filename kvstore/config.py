@@ -180,6 +180,14 @@ class EventsConfig(_Section):
     node_id. For llm-d's precise-prefix scorer: the serving address:port of each engine
     that loads from this daemon (llm-d's pod id, e.g. "10.0.0.5:8000"); every event is
     sent once per id (docs/events-indexer.md)."""
+    curve_secret_key_file: str = ""
+    """ZMQ CURVE secret key file (`kvstore keys curve`, NAME.key_secret, mode 0600, owned by
+    the daemon's user) of the PUB and replay sockets: set, both authenticate and encrypt
+    (the streams carry every tenant's token ids), and only curve_allowed_keys may
+    subscribe. "" = plaintext: a private network only (docs/security.md)."""
+    curve_allowed_keys: str = ""
+    """Subscribers (indexers, routers) allowed with CURVE, comma-separated: Z85 public keys
+    or public key files (NAME.key). Any other key is refused and audited."""
 
     def topic_id_list(self) -> list[str]:
         return [t.strip() for t in self.topic_ids.split(",") if t.strip()]
@@ -553,6 +561,14 @@ def validate(config: Config) -> None:
     if bad_ids:
         problems.append(
             f"events.topic_ids may not contain '@' (topics are kv@<id>@<model>): {bad_ids}"
+        )
+    ev = config.events
+    if ev.curve_allowed_keys and not ev.curve_secret_key_file:
+        problems.append("events.curve_allowed_keys needs events.curve_secret_key_file")
+    if ev.curve_secret_key_file and not ev.curve_allowed_keys:
+        problems.append(
+            "events.curve_secret_key_file needs events.curve_allowed_keys (with CURVE on, "
+            "only listed subscribers may connect)"
         )
     r = config.router
     if r.decision_deadline_s <= 0 or r.scrape_interval_s <= 0 or r.connect_timeout_s <= 0:

@@ -344,7 +344,7 @@ class PeerNode:
         )
         known_peers = list((peers or {}).values())
         # Pulls present our certificate and verify the peer's (mutual TLS), if configured.
-        credentials = tls.channel_credentials() if tls is not None and tls.enabled else None
+        credentials = tls.client_credentials() if tls is not None and tls.enabled else None
         self.stream = GrpcStreamTransport(
             region.array, secret, max_message_bytes, known_peers, credentials=credentials
         )

@@ -17,6 +17,16 @@ open keep the certificate they were made with.
 
 Clients (``kvstore.client.Client``, the router, ``router_client``, tools) take the
 same three paths from ``KVSTORE_TLS_CERT``, ``KVSTORE_TLS_KEY`` and ``KVSTORE_TLS_CA``.
+
+The client side reloads too (``ClientCredentials``): gRPC's channel credentials
+are fixed when a channel is made, so each holder of an outgoing channel (the
+client, peer pulls, the router, ``router_client``, the indexer's Snapshot
+calls) asks ``ClientCredentials.current()`` when it uses one; after the files
+changed (checked at most every ``RELOAD_CHECK_S``) and load, that returns new
+credentials and a new generation, and the holder opens a new channel with
+them, so new connections present the renewed certificate. The old channel is
+left to finish its calls. A renewal that does not load is logged and the
+previous credentials stay in use.
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ import logging
 import os
 import ssl
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +50,8 @@ ENV_KEY = "KVSTORE_TLS_KEY"
 ENV_CA = "KVSTORE_TLS_CA"
 # Bounds what a misconfigured path (a device, a huge file) can make us read.
 MAX_PEM_BYTES = 1 << 20
+# How often a client looks at its certificate files (three stats) for a renewal.
+RELOAD_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +142,10 @@ class TlsFiles:
             root_certificates=pem.ca, private_key=pem.key, certificate_chain=pem.cert
         )
 
+    def client_credentials(self) -> ClientCredentials:
+        """Client side, following renewals of the files (see ``ClientCredentials``)."""
+        return ClientCredentials(self)
+
     def server_credentials(self) -> grpc.ServerCredentials:
         """Server side: a client certificate signed by the CA is required; files reloaded
         when they change."""
@@ -139,6 +156,71 @@ def env_channel_credentials() -> grpc.ChannelCredentials | None:
     """A tool's or router's client identity from KVSTORE_TLS_*; None when unset."""
     tls = TlsFiles.from_env()
     return tls.channel_credentials() if tls.enabled else None
+
+
+def env_client_credentials() -> ClientCredentials | None:
+    """As ``env_channel_credentials``, following renewals of the files."""
+    tls = TlsFiles.from_env()
+    return tls.client_credentials() if tls.enabled else None
+
+
+class ClientCredentials:
+    """A client's mutual-TLS credentials that follow its certificate files.
+
+    ``current()`` returns the credentials and their generation; a holder whose
+    channel was made with an older generation opens a new one (see the module
+    doc). Loaded (and checked) at construction: a bad file stops the start,
+    naming it. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        files: TlsFiles,
+        *,
+        check_interval_s: float = RELOAD_CHECK_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.files = files
+        self._check_interval_s = check_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        pem = files.load()
+        self._stamp = pem.stamp
+        self._failed_stamp: tuple[tuple[int, int, int], ...] | None = None
+        self._credentials = _channel_credentials(pem)
+        self.generation = 0
+        self._checked_at = clock()
+
+    def current(self) -> tuple[grpc.ChannelCredentials, int]:
+        now = self._clock()
+        with self._lock:
+            if now - self._checked_at >= self._check_interval_s:
+                self._checked_at = now
+                self._reload()
+            return self._credentials, self.generation
+
+    def _reload(self) -> None:
+        stamp = self.files.stamp()
+        if stamp == self._stamp or stamp == self._failed_stamp:
+            return
+        try:
+            pem = self.files.load()
+        except ConfigError as exc:
+            self._failed_stamp = stamp  # mid-rotation: keep the old ones, say so once
+            log.warning("client TLS files changed but do not load; keeping the old ones: %s", exc)
+            return
+        self._stamp, self._failed_stamp = pem.stamp, None
+        self._credentials = _channel_credentials(pem)
+        self.generation += 1
+        log.info(
+            "client TLS certificates reloaded", extra={"fields": {"cert": self.files.cert_path}}
+        )
+
+
+def _channel_credentials(pem: PemSet) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=pem.ca, private_key=pem.key, certificate_chain=pem.cert
+    )
 
 
 @dataclass(frozen=True)

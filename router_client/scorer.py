@@ -20,6 +20,7 @@ knows one, ``FALLBACK_BLOCK_SIZE_TOKENS``. Pass ``block_size_tokens`` to pin it.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,7 @@ import numpy as np
 from kvstore.errors import InvalidRequest, KVStoreError, Unavailable, error_from_rpc
 from kvstore.hashing import BlockHasher
 from kvstore.identity import client_token, token_metadata
-from kvstore.tls import env_channel_credentials
+from kvstore.tls import ClientCredentials, env_client_credentials
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 from router_client.policy import (
     DEFAULT_POLICY,
@@ -52,6 +53,8 @@ _UNKNOWN_TTL_S = 1.0
 _MAX_CACHED_MODELS = 4096
 # block sizes with a hasher and a prefix cache each: a handful in practice
 _MAX_BLOCK_SIZES = 16
+# calls in flight on a channel replaced after a certificate renewal get this long
+_RENEWAL_GRACE_S = 5.0
 
 
 def score_request(
@@ -97,14 +100,30 @@ class AsyncIndexClient:
         # The router's own identity for an indexer with principals (kvstore.identity):
         # the token given, else $KVSTORE_TOKEN / $KVSTORE_TOKEN_FILE.
         self._metadata = token_metadata(client_token(token))
+        self._address = address
+        # an indexer with mutual TLS (KVSTORE_TLS_*); renewed files: a new channel
+        self._credentials = env_client_credentials()
+        self._generation = 0
+        self._channel = self._open()
+        self._grpc_stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+        self._retired: set[asyncio.Task[None]] = set()
+
+    def _open(self) -> grpc.aio.Channel:
         options = [("grpc.max_send_message_length", 64 << 20)]
-        credentials = env_channel_credentials()  # an indexer with mutual TLS (KVSTORE_TLS_*)
-        self._channel = (
-            grpc.aio.secure_channel(address, credentials, options=options)
-            if credentials is not None
-            else grpc.aio.insecure_channel(address, options=options)
-        )
-        self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+        if self._credentials is None:
+            return grpc.aio.insecure_channel(self._address, options=options)
+        credentials, self._generation = self._credentials.current()
+        return grpc.aio.secure_channel(self._address, credentials, options=options)
+
+    @property
+    def _stub(self) -> indexer_pb2_grpc.IndexerServiceStub:
+        if self._credentials is not None and self._credentials.current()[1] != self._generation:
+            old, self._channel = self._channel, self._open()
+            self._grpc_stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+            task = asyncio.get_running_loop().create_task(old.close(_RENEWAL_GRACE_S))
+            self._retired.add(task)  # held until done, so it is not collected half-way
+            task.add_done_callback(self._retired.discard)
+        return self._grpc_stub
 
     async def scores(
         self,
@@ -174,16 +193,30 @@ class RouterClient:
         self.hasher = self.hash_cache.hasher
         self.deadline_s = deadline_s
         self.policy = policy
+        self._address = address
+        # mutual TLS (KVSTORE_TLS_*), renewed files followed, on a channel we make
+        self._credentials: ClientCredentials | None = None
+        self._generation = 0
         if channel is None:
-            options = [("grpc.max_send_message_length", 64 << 20)]
-            credentials = env_channel_credentials()  # mutual TLS (KVSTORE_TLS_*)
-            channel = (
-                grpc.secure_channel(address, credentials, options=options)
-                if credentials is not None
-                else grpc.insecure_channel(address, options=options)
-            )
+            self._credentials = env_client_credentials()
+            channel = self._open()
         self._channel = channel
-        self._stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+        self._grpc_stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+
+    def _open(self) -> grpc.Channel:
+        options = [("grpc.max_send_message_length", 64 << 20)]
+        if self._credentials is None:
+            return grpc.insecure_channel(self._address, options=options)
+        credentials, self._generation = self._credentials.current()
+        return grpc.secure_channel(self._address, credentials, options=options)
+
+    @property
+    def _stub(self) -> indexer_pb2_grpc.IndexerServiceStub:
+        if self._credentials is not None and self._credentials.current()[1] != self._generation:
+            # the old channel is dropped, not closed: a call in flight on it finishes
+            self._channel = self._open()
+            self._grpc_stub = indexer_pb2_grpc.IndexerServiceStub(self._channel)
+        return self._grpc_stub
 
     def _cache(self, block_size: int) -> PrefixHashCache:
         cache = self._caches.get(block_size)

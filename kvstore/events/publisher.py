@@ -32,6 +32,7 @@ node's entries instead of trusting an index with holes in it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -44,8 +45,22 @@ from typing import Any
 import msgspec
 import numpy as np
 import zmq
+import zmq.utils.monitor
 
+from kvstore import audit
 from kvstore.errors import ConfigError, Unavailable
+from kvstore.events.curve import (
+    HANDSHAKE_FAILED,
+    CurveServer,
+    KeyPair,
+    ZapAllowList,
+    handshake_failure,
+    load_keypair,
+    public_key,
+    require_curve,
+    secure_socket,
+    split_list,
+)
 from kvstore.events.sink import NamespaceRef
 from kvstore.events.wire import (
     END_SEQ,
@@ -93,6 +108,8 @@ class ZmqEventPublisher:
         announce_start: bool = True,
         context: zmq.Context | None = None,
         topic_ids: Sequence[str] = (),
+        curve_keys: KeyPair | None = None,
+        curve_allowed: Sequence[bytes] = (),
     ) -> None:
         # the ids the topics name: llm-d takes an engine's pod id from the topic
         self.topic_ids = tuple(topic_ids) or (node_id,)
@@ -129,12 +146,29 @@ class ZmqEventPublisher:
         self.published_events = 0
         self.replay_requests = 0
 
-        self._ctx = context or zmq.Context.instance()
+        curve: CurveServer | None = None
+        self._zap: ZapAllowList | None = None
+        self._own_ctx: zmq.Context | None = None
+        if curve_keys is not None:
+            require_curve("events.curve_secret_key_file")
+            if not curve_allowed:
+                raise ConfigError(
+                    "events.curve_allowed_keys is empty: with CURVE on, only listed "
+                    "subscriber keys may connect, so nobody could"
+                )
+            curve = CurveServer(curve_keys)
+            # ZAP handlers are per context: ours must not judge another publisher's peers
+            self._own_ctx = zmq.Context()
+            self._zap = ZapAllowList(self._own_ctx, curve_allowed, f"KV events of {node_id}")
+        self._ctx = self._own_ctx or context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
+        # handshake failures of CURVE sockets, audited by the sender thread
+        self._monitors: list[tuple[zmq.Socket, str]] = []
         try:
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, 0)
+            secure_socket(self._pub, curve)
             self.endpoint = self._bind(self._pub, endpoint)
             self.replay_endpoint: str | None = None
             if replay_endpoint:
@@ -143,11 +177,18 @@ class ZmqEventPublisher:
                 # a full replay is one message per buffered batch: past the
                 # default HWM (1000) a ROUTER drops the rest silently
                 self._replay.set_hwm(replay_buffer_batches + 16)
+                secure_socket(self._replay, curve)
                 self.replay_endpoint = self._bind(self._replay, replay_endpoint)
+            if curve is not None:
+                self._monitors.append(
+                    (self._pub.get_monitor_socket(HANDSHAKE_FAILED), self.endpoint)
+                )
+                if self._replay is not None and self.replay_endpoint:
+                    mon = self._replay.get_monitor_socket(HANDSHAKE_FAILED)
+                    self._monitors.append((mon, self.replay_endpoint))
         except (zmq.ZMQError, ConfigError):
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            self._close_sockets()
+            self._stop_curve()
             raise
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{node_id}", daemon=True)
         if announce_start:
@@ -167,6 +208,15 @@ class ZmqEventPublisher:
             replay_buffer_batches=cfg.buffer_batches,
             max_batch_events=cfg.max_events_per_batch,
             topic_ids=cfg.topic_id_list(),
+            curve_keys=(
+                load_keypair(cfg.curve_secret_key_file, "events.curve_secret_key_file")
+                if cfg.curve_secret_key_file
+                else None
+            ),
+            curve_allowed=[
+                public_key(k, "events.curve_allowed_keys")
+                for k in split_list(cfg.curve_allowed_keys)
+            ],
         )
 
     @staticmethod
@@ -253,6 +303,35 @@ class ZmqEventPublisher:
         if self._thread.is_alive():
             # the thread owns the sockets and closes them when it ends
             log.warning("KV events sender did not stop within %.1fs", self._close_timeout_s)
+            return
+        self._stop_curve()
+
+    def _close_sockets(self) -> None:
+        if self._monitors:
+            for sock in (self._pub, self._replay):
+                if sock is not None:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disable_monitor()
+        for mon, _ in self._monitors:
+            mon.close(linger=0)
+        self._monitors = []
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _stop_curve(self) -> None:
+        """After the sockets are closed: the ZAP handler, then our own context."""
+        if self._zap is not None:
+            self._zap.stop()
+            self._zap = None
+        if self._own_ctx is not None:
+            self._own_ctx.term()
+            self._own_ctx = None
+
+    @property
+    def curve_denied(self) -> int:
+        """Subscribers the ZAP handler refused (their keys are not allowed)."""
+        return self._zap.denied if self._zap is not None else 0
 
     @property
     def queued_events(self) -> int:
@@ -271,9 +350,7 @@ class ZmqEventPublisher:
                     break
                 if topic is _MARK and not item.done():
                     item.set_exception(Unavailable("the KV event publisher closed"))
-            self._pub.close(linger=0)
-            if self._replay is not None:
-                self._replay.close(linger=0)
+            self._close_sockets()
 
     def _loop(self) -> None:
         enc = msgspec.msgpack.Encoder()
@@ -298,6 +375,7 @@ class ZmqEventPublisher:
             try:
                 seq = self._send(enc, seq, items)
                 self._serve_replay()
+                self._audit_handshakes()
             except zmq.ZMQError as e:
                 if self._stopping.is_set():
                     break
@@ -366,6 +444,24 @@ class ZmqEventPublisher:
                 if seq >= start:
                     sock.send_multipart((ident, b"", topic, seq.to_bytes(8, "big"), payload))
             sock.send_multipart((ident, b"", b"", END_SEQ, b""))
+
+    def _audit_handshakes(self) -> None:
+        """A connection without CURVE or with the wrong server key: audited (ZAP
+        refusals of a key are audited by the ZAP handler itself)."""
+        for mon, endpoint in self._monitors:
+            while mon.poll(0):
+                ev = zmq.utils.monitor.recv_monitor_message(mon)
+                if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    continue
+                # the monitor names our endpoint, not the peer's address; rate
+                # limited per cause (no CURVE and a wrong server key are two problems)
+                cause = handshake_failure(ev)
+                audit.denied(
+                    f"a peer of {endpoint}",
+                    f"KV events of {self.node_id}: {cause}",
+                    audit.EVENTS_HANDSHAKE_FAILED,
+                    key=f"{endpoint}|{cause}",
+                )
 
     def __enter__(self) -> ZmqEventPublisher:
         return self

@@ -86,6 +86,10 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cert_names; roles): set, Score, ListNodes and Models need the router or node role,
     RegisterNode / UnregisterNode the node role (admin: all); the cluster secret counts
     as every role. {} = as before (RegisterNode needs cluster_secret when set)."""
+    events_curve_key_file: str = ""
+    """The indexer's ZMQ CURVE secret key file (`kvstore keys curve`, NAME.key_secret, mode
+    0600): its client key on every source with a curve_server_key (its public key must be
+    in those daemons' events.curve_allowed_keys). "" = plaintext sources only."""
 
     def tls(self) -> TlsFiles:
         return TlsFiles(
@@ -126,6 +130,11 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 src.check()
             except ConfigError as e:
                 raise ConfigError(f"indexer.sources[{i}]: {e}") from None
+            if src.curve_server_key and not self.events_curve_key_file:
+                raise ConfigError(
+                    f"indexer.sources[{i}] ({src.node}) has a curve_server_key: "
+                    "indexer.events_curve_key_file (the indexer's own CURVE key) is needed"
+                )
 
 
 def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
@@ -148,7 +157,8 @@ def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
 
 def parse_source(text: str) -> SourceSpec:
     """``node=N,endpoint=tcp://h:p[,replay_endpoint=...][,snapshot_address=h:p]
-    [,kind=engine,model=M[,data_parallel_rank=R]][,engine_url=http://h:p]``."""
+    [,kind=engine,model=M[,data_parallel_rank=R]][,engine_url=http://h:p]
+    [,curve_server_key=Z85]`` (a Z85 key has no comma; its '=' are kept)."""
     fields: dict[str, str] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")

@@ -53,6 +53,7 @@ from kvstore.errors import (
     Unavailable,
     abort_sync,
 )
+from kvstore.events.curve import load_keypair
 from kvstore.hashing import BlockHasher, HashScheme
 from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.config import IndexerConfig
@@ -101,9 +102,15 @@ class Indexer:
             error_log_interval_s=cfg.error_log_interval_s,
             cluster_secret=cfg.cluster_secret,
             # Read (and checked) here: a bad file stops the indexer at start, naming it.
-            snapshot_credentials=(cfg.tls().channel_credentials() if cfg.tls().enabled else None),
+            snapshot_credentials=(cfg.tls().client_credentials() if cfg.tls().enabled else None),
             hash_algo=cfg.hash_algo,
             hash_seed=cfg.hash_seed or None,
+            # read and checked (0600, ours) here: a bad key file stops the start, naming it
+            curve_keys=(
+                load_keypair(cfg.events_curve_key_file, "indexer.events_curve_key_file")
+                if cfg.events_curve_key_file
+                else None
+            ),
         )
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._registered: dict[str, tuple[SourceSpec, float]] = {}  # key -> (spec, expires_at|0)
@@ -287,6 +294,7 @@ class Indexer:
             raise InvalidRequest(f"ttl_s must be >= 0; got {ttl_s}")
         try:
             spec.check()
+            self.subscriber.check_curve(spec)
         except ConfigError as e:
             raise InvalidRequest(str(e)) from None
         if len(owner_token) > 256:
@@ -391,6 +399,7 @@ def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
         snapshot_address=src.snapshot_address,
         engine_url=src.engine_url,
         data_parallel_rank=(src.data_parallel_rank if src.HasField("data_parallel_rank") else -1),
+        curve_server_key=src.curve_server_key,
     )
 
 
@@ -581,6 +590,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                         data_parallel_rank=(
                             s.data_parallel_rank if s.data_parallel_rank >= 0 else None
                         ),
+                        curve_server_key=s.curve_server_key,
                     ),
                     registered=reg,
                     expires_in_s=exp,
@@ -590,6 +600,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
                     next_seq=st.next_seq if st else 0,
                     errors=st.errors if st else 0,
                     snapshots=st.snapshots if st else 0,
+                    handshake_error=st.handshake_error if st else "",
                 )
             )
         return indexer_pb2.ListNodesResponse(sources=infos, indexed_nodes=indexed)

@@ -65,6 +65,14 @@ import zmq.utils.monitor
 
 from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.errors import ConfigError, InvalidRequest, KVStoreError
+from kvstore.events.curve import (
+    HANDSHAKE_FAILED,
+    CurveClient,
+    KeyPair,
+    handshake_failure,
+    secure_socket,
+    z85_key,
+)
 from kvstore.events.wire import (
     END_SEQ,
     LeanBatch,
@@ -85,6 +93,7 @@ from kvstore.indexer.backend import (
     source_medium,
 )
 from kvstore.indexer.seedcheck import SeedChecker
+from kvstore.tls import ClientCredentials
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +146,11 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared by its ranks, come from the daemon). A batch tagged with another rank
     is rejected. -1: the node's only engine (GPU entries are the node's,
     whatever the batches' tag)."""
+    curve_server_key: str = ""
+    """The publisher's ZMQ CURVE public key (Z85, 40 characters; `kvstore keys curve`
+    prints it): set, the stream and its replays are authenticated and encrypted, with
+    the indexer's events_curve_key_file as client key. "" = plaintext (a private network
+    only; vLLM's own engine publisher has no CURVE)."""
 
     def check(self) -> None:
         if not self.node or "@" in self.node:
@@ -166,6 +180,8 @@ class SourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             url.startswith(("http://", "https://")) or (url.startswith("unix:") and len(url) > 5)
         ):
             raise ConfigError(f"engine_url must be http(s)://host:port or unix:PATH; got {url!r}")
+        if self.curve_server_key:
+            z85_key(self.curve_server_key, f"curve_server_key of source {self.node}")
 
     @property
     def key(self) -> str:
@@ -191,6 +207,7 @@ class SubscriberStats(msgspec.Struct):
     stale_skipped: int = 0
     rank_mismatches: int = 0
     tail_checks: int = 0
+    handshake_failures: int = 0
     errors: int = 0
     backend_errors: int = 0
     backend_outages: int = 0
@@ -211,6 +228,8 @@ class SourceStatus(msgspec.Struct, frozen=True):
     """Seconds since the index last matched a snapshot of this source; -1 = never."""
     errors: int
     snapshots: int
+    handshake_error: str = ""
+    """Why the last handshake with the publisher failed ("" = none since it last succeeded)."""
 
 
 class _Source:
@@ -232,6 +251,7 @@ class _Source:
         self.retry_at = 0.0
         self.backoff_s = _SNAPSHOT_BACKOFF_S[0]
         self.channel: grpc.Channel | None = None
+        self.channel_generation = 0  # of the TLS credentials the channel was made with
         # staleness and health (monotonic seconds)
         self.last_event_at: float | None = None
         self.matched_at: float | None = None
@@ -239,6 +259,7 @@ class _Source:
         self.tail_checked_at = time.monotonic()
         self.errors = 0
         self.snapshots = 0
+        self.handshake_error = ""
 
     @property
     def daemon(self) -> bool:
@@ -287,10 +308,11 @@ class Subscriber:
         error_log_interval_s: float = 10.0,
         backend_ping_s: float = 1.0,
         cluster_secret: str = "",
-        snapshot_credentials: grpc.ChannelCredentials | None = None,
+        snapshot_credentials: ClientCredentials | None = None,
         hash_algo: str = "sha256",
         hash_seed: str | None = None,
         context: zmq.Context | None = None,
+        curve_keys: KeyPair | None = None,
     ) -> None:
         self._index = index
         self._lock = lock
@@ -304,6 +326,7 @@ class Subscriber:
         self._metadata = ((SECRET_METADATA_KEY, cluster_secret),) if cluster_secret else None
         self._snapshot_credentials = snapshot_credentials  # mutual TLS to daemons, if set
         self._ctx = context or zmq.Context.instance()
+        self._curve_keys = curve_keys  # our CURVE client key pair, for sources that name a key
         self.stats = SubscriberStats()
         self._specs: dict[str, SourceSpec] = {}  # what should be followed (any thread)
         self._specs_lock = threading.Lock()
@@ -372,8 +395,23 @@ class Subscriber:
             return False, f"the index backend is unreachable: {self.last_error}"
         return True, ""
 
+    def check_curve(self, spec: SourceSpec) -> None:
+        """A source with a CURVE server key needs this subscriber's client key pair."""
+        if spec.curve_server_key and self._curve_keys is None:
+            raise ConfigError(
+                f"source {spec.node} at {spec.endpoint} names a curve_server_key, but this "
+                "indexer has no CURVE key of its own (indexer.events_curve_key_file)"
+            )
+
+    def _curve(self, spec: SourceSpec) -> CurveClient | None:
+        if not spec.curve_server_key:
+            return None
+        assert self._curve_keys is not None  # check_curve ran in add_source
+        return CurveClient(self._curve_keys, spec.curve_server_key.encode())
+
     def add_source(self, spec: SourceSpec) -> None:
         spec.check()
+        self.check_curve(spec)
         with self._specs_lock:
             self._specs[spec.key] = spec
         self._command("add", spec)
@@ -402,6 +440,7 @@ class Subscriber:
                     since_snapshot_s=-1.0 if src.matched_at is None else now - src.matched_at,
                     errors=src.errors,
                     snapshots=src.snapshots,
+                    handshake_error=src.handshake_error,
                 )
             )
         return out
@@ -640,11 +679,22 @@ class Subscriber:
     def _stub(self, src: _Source) -> Any:
         from kvstore.v1 import store_pb2_grpc  # grpc stubs only where snapshots are used
 
+        credentials, generation = (
+            self._snapshot_credentials.current()
+            if self._snapshot_credentials is not None
+            else (None, 0)
+        )
+        if src.channel is not None and generation != src.channel_generation:
+            # renewed certificate files: the next snapshot connects with them (this
+            # thread is the channel's only user, and no call is in flight on it now)
+            src.channel.close()
+            src.channel = None
         if src.channel is None:
             options = [("grpc.max_receive_message_length", 64 << 20)]
-            if self._snapshot_credentials is not None:
+            src.channel_generation = generation
+            if credentials is not None:
                 src.channel = grpc.secure_channel(
-                    src.spec.snapshot_address, self._snapshot_credentials, options=options
+                    src.spec.snapshot_address, credentials, options=options
                 )
             else:
                 src.channel = grpc.insecure_channel(src.spec.snapshot_address, options=options)
@@ -783,7 +833,10 @@ class Subscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        secure_socket(sub, self._curve(spec))
+        mon = sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+        )
         sub.connect(spec.endpoint)
         src = _Source(spec, sub, mon)
         self._sources[spec.key] = src
@@ -834,9 +887,20 @@ class Subscriber:
                 ev = zmq.utils.monitor.recv_monitor_message(src.mon)
             except zmq.ZMQError:
                 return
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
+            if ev["event"] & HANDSHAKE_FAILED:
+                # a CURVE mismatch would otherwise look like a silent publisher
+                src.handshake_error = handshake_failure(ev, bool(src.spec.curve_server_key))
+                src.errors += 1
+                self.stats.handshake_failures += 1
+                self._log_error(
+                    f"handshake:{src.spec.key}",
+                    f"KV event source {src.spec.node} at {src.spec.endpoint}: handshake "
+                    f"failed: {src.handshake_error}",
+                )
+            elif ev["event"] == zmq.EVENT_DISCONNECTED:
                 src.down_since = time.monotonic()
             elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                src.handshake_error = ""
                 src.down_since = None
                 src.last_seen_at = time.monotonic()
                 if src.spec.snapshot_address:
@@ -1079,11 +1143,23 @@ class Subscriber:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # A DEALER's send waits for a peer; one whose handshake fails (a CURVE
+        # mismatch) never comes, and this thread must not wait for it unbounded.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self._replay_timeout_s * 1000)))
+        secure_socket(sock, self._curve(src.spec))
         out: list[tuple[int, bytes, bytes]] = []
         got_bytes = 0
         try:
             sock.connect(src.spec.replay_endpoint)
-            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            try:
+                sock.send_multipart((b"", start.to_bytes(8, "big")))
+            except zmq.Again:
+                self._log_error(
+                    f"replay:{src.spec.key}",
+                    f"replay from {src.spec.replay_endpoint}: no connection within "
+                    f"{self._replay_timeout_s:.1f}s (see the handshake errors)",
+                )
+                return out
             deadline = time.monotonic() + self._replay_timeout_s
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)

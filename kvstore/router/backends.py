@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import KVStoreError
-from kvstore.tls import env_channel_credentials
+from kvstore.tls import env_client_credentials
 from router_client.policy import NodeLoad
 
 log = logging.getLogger("kvstore.router")
@@ -150,10 +150,11 @@ class Fleet:
     ) -> None:
         self._spec = dict(backends)
         self._daemons = dict(daemons or {})
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[grpc.aio.Channel, int]] = {}  # channel, TLS generation
         # Daemons with mutual TLS: the router's certificate from KVSTORE_TLS_* (read now,
         # so a bad file stops the router at start, naming it).
-        self._credentials = env_channel_credentials()
+        # Renewed files are used for new channels (kvstore.tls.ClientCredentials).
+        self._credentials = env_client_credentials()
         self.connect_timeout_s = connect_timeout_s
         self.scrape_interval_s = scrape_interval_s
         self.capacity = capacity
@@ -257,7 +258,7 @@ class Fleet:
                     await t
         for b in [*self.backends.values(), *self._retired]:
             await b.session.close()
-        for ch in self._channels.values():
+        for ch, _ in self._channels.values():
             await ch.close()
 
     async def _loop(self) -> None:
@@ -275,13 +276,23 @@ class Fleet:
 
     async def _daemon_health(self, b: Backend) -> None:
         """A daemon draining for a restart says NOT_SERVING, then stops answering."""
-        ch = self._channels.get(b.node)
-        if ch is None:
-            ch = self._channels[b.node] = (
-                grpc.aio.secure_channel(b.daemon, self._credentials)
-                if self._credentials is not None
-                else grpc.aio.insecure_channel(b.daemon)
+        credentials, generation = (
+            self._credentials.current() if self._credentials is not None else (None, 0)
+        )
+        held = self._channels.get(b.node)
+        if held is not None and held[1] != generation:
+            # renewed certificate files: reconnect with them (the health check is
+            # this channel's only call, and it is not in flight now)
+            await held[0].close()
+            held = None
+        if held is None:
+            held = self._channels[b.node] = (
+                grpc.aio.secure_channel(b.daemon, credentials)
+                if credentials is not None
+                else grpc.aio.insecure_channel(b.daemon),
+                generation,
             )
+        ch = held[0]
         try:
             reply = await health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s

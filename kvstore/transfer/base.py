@@ -30,12 +30,16 @@ import grpc
 import numpy as np
 
 from kvstore.errors import InvalidRequest
+from kvstore.tls import ClientCredentials
 
 KIND_NIXL = "nixl"
 KIND_GRPC_STREAM = "grpc_stream"
 # Channels kept open to peers that are not configured (addresses named only by
 # hints); each costs ~20 KB of daemon memory and a socket, so they are bounded.
 MAX_HINT_CHANNELS = 64
+# After client certificates are renewed, pulls in flight on the old channels get this
+# long before those channels close (a pull times out well before: peer.transfer_timeout_s).
+RENEWAL_GRACE_S = 60.0
 
 
 # A hostname or IPv4 address, or an IPv6 address in brackets: what a hint may name.
@@ -161,10 +165,11 @@ class PeerChannels:
         *,
         known: Iterable[str] = (),
         max_channels: int = MAX_HINT_CHANNELS,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         assert max_channels >= 1, "max_channels must be >= 1"
         self._credentials = credentials  # mutual TLS to peers (kvstore.tls); None = plaintext
+        self._generation = 0  # of the credentials the open channels were made with
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -184,6 +189,16 @@ class PeerChannels:
         return len(self._known_channels) + len(self._channels)
 
     def get(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is not None:
+            _, generation = self._credentials.current()
+            if generation != self._generation:
+                # renewed certificate files: new pulls connect with them; pulls in
+                # flight on the old channels get RENEWAL_GRACE_S to finish
+                self._generation = generation
+                for channel in [*self._known_channels.values(), *self._channels.values()]:
+                    self._close_later(channel, RENEWAL_GRACE_S)
+                self._known_channels.clear()
+                self._channels.clear()
         if address in self.known:
             channel = self._known_channels.get(address)
             if channel is None:
@@ -201,13 +216,14 @@ class PeerChannels:
 
     def _open(self, address: str) -> grpc.aio.Channel:
         if self._credentials is not None:
-            return grpc.aio.secure_channel(address, self._credentials, options=self._options)
+            credentials, _ = self._credentials.current()
+            return grpc.aio.secure_channel(address, credentials, options=self._options)
         return grpc.aio.insecure_channel(address, options=self._options)
 
-    def _close_later(self, channel: grpc.aio.Channel) -> None:
+    def _close_later(self, channel: grpc.aio.Channel, grace_s: float | None = None) -> None:
         # get() is called on the event loop but is not a coroutine: close in a task
         # (held until done, so it is not collected half-way).
-        task = asyncio.get_running_loop().create_task(channel.close(None))
+        task = asyncio.get_running_loop().create_task(channel.close(grace_s))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 

@@ -19,6 +19,7 @@ import numpy as np
 from kvstore import errors, memcopy
 from kvstore.auth import SECRET_METADATA_KEY
 from kvstore.errors import InvalidRequest, KVStoreError, Unavailable
+from kvstore.tls import ClientCredentials
 from kvstore.transfer.base import KIND_GRPC_STREAM, PeerChannels, PeerLink, ReadBatch
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
@@ -67,7 +68,7 @@ class GrpcStreamTransport:
         max_message_bytes: int = 64 << 20,
         known_peers: Sequence[str] = (),
         *,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         assert region.dtype == np.uint8 and region.ndim == 1
         self._region = region

@@ -36,6 +36,7 @@ import xxhash
 from kvstore.errors import DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.manager import STORE_ALLOCATED, BlockManager
 from kvstore.namespace import NamespaceSpec
+from kvstore.tls import ClientCredentials
 from kvstore.transfer.base import (
     KIND_NIXL,
     MAX_HINT_CHANNELS,
@@ -143,7 +144,7 @@ class Puller:
         max_message_bytes: int = 64 << 20,
         known_peers: Sequence[str] = (),
         piece_bytes: int = PIECE_MIN_BYTES,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: ClientCredentials | None = None,
     ) -> None:
         if piece_bytes <= 0:
             raise InvalidRequest(f"piece_bytes must be > 0, not {piece_bytes}")

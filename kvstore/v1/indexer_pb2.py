@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/indexer.proto\x12\nkvstore.v1\"\xfb\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x03(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x05 \x01(\r\x12\x11\n\thash_algo\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x11\n\tlora_path\x18\t \x01(\t\x12\x1d\n\x10lookahead_tokens\x18\n \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_lookahead_tokens\"m\n\tRankScore\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x12\n\ngpu_blocks\x18\x03 \x01(\r\x12\x12\n\ncpu_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\r\"\xa1\x01\n\tNodeScore\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x12\n\ngpu_blocks\x18\x03 \x01(\r\x12\x12\n\ncpu_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12$\n\x05ranks\x18\x07 \x03(\x0b\x32\x15.kvstore.v1.RankScore\"N\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.NodeScore\x12\x16\n\x0erequest_blocks\x18\x02 \x01(\r\"\xc9\x01\n\x0b\x45ventSource\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10snapshot_address\x18\x06 \x01(\t\x12\x12\n\nengine_url\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\x05H\x00\x88\x01\x01\x42\x15\n\x13_data_parallel_rank\"b\n\x13RegisterNodeRequest\x12\'\n\x06source\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.EventSource\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\"+\n\x14RegisterNodeResponse\x12\x13\n\x0bowner_token\x18\x01 \x01(\t\"L\n\x15UnregisterNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\"1\n\x16UnregisterNodeResponse\x12\x17\n\x0fremoved_sources\x18\x01 \x01(\r\"\x12\n\x10ListNodesRequest\"\xd9\x01\n\x08NodeInfo\x12\'\n\x06source\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.EventSource\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x18\n\x10last_event_age_s\x18\x04 \x01(\x01\x12\x18\n\x10since_snapshot_s\x18\x05 \x01(\x01\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x10\n\x08next_seq\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x11\n\tsnapshots\x18\t \x01(\x04\"Q\n\x11ListNodesResponse\x12%\n\x07sources\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x15\n\rindexed_nodes\x18\x02 \x03(\t\"\x0f\n\rModelsRequest\"\xc3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x66irst_blocks_checked\x18\x03 \x01(\r\x12\x1f\n\x17\x66irst_blocks_mismatched\x18\x04 \x01(\r\x12\x11\n\thash_algo\x18\x05 \x01(\t\x12\x1d\n\x15hash_lookahead_tokens\x18\x06 \x01(\r\x12\x1b\n\x13hash_scheme_learned\x18\x07 \x01(\x08\"7\n\x0eModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.ModelInfo2\x85\x03\n\x0eIndexerService\x12<\n\x05Score\x12\x18.kvstore.v1.ScoreRequest\x1a\x19.kvstore.v1.ScoreResponse\x12Q\n\x0cRegisterNode\x12\x1f.kvstore.v1.RegisterNodeRequest\x1a .kvstore.v1.RegisterNodeResponse\x12W\n\x0eUnregisterNode\x12!.kvstore.v1.UnregisterNodeRequest\x1a\".kvstore.v1.UnregisterNodeResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponse\x12?\n\x06Models\x12\x19.kvstore.v1.ModelsRequest\x1a\x1a.kvstore.v1.ModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/indexer.proto\x12\nkvstore.v1\"\xfb\x01\n\x0cScoreRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x17\n\x0f\x63\x61ndidate_nodes\x18\x04 \x03(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x05 \x01(\r\x12\x11\n\thash_algo\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x11\n\tlora_path\x18\t \x01(\t\x12\x1d\n\x10lookahead_tokens\x18\n \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_lookahead_tokens\"m\n\tRankScore\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x12\n\ngpu_blocks\x18\x03 \x01(\r\x12\x12\n\ncpu_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\r\"\xa1\x01\n\tNodeScore\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x12\n\ngpu_blocks\x18\x03 \x01(\r\x12\x12\n\ncpu_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x05 \x01(\r\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12$\n\x05ranks\x18\x07 \x03(\x0b\x32\x15.kvstore.v1.RankScore\"N\n\rScoreResponse\x12%\n\x06scores\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.NodeScore\x12\x16\n\x0erequest_blocks\x18\x02 \x01(\r\"\xe3\x01\n\x0b\x45ventSource\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x17\n\x0freplay_endpoint\x18\x03 \x01(\t\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10snapshot_address\x18\x06 \x01(\t\x12\x12\n\nengine_url\x18\x07 \x01(\t\x12\x1f\n\x12\x64\x61ta_parallel_rank\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x10\x63urve_server_key\x18\t \x01(\tB\x15\n\x13_data_parallel_rank\"b\n\x13RegisterNodeRequest\x12\'\n\x06source\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.EventSource\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\"+\n\x14RegisterNodeResponse\x12\x13\n\x0bowner_token\x18\x01 \x01(\t\"L\n\x15UnregisterNodeRequest\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x13\n\x0bowner_token\x18\x03 \x01(\t\"1\n\x16UnregisterNodeResponse\x12\x17\n\x0fremoved_sources\x18\x01 \x01(\r\"\x12\n\x10ListNodesRequest\"\xf2\x01\n\x08NodeInfo\x12\'\n\x06source\x18\x01 \x01(\x0b\x32\x17.kvstore.v1.EventSource\x12\x12\n\nregistered\x18\x02 \x01(\x08\x12\x14\n\x0c\x65xpires_in_s\x18\x03 \x01(\x01\x12\x18\n\x10last_event_age_s\x18\x04 \x01(\x01\x12\x18\n\x10since_snapshot_s\x18\x05 \x01(\x01\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x10\n\x08next_seq\x18\x07 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x08 \x01(\x04\x12\x11\n\tsnapshots\x18\t \x01(\x04\x12\x17\n\x0fhandshake_error\x18\n \x01(\t\"Q\n\x11ListNodesResponse\x12%\n\x07sources\x18\x01 \x03(\x0b\x32\x14.kvstore.v1.NodeInfo\x12\x15\n\rindexed_nodes\x18\x02 \x03(\t\"\x0f\n\rModelsRequest\"\xc3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x19\n\x11\x62lock_size_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x66irst_blocks_checked\x18\x03 \x01(\r\x12\x1f\n\x17\x66irst_blocks_mismatched\x18\x04 \x01(\r\x12\x11\n\thash_algo\x18\x05 \x01(\t\x12\x1d\n\x15hash_lookahead_tokens\x18\x06 \x01(\r\x12\x1b\n\x13hash_scheme_learned\x18\x07 \x01(\x08\"7\n\x0eModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.ModelInfo2\x85\x03\n\x0eIndexerService\x12<\n\x05Score\x12\x18.kvstore.v1.ScoreRequest\x1a\x19.kvstore.v1.ScoreResponse\x12Q\n\x0cRegisterNode\x12\x1f.kvstore.v1.RegisterNodeRequest\x1a .kvstore.v1.RegisterNodeResponse\x12W\n\x0eUnregisterNode\x12!.kvstore.v1.UnregisterNodeRequest\x1a\".kvstore.v1.UnregisterNodeResponse\x12H\n\tListNodes\x12\x1c.kvstore.v1.ListNodesRequest\x1a\x1d.kvstore.v1.ListNodesResponse\x12?\n\x06Models\x12\x19.kvstore.v1.ModelsRequest\x1a\x1a.kvstore.v1.ModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCORERESPONSE']._serialized_start=569
   _globals['_SCORERESPONSE']._serialized_end=647
   _globals['_EVENTSOURCE']._serialized_start=650
-  _globals['_EVENTSOURCE']._serialized_end=851
-  _globals['_REGISTERNODEREQUEST']._serialized_start=853
-  _globals['_REGISTERNODEREQUEST']._serialized_end=951
-  _globals['_REGISTERNODERESPONSE']._serialized_start=953
-  _globals['_REGISTERNODERESPONSE']._serialized_end=996
-  _globals['_UNREGISTERNODEREQUEST']._serialized_start=998
-  _globals['_UNREGISTERNODEREQUEST']._serialized_end=1074
-  _globals['_UNREGISTERNODERESPONSE']._serialized_start=1076
-  _globals['_UNREGISTERNODERESPONSE']._serialized_end=1125
-  _globals['_LISTNODESREQUEST']._serialized_start=1127
-  _globals['_LISTNODESREQUEST']._serialized_end=1145
-  _globals['_NODEINFO']._serialized_start=1148
-  _globals['_NODEINFO']._serialized_end=1365
-  _globals['_LISTNODESRESPONSE']._serialized_start=1367
-  _globals['_LISTNODESRESPONSE']._serialized_end=1448
-  _globals['_MODELSREQUEST']._serialized_start=1450
-  _globals['_MODELSREQUEST']._serialized_end=1465
-  _globals['_MODELINFO']._serialized_start=1468
-  _globals['_MODELINFO']._serialized_end=1663
-  _globals['_MODELSRESPONSE']._serialized_start=1665
-  _globals['_MODELSRESPONSE']._serialized_end=1720
-  _globals['_INDEXERSERVICE']._serialized_start=1723
-  _globals['_INDEXERSERVICE']._serialized_end=2112
+  _globals['_EVENTSOURCE']._serialized_end=877
+  _globals['_REGISTERNODEREQUEST']._serialized_start=879
+  _globals['_REGISTERNODEREQUEST']._serialized_end=977
+  _globals['_REGISTERNODERESPONSE']._serialized_start=979
+  _globals['_REGISTERNODERESPONSE']._serialized_end=1022
+  _globals['_UNREGISTERNODEREQUEST']._serialized_start=1024
+  _globals['_UNREGISTERNODEREQUEST']._serialized_end=1100
+  _globals['_UNREGISTERNODERESPONSE']._serialized_start=1102
+  _globals['_UNREGISTERNODERESPONSE']._serialized_end=1151
+  _globals['_LISTNODESREQUEST']._serialized_start=1153
+  _globals['_LISTNODESREQUEST']._serialized_end=1171
+  _globals['_NODEINFO']._serialized_start=1174
+  _globals['_NODEINFO']._serialized_end=1416
+  _globals['_LISTNODESRESPONSE']._serialized_start=1418
+  _globals['_LISTNODESRESPONSE']._serialized_end=1499
+  _globals['_MODELSREQUEST']._serialized_start=1501
+  _globals['_MODELSREQUEST']._serialized_end=1516
+  _globals['_MODELINFO']._serialized_start=1519
+  _globals['_MODELINFO']._serialized_end=1714
+  _globals['_MODELSRESPONSE']._serialized_start=1716
+  _globals['_MODELSRESPONSE']._serialized_end=1771
+  _globals['_INDEXERSERVICE']._serialized_start=1774
+  _globals['_INDEXERSERVICE']._serialized_end=2163
 # @@protoc_insertion_point(module_scope)

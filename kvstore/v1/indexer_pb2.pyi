@@ -71,7 +71,7 @@ class ScoreResponse(_message.Message):
     def __init__(self, scores: _Optional[_Iterable[_Union[NodeScore, _Mapping]]] = ..., request_blocks: _Optional[int] = ...) -> None: ...
 
 class EventSource(_message.Message):
-    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address", "engine_url", "data_parallel_rank")
+    __slots__ = ("node", "endpoint", "replay_endpoint", "kind", "model", "snapshot_address", "engine_url", "data_parallel_rank", "curve_server_key")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class EventSource(_message.Message):
     SNAPSHOT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    CURVE_SERVER_KEY_FIELD_NUMBER: _ClassVar[int]
     node: str
     endpoint: str
     replay_endpoint: str
@@ -88,7 +89,8 @@ class EventSource(_message.Message):
     snapshot_address: str
     engine_url: str
     data_parallel_rank: int
-    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ..., engine_url: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    curve_server_key: str
+    def __init__(self, node: _Optional[str] = ..., endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., kind: _Optional[str] = ..., model: _Optional[str] = ..., snapshot_address: _Optional[str] = ..., engine_url: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., curve_server_key: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
     __slots__ = ("source", "ttl_s", "owner_token")
@@ -127,7 +129,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("source", "registered", "expires_in_s", "last_event_age_s", "since_snapshot_s", "connected", "next_seq", "errors", "snapshots")
+    __slots__ = ("source", "registered", "expires_in_s", "last_event_age_s", "since_snapshot_s", "connected", "next_seq", "errors", "snapshots", "handshake_error")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class NodeInfo(_message.Message):
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    HANDSHAKE_ERROR_FIELD_NUMBER: _ClassVar[int]
     source: EventSource
     registered: bool
     expires_in_s: float
@@ -146,7 +149,8 @@ class NodeInfo(_message.Message):
     next_seq: int
     errors: int
     snapshots: int
-    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., registered: _Optional[bool] = ..., expires_in_s: _Optional[float] = ..., last_event_age_s: _Optional[float] = ..., since_snapshot_s: _Optional[float] = ..., connected: _Optional[bool] = ..., next_seq: _Optional[int] = ..., errors: _Optional[int] = ..., snapshots: _Optional[int] = ...) -> None: ...
+    handshake_error: str
+    def __init__(self, source: _Optional[_Union[EventSource, _Mapping]] = ..., registered: _Optional[bool] = ..., expires_in_s: _Optional[float] = ..., last_event_age_s: _Optional[float] = ..., since_snapshot_s: _Optional[float] = ..., connected: _Optional[bool] = ..., next_seq: _Optional[int] = ..., errors: _Optional[int] = ..., snapshots: _Optional[int] = ..., handshake_error: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("sources", "indexed_nodes")

@@ -30,10 +30,11 @@ from kvstore.indexer.service import serve as serve_indexer
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
 from kvstore.router.backends import Fleet
-from kvstore.tls import TlsFiles
+from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
 from router_client import RouterClient
 from tests.conftest import make_spec
+from tests.integration._redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "tls-test-secret"
@@ -364,3 +365,161 @@ def test_router_watches_a_tls_daemon_with_its_certificate(daemon_factory, pki, m
     for var, name in (("CERT", "client.pem"), ("KEY", "client.key"), ("CA", "ca.pem")):
         monkeypatch.setenv(f"KVSTORE_TLS_{var}", str(pki / name))
     assert asyncio.run(daemon_serving()) is True
+
+
+# --- client certificates renewed ------------------------------------------------------
+
+
+def test_client_certificates_renewed_are_used_for_new_connections(daemon_factory, tmp_path):
+    """The whole PKI is replaced (a new CA) while a Client runs: after the daemon comes
+    back with the new CA only, the same Client, not restarted, connects again with the
+    renewed files. Before, its channel kept the certificate it was made with."""
+    old = make_pki(tmp_path / "old", "client")
+    new = make_pki(tmp_path / "new", "client")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = ("server.pem", "server.key", "ca.pem", "client.pem", "client.key")
+    for name in files:
+        shutil.copy(old / name, live / name)
+    settings = {**server_settings(live), "server.tcp_address": f"127.0.0.1:{free_port()}"}
+    a = daemon_factory("tls-old", settings=settings)
+    address = a.tcp_address
+    with Client(address, map_region=False, tls=client_tls(live), timeout_s=2.0) as c:
+        assert c.stats().node_id == "tls-old"
+        for name in files:  # rename: each file changes at once
+            shutil.copy(new / name, live / f".{name}.tmp")
+            os.replace(live / f".{name}.tmp", live / name)
+        a.stop()  # its connections go; the next daemon trusts the new CA only
+        daemon_factory("tls-new", settings=settings)
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                assert c.stats().node_id == "tls-new"
+                break
+            except Unavailable:
+                # the files are looked at once a second (kvstore.tls.RELOAD_CHECK_S)
+                assert time.monotonic() < deadline, "the renewed client certificate was not used"
+                time.sleep(0.1)
+    # an old-CA client is refused by the new daemon: it was the renewal that got through
+    with pytest.raises(Unavailable):
+        Client(address, map_region=False, tls=client_tls(old), timeout_s=2.0)
+
+
+def test_client_credentials_follow_the_files_and_keep_the_old_on_a_bad_renewal(tmp_path):
+    old = make_pki(tmp_path / "old", "client")
+    new = make_pki(tmp_path / "new", "client")
+    live = tmp_path / "live"
+    live.mkdir()
+    for name in ("client.pem", "client.key", "ca.pem"):
+        shutil.copy(old / name, live / name)
+    now = [0.0]
+    creds = ClientCredentials(client_tls(live), check_interval_s=1.0, clock=lambda: now[0])
+    first, gen = creds.current()
+    assert gen == 0
+    # half a rotation (the certificate, not yet its key): not loadable, the old stay
+    shutil.copy(new / "client.pem", live / "client.pem")
+    now[0] = 1.0
+    assert creds.current() == (first, 0)
+    shutil.copy(new / "client.key", live / "client.key")
+    shutil.copy(new / "ca.pem", live / "ca.pem")
+    now[0] = 1.5  # within the check interval: not looked at yet
+    assert creds.current()[1] == 0
+    now[0] = 2.0
+    renewed, gen = creds.current()
+    assert gen == 1 and renewed is not first
+
+
+def test_indexer_snapshots_with_renewed_certificates(daemon_factory, tmp_path):
+    """The PKI is replaced while the indexer runs; the daemon comes back (same
+    addresses) with the new CA only: the indexer's next Snapshot connects with its
+    renewed files, without a restart. Before, its snapshot channel kept the old ones."""
+    old = make_pki(tmp_path / "old")
+    new = make_pki(tmp_path / "new")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = ("server.pem", "server.key", "ca.pem")
+    for name in files:
+        shutil.copy(old / name, live / name)
+    s = {
+        **server_settings(live),
+        "server.tcp_address": f"127.0.0.1:{free_port()}",
+        "events.enabled": True,
+        "events.publish_address": f"tcp://127.0.0.1:{free_port()}",
+        "events.replay_address": f"tcp://127.0.0.1:{free_port()}",
+    }
+    a = daemon_factory("snap-old", settings=s)
+    source = SourceSpec(
+        node="node-a",
+        endpoint=str(s["events.publish_address"]),
+        replay_endpoint=str(s["events.replay_address"]),
+        snapshot_address=a.tcp_address,
+    )
+    ix = Indexer(IndexerConfig(sources=[source], **indexer_tls(live)))  # type: ignore[arg-type]
+    ix.start()
+    try:
+        deadline = time.monotonic() + 20
+        while ix.subscriber.stats.snapshots < 1:
+            assert time.monotonic() < deadline, "no first snapshot"
+            time.sleep(0.05)
+        for name in files:  # rename: each file changes at once
+            shutil.copy(new / name, live / f".{name}.tmp")
+            os.replace(live / f".{name}.tmp", live / name)
+        a.stop()
+        b = daemon_factory("snap-new", settings=s)  # the new CA only, same addresses
+        hashes = BlockHasher(16).hash_tokens_int(np.arange(16 * 4) % 30_000)
+        with Client(b.address) as c:
+            ns = c.declare_namespace(make_spec(4096))
+            assert c.put(ns, hashes, np.zeros((4, 4096), np.uint8)).stored == 4
+        # the reconnection makes a snapshot due; it must get through with the new files
+        deadline = time.monotonic() + 30
+        while ix.subscriber.stats.snapshots < 2:
+            assert time.monotonic() < deadline, (
+                f"no snapshot with the renewed certificate "
+                f"({ix.subscriber.stats.snapshot_failures} failed)"
+            )
+            time.sleep(0.05)
+    finally:
+        ix.close()
+
+
+def test_peer_pulls_use_renewed_certificates(daemon_factory, tmp_path):
+    """The puller's files are renewed (a new CA) while it runs; its peer comes back on
+    the same address with the new CA only: the next pull connects with the renewed
+    certificate. Before, the peer channel kept the one loaded at start."""
+    old = make_pki(tmp_path / "old", "node-b")
+    new = make_pki(tmp_path / "new", "node-b")
+    live = tmp_path / "live"
+    live.mkdir()
+    files = ("node-b.pem", "node-b.key", "ca.pem")
+    for name in files:
+        shutil.copy(old / name, live / name)
+    spec = make_spec(4096)
+    port = free_port()
+
+    def peer_a(name: str, pki: Path) -> DaemonProcess:
+        settings = {**peer_settings(pki, "server"), "server.tcp_address": f"127.0.0.1:{port}"}
+        a = daemon_factory(name, settings=settings)
+        with Client(a.address) as ca:
+            ns = ca.declare_namespace(spec)
+            ca.put(ns, [11, 12], np.full((2, 4096), 3, np.uint8))
+        return a
+
+    a = peer_a("node-a", old)
+    b = daemon_factory("node-b", settings=peer_settings(live, "node-b"))
+    assert pull_through(b, a, spec, [11, 12]) == 2
+    for name in files:  # rename: each file changes at once
+        shutil.copy(new / name, live / f".{name}.tmp")
+        os.replace(live / f".{name}.tmp", live / name)
+    a.stop()
+    a2 = peer_a("node-a2", new)  # same address, the new CA only
+    with Client(b.address) as cb:
+        cb.delete(cb.declare_namespace(spec), [11, 12])
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            assert pull_through(b, a2, spec, [11, 12]) == 2
+            break
+        except Unavailable:
+            # b looks at its files at most once a second (kvstore.tls.RELOAD_CHECK_S)
+            assert time.monotonic() < deadline, "the renewed certificate was not used"
+            time.sleep(0.1)
