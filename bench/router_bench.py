@@ -403,6 +403,36 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
             proc.wait(10)
 
 
+# The routers measured against the engine in one run: what each change buys.
+PROXY_VARIANTS = (
+    ("indexer Score, asyncio loop", {"index": "indexer", "event_loop": "asyncio"}),
+    ("local index, asyncio loop", {"index": "local", "event_loop": "asyncio"}),
+    ("local index, uvloop", {"index": "local", "event_loop": "uvloop"}),
+)
+
+
+def _router_process(settings: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    from tests.integration import vllm_model as vm
+
+    rargs = [sys.executable, "-m", "kvstore", "router"]
+    for k, v in settings.items():
+        rargs += ["--set", f"router.{k}={v}"]
+    env = dict(os.environ, PYTHONPATH=str(vm.REPO_ROOT))
+    router = subprocess.Popen(
+        rargs, cwd=vm.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    assert router.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = re.search(r"listening on http://([\d.]+:\d+)", router.stdout.readline().decode())
+        if m:
+            return router, m.group(1)
+        if router.poll() is not None:
+            break
+    _stop(router)
+    raise RuntimeError(f"the router did not start ({settings})")
+
+
 def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progress) -> dict:
     from kvstore.indexer.config import IndexerConfig
     from kvstore.indexer.service import Indexer, serve
@@ -419,39 +449,21 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
     ix = Indexer(IndexerConfig())
     ix.start()
     server, port = serve(ix, "127.0.0.1:0")
-    router = None
+    routers: list[tuple[str, subprocess.Popen[bytes], str]] = []
     try:
         _wait_http(f"unix:{sock}", engine, log, 300)
-        rargs = [
-            sys.executable,
-            "-m",
-            "kvstore",
-            "router",
-            "--set",
-            "router.listen=127.0.0.1:0",
-            "--set",
-            f"router.backends.node-a=unix:{sock}",
-            "--set",
-            f"router.backends.node-b=unix:{sock}",
-            "--set",
-            f"router.indexer=127.0.0.1:{port}",
-            "--set",
-            "router.decision_deadline_s=1",
-        ]
-        env = dict(os.environ, PYTHONPATH=str(vm.REPO_ROOT))
-        router = subprocess.Popen(
-            rargs, cwd=vm.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-        )
-        assert router.stdout is not None
-        address = ""
-        deadline = time.monotonic() + 60
-        while not address and time.monotonic() < deadline:
-            m = re.search(r"listening on http://([\d.]+:\d+)", router.stdout.readline().decode())
-            address = m.group(1) if m else ""
-        if not address:
-            raise RuntimeError("the router did not start")
-        direct: dict[str, list[float]] = {"first": [], "end": []}
-        routed: dict[str, list[float]] = {"first": [], "end": []}
+        common = {
+            "listen": "127.0.0.1:0",
+            "backends.node-a": f"unix:{sock}",
+            "backends.node-b": f"unix:{sock}",
+            "indexer": f"127.0.0.1:{port}",
+            "decision_deadline_s": "1",
+        }
+        for label, extra in PROXY_VARIANTS:
+            proc, address = _router_process({**common, **extra})
+            routers.append((label, proc, address))
+        paths = [("direct", f"unix:{sock}")] + [(label, a) for label, _, a in routers]
+        got: dict[str, dict[str, list[float]]] = {n: {"first": [], "end": []} for n, _ in paths}
         rng = np.random.default_rng(1)
         for i in range(args.requests + 3):
             prompt = [int(t) for t in rng.integers(2, 500, 200)]
@@ -465,32 +477,36 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
                     "ignore_eos": True,
                 }
             ).encode()
-            # Alternate which path goes first, so neither always meets a warm cache.
-            paths = [("direct", f"unix:{sock}"), ("routed", address)]
-            if i % 2:
-                paths.reverse()
-            for name, addr in paths:
+            # Rotate which path goes first, so none always meets a warm cache.
+            k = i % len(paths)
+            for name, addr in paths[k:] + paths[:k]:
                 first, end = _streamed(addr, body)
                 if i >= 3:  # warm-up
-                    d = direct if name == "direct" else routed
-                    d["first"].append(first)
-                    d["end"].append(end)
+                    got[name]["first"].append(first)
+                    got[name]["end"].append(end)
             progress.update(1, "streams")
-        return {
+        direct = got["direct"]
+        out: dict[str, Any] = {
             "requests": args.requests,
             "direct_first_s": _pct(direct["first"]),
-            "routed_first_s": _pct(routed["first"]),
             "direct_end_s": _pct(direct["end"]),
-            "routed_end_s": _pct(routed["end"]),
-            "added_first_p50_s": float(np.median(routed["first"]) - np.median(direct["first"])),
-            "added_end_p50_s": float(np.median(routed["end"]) - np.median(direct["end"])),
-            "added_first_paired_p50_s": float(
-                np.median(np.asarray(routed["first"]) - np.asarray(direct["first"]))
-            ),
+            "variants": {},
         }
+        for label, _, _ in routers:
+            g = got[label]
+            out["variants"][label] = {
+                "first_s": _pct(g["first"]),
+                "end_s": _pct(g["end"]),
+                "added_first_p50_s": float(np.median(g["first"]) - np.median(direct["first"])),
+                "added_end_p50_s": float(np.median(g["end"]) - np.median(direct["end"])),
+                "added_first_paired_p50_s": float(
+                    np.median(np.asarray(g["first"]) - np.asarray(direct["first"]))
+                ),
+            }
+        return out
     finally:
-        if router is not None:
-            _stop(router)
+        for _, proc, _ in routers:
+            _stop(proc)
         _stop(engine)
         server.stop(0)
         ix.close()
@@ -925,28 +941,31 @@ def report(result: dict[str, Any], out: Path) -> str:
     if d and "indexer_resent_s" in d:
         lines += _decision_report(d)
     p = result.get("proxy")
-    if p:
+    if p and "variants" in p:
         lines += [
             "",
             f"## Proxy overhead (measured on CPU, tiny model): {p['requests']} streamed "
-            "requests per path, 200-token prompts, 16 tokens each",
+            "requests per path, 200-token prompts, 16 tokens each; every path in each round",
             "",
-            "| path | first event p50 | first event p90 | end of stream p50 | end p90 |",
-            "|---|---:|---:|---:|---:|",
+            "| path | first event p50 | first event p90 | end of stream p50 | "
+            "router adds (first event, p50 - p50) | paired p50 |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| engine directly | {p['direct_first_s']['p50'] * ms:.2f} ms | "
+            f"{p['direct_first_s']['p90'] * ms:.2f} ms | {p['direct_end_s']['p50'] * ms:.2f} ms"
+            " | | |",
         ]
-        for name in ("direct", "routed"):
-            f, e = p[f"{name}_first_s"], p[f"{name}_end_s"]
+        for label, v in p["variants"].items():
             lines.append(
-                f"| {name} | {f['p50'] * ms:.2f} ms | {f['p90'] * ms:.2f} ms | "
-                f"{e['p50'] * ms:.2f} ms | {e['p90'] * ms:.2f} ms |"
+                f"| router: {label} | {v['first_s']['p50'] * ms:.2f} ms | "
+                f"{v['first_s']['p90'] * ms:.2f} ms | {v['end_s']['p50'] * ms:.2f} ms | "
+                f"{v['added_first_p50_s'] * ms:+.2f} ms | "
+                f"{v['added_first_paired_p50_s'] * ms:+.2f} ms |"
             )
-        added = p["added_first_p50_s"]
+        best = min(v["added_first_p50_s"] for v in p["variants"].values())
         lines += [
             "",
-            f"Router adds (p50 of routed minus p50 of direct): first event "
-            f"{added * ms:+.2f} ms, end of stream {p['added_end_p50_s'] * ms:+.2f} ms "
-            f"(paired p50 {p['added_first_paired_p50_s'] * ms:+.2f} ms). Goal <= 1 ms at p50: "
-            f"**{'met' if added <= 0.001 else 'not met'}**.",
+            f"Goal: the router adds <= 1 ms at p50: **{'met' if best <= 0.001 else 'not met'}** "
+            f"(best variant {best * ms:+.2f} ms).",
         ]
     r = result.get("replay")
     if r:
