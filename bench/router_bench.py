@@ -1,21 +1,26 @@
 """`kvstore-bench router`: what a routing decision costs, and what the proxy adds.
 
-1. Decision cost (no engine needed): a real indexer (in this process, fed over
-   ZMQ by KV-event publishers for ``--nodes`` nodes, the context's blocks
-   spread over them in several tiers) and ``router_client.RouterClient``, the
-   code `kvstore router` runs: token ids -> block hashes -> indexer Score ->
-   policy choice, for ``--context-tokens`` (195k) contexts at
-   ``--block-tokens`` (16). *Cold*: a context never seen (every block
-   hashed). *Re-sent*: the same agent's next turn, its previous context plus
-   ``--new-tokens`` (only the tail is hashed; the rest of the chain is reused).
-   Goal: re-sent p99 <= 3 ms.
+1. Decision cost (no engine needed): a real `kvstore indexer` process fed over
+   ZMQ by KV-event publishers for ``--nodes`` nodes (the context's blocks
+   spread over them in several tiers), and the router's decision code both
+   ways in one run: token ids -> block hashes (``PrefixHashCache``) -> Score
+   -> the cache+load strategy's choice, the Score from the indexer over gRPC
+   (grpc.aio, ``router.index = "indexer"``) or from the router's own index
+   following the same streams (``kvstore.router.local_index``, ``"local"``),
+   for ``--context-tokens`` (195k) contexts at ``--block-tokens`` (16).
+   *Cold*: a context never seen (every block hashed). *Re-sent*: the same
+   agent's next turn, its previous context plus ``--new-tokens`` (only the
+   tail is hashed). Again while another source streams
+   ``--churn-batches-per-s`` (a process of its own), and the local index's lag
+   (blocks published -> held). Goal: re-sent p99 <= 3 ms.
 2. Proxy overhead (``--engine on``): one real vLLM CPU OpenAI server (the tiny
-   random Llama of tests/integration/vllm_model.py) and the real `kvstore
-   router` process in front of it (two backend entries on that one engine, so
-   every request takes the full decision path with an indexer); streamed
-   completions sent alternately to the engine directly and through the router;
-   time to the first SSE event and to the end of the stream. Goal: the router
-   adds <= 1 ms at p50. CPU figures: the engine is a 2-layer model on a CPU.
+   random Llama of tests/integration/vllm_model.py) and real `kvstore router`
+   processes in front of it, one per ``PROXY_VARIANTS`` entry (indexer Score
+   or local index, asyncio or uvloop; two backend entries on that one engine,
+   so every request takes the full decision path); each round sends one
+   streamed completion to the engine directly and through every router, in
+   rotating order; time to the first SSE event and to the end of the stream.
+   Goal: the router adds <= 1 ms at p50. CPU figures: a 2-layer model on a CPU.
 3. Live replay (``--replay on``): two vLLM CPU servers with the KVStore connector,
    each with its daemon publishing KV events, a real indexer following both, and
    one real `kvstore router` per strategy (``cache+load``, the product default,
