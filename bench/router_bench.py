@@ -988,7 +988,7 @@ def _decision_report(d: dict[str, Any]) -> list[str]:
         f"{d['request_blocks']:,} blocks, {d['nodes']} nodes",
         "",
         "token ids -> block hashes -> Score -> policy choice, the router's code both ways "
-        'in one run: `index = "indexer"` (its gRPC Score, grpc.aio; the indexer in this '
+        'in one run: `index = "indexer"` (its gRPC Score, grpc.aio; a `kvstore indexer` '
         'process) and `index = "local"` (the router\'s own index following the same '
         "streams).",
         "",
