@@ -166,7 +166,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     # The indexer in its own process, as deployed: its threads do not share this
     # process's interpreter lock with the router's loop (the local index's do).
     ix_proc, ix_addr = _start_indexer(sources)
-    local = LocalIndex(max_bytes=8 << 30, max_list_age_s=1e9)
+    local = LocalIndex(max_bytes=8 << 30)
     local.start()
     client = AsyncIndexClient(ix_addr, deadline_s=2.0)
     rng = np.random.default_rng(0)

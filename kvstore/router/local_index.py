@@ -20,10 +20,13 @@ transport security layer to be added to).
 When the local copy is not known to be in step, the decision asks the
 indexer's Score as before (the fallback): before the first ListNodes answer,
 while any followed stream is disconnected or a daemon stream has not matched
-its first snapshot, while the ingestion thread is unhealthy, when the source
-list has not been re-read for ``max_list_age_s`` (the indexer's list may have
-moved on), and for good once the tables outgrow ``max_bytes`` (dropped: a
+its first snapshot, while the ingestion thread is unhealthy, and for good once the tables outgrow ``max_bytes`` (dropped: a
 bounded router never grows with the cluster past what it was given).
+
+An indexer that stops answering does not take the copy out of step: it
+follows the daemons, not the indexer (the last source list is kept; nothing
+registers or lapses while the indexer is down), so decisions stay precise
+through an indexer outage; ``list_age_s`` says how old the list is.
 
 HA: two replicas following the same streams apply the same batches, so they
 hold the same entries and make the same decisions as each other and as the
@@ -83,7 +86,6 @@ class LocalIndex:
         self,
         *,
         max_bytes: int,
-        max_list_age_s: float,
         hash_algo: str = "sha256",
         hash_seed: str = "",
         cluster_secret: str = "",
@@ -102,7 +104,6 @@ class LocalIndex:
         self.memory = MemoryIndex()
         self.indexer = Indexer(cfg, index=self.memory)
         self.max_bytes = max_bytes
-        self.max_list_age_s = max_list_age_s
         self.listed_at: float | None = None
         """When the indexer's source list was last read (monotonic)."""
         self.dropped = ""
@@ -197,8 +198,6 @@ class LocalIndex:
             return False, self.dropped
         if self.listed_at is None:
             return False, "the indexer's sources are not read yet"
-        if now - self.listed_at > self.max_list_age_s:
-            return False, f"the indexer's sources were last read {now - self.listed_at:.1f} s ago"
         ok, why = self.indexer.health()
         if not ok:
             return False, why
@@ -229,7 +228,9 @@ class LocalIndex:
 
     def stats(self) -> dict[str, float]:
         subs = self.indexer.subscriber.source_status()
+        listed = self.listed_at
         return {
+            "list_age_s": -1.0 if listed is None else time.monotonic() - listed,
             "sources": float(len(subs)),
             "connected": float(sum(1 for s in subs if s.connected)),
             "bytes": float(self.bytes),

@@ -93,6 +93,12 @@ class _LocalIndexCollector(Collector):
             value=st["connected"],
         )
         yield GaugeMetricFamily(
+            "kvstore_router_local_index_list_age_seconds",
+            'index = "local": seconds since the indexer\'s source list was last read '
+            "(-1: never); the copy keeps scoring through an indexer outage.",
+            value=st["list_age_s"],
+        )
+        yield GaugeMetricFamily(
             "kvstore_router_local_index_bytes",
             'index = "local": bytes of its tables (bounded by local_index_max_bytes).',
             value=st["bytes"],

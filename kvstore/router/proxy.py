@@ -179,8 +179,6 @@ class Router:
         if c.index == "local":
             self.local = LocalIndex(
                 max_bytes=c.local_index_max_bytes,
-                # a list older than a few missed reads may have lost or gained sources
-                max_list_age_s=4 * c.local_index_refresh_s + c.connect_timeout_s,
                 hash_algo=c.hash_algo,
                 hash_seed=c.hash_seed,
                 cluster_secret=os.environ.get("KVSTORE_SECRET", ""),

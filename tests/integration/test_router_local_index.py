@@ -101,7 +101,9 @@ def test_local_index_decides_as_the_indexers_score_and_replicas_converge(daemon_
     node-b; then a prompt nobody holds), the three choose the same engine for
     the same reason, the local ones scoring in process (their metric) and the
     reference at the indexer. The local indexes hold a daemon's new blocks
-    within a bounded wait (staleness in step: the event stream's delivery)."""
+    within a bounded wait (staleness in step: the event stream's delivery).
+    With the indexer stopped, the local routers still follow the daemons (a new
+    longest prefix on node-a), scoring in process; the reference cannot."""
     local = {"index": "local"}
     daemons, engines, procs, routers = start_cluster(
         daemon_factory,
@@ -154,6 +156,29 @@ def test_local_index_decides_as_the_indexers_score_and_replicas_converge(daemon_
             assert indexer_scores(routers[name]) == 0, name
         assert local_scores(routers["reference"]) == 0
         assert indexer_scores(routers["reference"]) >= 3
+
+        # The indexer stops: the local copies follow the daemons, not it, so they
+        # keep scoring (and follow a change) while the reference falls back to load.
+        stop(procs[0])
+        for name in ("local-1", "local-2"):
+            wait_for(
+                lambda n=name: (
+                    metric(routers[n], "kvstore_router_local_index_list_age_seconds") > 1.0
+                ),
+                30,
+                f"{name} has missed a source-list read",
+            )
+        clients["node-a"].delete(ns["node-a"], hashes[:4])
+        assert clients["node-a"].put(ns["node-a"], hashes[:22], blocks[:22]).stored == 22
+
+        def locals_follow() -> bool:
+            got = decide(tokens)
+            return got["local-1"] == got["local-2"] == ("node-a", "prefix")
+
+        wait_for(locals_follow, 30, "the local routers follow the daemons without the indexer")
+        assert decide(tokens)["reference"][1] in ("fallback", "affinity", "load")
+        for name in ("local-1", "local-2"):
+            assert indexer_scores(routers[name]) == 0, name
     finally:
         for c in clients.values():
             c.close()
