@@ -266,7 +266,7 @@ class RouterConfig(_Section):
     or lapsed there is followed or dropped here within this)."""
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     """The router's event loop: "auto" = uvloop when installed (the router extra
-    installs it; it cuts the proxy's own time per request), else asyncio's."""
+    installs it: less loop overhead per relayed request), else asyncio's."""
     local_index_max_bytes: int = 1024 * MiB
     """index = "local": largest size of its tables; beyond, it is dropped for good and
     decisions are scored at the indexer (logged, metric)."""
