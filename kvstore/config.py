@@ -305,6 +305,24 @@ class RouterConfig(_Section):
     """Routing strategy (router_client.strategies)."""
     decision_deadline_s: float = 0.05
     """The indexer must answer within this; past it the choice falls back to load."""
+    index: Literal["indexer", "local"] = "indexer"
+    """Where decisions are scored: "indexer" = its Score over gRPC; "local" = an index in
+    the router, fed by the event streams the indexer lists (ListNodes), scored in
+    process (no round trip); the indexer's Score while it is out of step (docs/router.md)."""
+    local_index_refresh_s: float = 2.0
+    """index = "local": how often the indexer's source list is re-read (a node registered
+    or lapsed there is followed or dropped here within this)."""
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    """The router's event loop: "auto" = uvloop when installed (the router extra
+    installs it: less loop overhead per relayed request), else asyncio's."""
+    local_index_max_bytes: int = 1024 * MiB
+    """index = "local": largest size of its tables; beyond, it is dropped for good and
+    decisions are scored at the indexer (logged, metric)."""
+    local_index_curve_key_file: str = ""
+    """index = "local": the router's ZMQ CURVE secret key file (`kvstore keys curve`,
+    mode 0600) for sources listed with a curve_server_key (as the indexer's
+    events_curve_key_file; its public key must be in those daemons'
+    events.curve_allowed_keys). "" = plaintext sources only."""
     block_size_tokens: int = 0
     """The engines' KV block size. 0 = read it from the engines' /metrics."""
     hash_algo: Literal["", "sha256", "sha256_cbor"] = ""
@@ -590,6 +608,10 @@ def validate(config: Config) -> None:
         problems.append("router.backends_from_indexer needs router.indexer")
     if r.backends_refresh_s <= 0 or r.max_backends <= 0:
         problems.append("router: backends_refresh_s and max_backends must be > 0")
+    if r.index == "local" and not r.indexer:
+        problems.append('router.index = "local" needs router.indexer (its sources and fallback)')
+    if r.local_index_refresh_s <= 0 or r.local_index_max_bytes <= 0:
+        problems.append("router: local_index_refresh_s and local_index_max_bytes must be > 0")
     for node in [*r.prefill, *r.decode]:
         if node not in r.backends and not r.backends_from_indexer:
             problems.append(f"router: prefill/decode node {node!r} is not in router.backends")

@@ -75,14 +75,20 @@ class PrefixHashCache:
         cache_salt: str | None = None,
         lora: tuple[str, str] | None = None,
         remember: bool = True,
+        owned: bool = False,
     ) -> Hashed:
-        """Block hashes of ``token_ids``; stores the chain (LRU) unless ``remember`` is off."""
+        """Block hashes of ``token_ids``; stores the chain (LRU) unless ``remember`` is off.
+
+        ``owned``: the caller hands an int64 array over and never changes it (the
+        router's parsed prompts), so the chain keeps it instead of a copy: copying
+        195k ids into fresh memory costs ~1 ms of page faults, most of a re-sent
+        context's hashing."""
         bs = self.hasher.block_size
         # A list (a parsed JSON prompt) becomes an array this cache owns: fromiter
         # is the cheapest conversion (~2x asarray for 195k ints); an array the
-        # caller passed is copied when stored, since the caller may change it.
-        owned = isinstance(token_ids, list)
-        if owned:
+        # caller passed is copied when stored (the caller may change it) unless owned.
+        if isinstance(token_ids, list):
+            owned = True
             try:
                 tok = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
             except (TypeError, ValueError, OverflowError) as e:

@@ -147,17 +147,23 @@ class AsyncIndexClient:
 
         A node with several sources naming different URLs keeps the first by
         endpoint order (the indexer lists them sorted). Raises the indexer's error."""
-        try:
-            resp = await self._stub.ListNodes(
-                indexer_pb2.ListNodesRequest(), timeout=deadline_s, metadata=self._metadata
-            )
-        except grpc.RpcError as e:
-            raise score_error(e) from None
+        resp = await self.list_nodes(deadline_s)
         out: dict[str, str] = {}
         for info in resp.sources:
             if info.source.engine_url:
                 out.setdefault(info.source.node, info.source.engine_url)
         return out
+
+    async def list_nodes(self, deadline_s: float) -> indexer_pb2.ListNodesResponse:
+        """The indexer's ListNodes: every source it follows (configured and
+        registered). Raises the indexer's error."""
+        try:
+            resp: indexer_pb2.ListNodesResponse = await self._stub.ListNodes(
+                indexer_pb2.ListNodesRequest(), timeout=deadline_s, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise score_error(e) from None
+        return resp
 
     async def close(self) -> None:
         await self._channel.close()

@@ -389,7 +389,8 @@ def _sizes(sizes: list[int]) -> str:
     return " or ".join(map(str, sizes))
 
 
-def _spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
+def spec_from_pb(src: indexer_pb2.EventSource) -> SourceSpec:
+    """A source as the protos carry it (RegisterNode, ListNodes: routers follow them too)."""
     return SourceSpec(
         node=src.node,
         endpoint=src.endpoint,
@@ -511,7 +512,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServiceServicer):
             abort_sync(context, e)
         try:
             token = self._ix.register(
-                _spec_from_pb(request.source), request.ttl_s, request.owner_token
+                spec_from_pb(request.source), request.ttl_s, request.owner_token
             )
         except PermissionDenied as e:  # another caller's node, or a configured one
             self._audit_node(context, what)

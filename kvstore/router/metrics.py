@@ -7,13 +7,17 @@ scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvstore.router.backends import Fleet
+
+if TYPE_CHECKING:
+    from kvstore.router.local_index import LocalIndex
 
 DECISION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
 LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -63,8 +67,46 @@ class _FleetCollector(Collector):
         yield from (healthy, inflight, queued, others, kv, daemon)
 
 
+class _LocalIndexCollector(Collector):
+    def __init__(self, local: Callable[[], LocalIndex | None]) -> None:
+        self.local = local
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        local = self.local()
+        if local is None:
+            return
+        st = local.stats()
+        yield GaugeMetricFamily(
+            "kvstore_router_local_index_stale_seconds",
+            'index = "local": seconds the local index has been out of step with the event '
+            "streams (decisions scored at the indexer meanwhile); 0 = in step.",
+            value=st["stale_s"],
+        )
+        yield GaugeMetricFamily(
+            "kvstore_router_local_index_sources",
+            'index = "local": event streams followed.',
+            value=st["sources"],
+        )
+        yield GaugeMetricFamily(
+            "kvstore_router_local_index_connected_sources",
+            'index = "local": followed event streams connected now.',
+            value=st["connected"],
+        )
+        yield GaugeMetricFamily(
+            "kvstore_router_local_index_list_age_seconds",
+            'index = "local": seconds since the indexer\'s source list was last read '
+            "(-1: never); the copy keeps scoring through an indexer outage.",
+            value=st["list_age_s"],
+        )
+        yield GaugeMetricFamily(
+            "kvstore_router_local_index_bytes",
+            'index = "local": bytes of its tables (bounded by local_index_max_bytes).',
+            value=st["bytes"],
+        )
+
+
 class RouterMetrics:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, local: Callable[[], LocalIndex | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -87,8 +129,15 @@ class RouterMetrics:
         )
         self.score_s = Histogram(
             "kvstore_router_score_seconds",
-            "The indexer's Score round trip (part of a decision; failed ones too).",
+            "The Score (the indexer's round trip, or the local index's lookup; failed ones too).",
             buckets=DECISION_BUCKETS_S,
+            registry=r,
+        )
+        self.scores = Counter(
+            "kvstore_router_scores_total",
+            'Scores by where they were answered ("local": the router\'s own index; '
+            '"indexer": its gRPC Score, the default or the local index\'s fallback).',
+            ["source"],
             registry=r,
         )
         self.tokenize_s = Histogram(
@@ -151,6 +200,7 @@ class RouterMetrics:
             registry=r,
         )
         r.register(_FleetCollector(fleet))
+        r.register(_LocalIndexCollector(local))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from kvstore.errors import KVStoreError
 from kvstore.hashing import BlockHasher
 from kvstore.router.backends import Backend, Fleet
 from kvstore.router.flow import FlowControl, Shed
+from kvstore.router.local_index import LocalIndex
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.prompt_cache import PromptBytesCache
 from kvstore.sdnotify import SdNotifier
@@ -134,12 +136,15 @@ class Router:
             capacity=config.backend_capacity,
             daemons=config.daemons,
         )
-        self.metrics = RouterMetrics(self.fleet)
+        self.metrics = RouterMetrics(self.fleet, lambda: self.local)
         self.policy = Policy(load_weight=config.load_weight, peer_weight=config.peer_weight)
         self.strategy = make_strategy(config.strategy, policy=self.policy)
         self._index: AsyncIndexClient | None = None
         self._catalog: AsyncIndexClient | None = None
-        """The indexer's ListNodes, with backends_from_indexer."""
+        """The indexer's ListNodes, with backends_from_indexer or index = "local"."""
+        self.local: LocalIndex | None = None
+        """index = "local": the index in this process (kvstore.router.local_index)."""
+        self._local_task: asyncio.Task[None] | None = None
         self._hashes: PrefixHashCache | None = None
         self._prompts = PromptBytesCache(config.hash_cache_tokens)
         self._inflight = 0
@@ -169,8 +174,23 @@ class Router:
 
     async def _start(self, app: web.Application) -> None:
         c = self.config
+        if c.backends_from_indexer or c.index == "local":
+            self._catalog = AsyncIndexClient(c.indexer, deadline_s=c.connect_timeout_s)
+        if c.index == "local":
+            self.local = LocalIndex(
+                max_bytes=c.local_index_max_bytes,
+                hash_algo=c.hash_algo,
+                hash_seed=c.hash_seed,
+                cluster_secret=os.environ.get("KVSTORE_SECRET", ""),
+                curve_key_file=c.local_index_curve_key_file,
+            )
+            self.local.start()
+            assert self._catalog is not None
+            await self.local.refresh(self._catalog, c.connect_timeout_s)
+            self._local_task = asyncio.create_task(self._follow_loop())
         if c.backends_from_indexer:
-            catalog = self._catalog = AsyncIndexClient(c.indexer, deadline_s=c.connect_timeout_s)
+            catalog = self._catalog
+            assert catalog is not None
             await self.fleet.start(
                 lambda: catalog.engines(c.connect_timeout_s),
                 refresh_s=c.backends_refresh_s,
@@ -180,7 +200,23 @@ class Router:
             await self.fleet.start()
         self._ensure_hasher()
 
+    async def _follow_loop(self) -> None:
+        """Keep the local index following the indexer's sources."""
+        assert self.local is not None and self._catalog is not None
+        while True:
+            await asyncio.sleep(self.config.local_index_refresh_s)
+            try:
+                await self.local.refresh(self._catalog, self.config.connect_timeout_s)
+            except Exception:  # a bug here must not stop the list from being re-read
+                log.exception("refreshing the local index's sources failed")
+
     async def _stop(self, app: web.Application) -> None:
+        if self._local_task is not None:
+            self._local_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._local_task
+        if self.local is not None:
+            self.local.close()
         await self.fleet.close()
         if self._catalog is not None:
             await self._catalog.close()
@@ -484,7 +520,12 @@ class Router:
             return None
         salt = body.get("cache_salt")
         try:
-            hashed = hashes_cache.hash(ids, cache_salt=salt if isinstance(salt, str) else None)
+            hashed = hashes_cache.hash(
+                ids,
+                cache_salt=salt if isinstance(salt, str) else None,
+                # ids parsed here (PromptBytesCache) are the router's, never changed
+                owned=isinstance(ids, np.ndarray),
+            )
         except KVStoreError as e:
             raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
         self.metrics.hash_blocks.labels("reused").inc(hashed.reused_blocks)
@@ -523,6 +564,16 @@ class Router:
         info = self.fleet.models().get(model)
         index_model = info.root if info else model
         t0 = time.perf_counter()
+        if self.local is not None and self.local.ready()[0]:
+            try:
+                return self.local.score(index_model, hashed.hashes, names)
+            except KVStoreError as e:  # e.g. more nodes than the index has ids for
+                log.warning("local index: %s; scoring at the indexer", e)
+            finally:
+                self.metrics.scores.labels("local").inc()
+                self.metrics.score_s.observe(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+        self.metrics.scores.labels("indexer").inc()
         try:
             return await self._index.scores(index_model, hashed.hashes, names)
         except KVStoreError as e:
