@@ -268,6 +268,21 @@ def _force_async_scheduling() -> None:
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
+def _drain(llm: Any, max_steps: int = 16) -> None:
+    """Run the engine's steps left after ``generate`` returned: a connector that
+    saves a finished request's last blocks a step later holds them until then (a
+    server's engine loop runs that step at once; the offline ``generate`` stops
+    when the last request finished)."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core  # the in-process engine core
+    except AttributeError:
+        return
+    for _ in range(max_steps):
+        if not core.scheduler.has_requests():
+            return
+        llm.llm_engine.step()
+
+
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Run the steps of ``spec`` in one vLLM engine; results per step and prompt."""
     from vllm import LLM, SamplingParams
@@ -342,6 +357,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         before = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         t = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        _drain(llm)
         elapsed_s = time.monotonic() - t
         after = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         results.append(
