@@ -10,8 +10,8 @@ Steps, each a child process with its own time limit inside one overall budget
 4. ``bench.gpu_copier``: the connector's copies of a 195k-token prefix vs its prefill;
 5. ``bench.gpu_nixl``: NIXL READs from VRAM between two processes, if NIXL loads;
 6. ``vllm-spec``: EAGLE and MTP speculative decoding through the vLLM connector
-   (tests/gpu/test_vllm_spec_decode.py: four engine starts), where vLLM's GPU build
-   is installed (skipped otherwise, and in host mode). Four engines take minutes:
+   (tests/gpu/test_vllm_spec_decode.py: eight engine starts), where vLLM's GPU build
+   is installed (skipped otherwise, and in host mode). Eight engines take minutes:
    on the device machine run it alone (``--only vllm-spec --budget-s 560``).
 
 Writes to ``--out``: summary.md (the table and the versions), summary.json,

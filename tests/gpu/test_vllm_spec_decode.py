@@ -54,3 +54,17 @@ def test_mtp_on_cuda_hits_same_tokens_and_stores_only_readable_blocks(tmp_path):
     reference = sm.run(tmp_path, "mtp_ref", target, sm.MTP_CONFIG, connector=False, gpu=True)
     out = sm.run(tmp_path, "mtp", target, sm.MTP_CONFIG, connector=True, gpu=True)
     sm.check(out, reference)
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_accepted_drafts_on_cuda_are_stored_and_read_back(tmp_path, method):
+    """A drafter that agrees with its target (vllm_spec_models, ``agreeing``)."""
+    _need_vllm()
+    if method == "eagle":
+        target, head = sm.make_llama_and_eagle_head(tmp_path / "models", agreeing=True)
+        spec = sm.eagle_config(head)
+    else:
+        target, spec = sm.make_ernie_with_mtp(tmp_path / "models", agreeing=True), sm.MTP_CONFIG
+    reference = sm.run(tmp_path, f"{method}_ref", target, spec, connector=False, gpu=True)
+    out = sm.run(tmp_path, method, target, spec, connector=True, gpu=True)
+    sm.check(out, reference, accepted=True)

@@ -47,3 +47,17 @@ def test_mtp_hits_same_tokens_and_stores_only_readable_blocks(workdir):
 
     target = sm.make_ernie_with_mtp(workdir / "models")
     sm.check(*_both(workdir, "mtp", target, sm.MTP_CONFIG))
+
+
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_accepted_drafts_are_stored_and_read_back(workdir, method):
+    """A drafter that agrees with its target: most drafts accepted, and the blocks
+    that accepted tokens complete are stored once and all read back, tokens equal."""
+    from tests.integration import vllm_spec_models as sm
+
+    if method == "eagle":
+        target, head = sm.make_llama_and_eagle_head(workdir / "models", agreeing=True)
+        spec = sm.eagle_config(head)
+    else:
+        target, spec = sm.make_ernie_with_mtp(workdir / "models", agreeing=True), sm.MTP_CONFIG
+    sm.check(*_both(workdir, f"{method}_agreeing", target, spec), accepted=True)

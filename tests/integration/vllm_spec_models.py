@@ -35,9 +35,13 @@ vllm_model.py:
   taken: vLLM rewrites its draft to ``num_hidden_layers = 0``, which as read from
   the source names its layer like the target's layer 0.)
 
-Random draft heads rarely agree with the target, so drafts must be proposed and
-verified (rejections exercise the path that must not store), not accepted; the
-ngram test covers accepted drafts.
+Random draft heads rarely agree with the target: their drafts are proposed and
+rejected (the path that must not store a rejected token's KV), and the tokens
+depend on every loaded block. ``agreeing=True`` builds pairs whose drafter
+proposes exactly what the target picks (a silent-layer target: its next token
+is a function of the current one), so drafts are accepted and the blocks of
+accepted tokens are stored and read back too; their tokens do not depend on the
+KV cache.
 """
 
 from __future__ import annotations
@@ -76,7 +80,12 @@ def _rand(g: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * INIT_STD
 
 
-def _attention_and_mlp(g: torch.Generator, prefix: str, *, input_norm: bool) -> dict:
+def _attention_and_mlp(
+    g: torch.Generator, prefix: str, *, input_norm: bool, silent: bool = False
+) -> dict:
+    """One decoder layer's weights; ``silent``: its attention and MLP add nothing to
+    the residual stream (o_proj, down_proj zero; its K and V are still computed
+    and cached)."""
     w = {
         f"{prefix}.self_attn.q_proj.weight": _rand(g, NUM_HEADS * HEAD_DIM, HIDDEN),
         f"{prefix}.self_attn.k_proj.weight": _rand(g, NUM_KV_HEADS * HEAD_DIM, HIDDEN),
@@ -89,7 +98,15 @@ def _attention_and_mlp(g: torch.Generator, prefix: str, *, input_norm: bool) -> 
     }
     if input_norm:
         w[f"{prefix}.input_layernorm.weight"] = torch.ones(HIDDEN)
+    if silent:
+        w[f"{prefix}.self_attn.o_proj.weight"].zero_()
+        w[f"{prefix}.mlp.down_proj.weight"].zero_()
     return w
+
+
+def _take_first_half() -> torch.Tensor:
+    """[I | 0]: a projection of cat(a, b) that keeps a."""
+    return torch.cat([torch.eye(HIDDEN), torch.zeros(HIDDEN, HIDDEN)], dim=1)
 
 
 def _common_config() -> dict[str, Any]:
@@ -120,8 +137,16 @@ def _save(model_dir: Path, config: dict[str, Any], weights: dict[str, torch.Tens
     return model_dir
 
 
-def make_llama_and_eagle_head(root: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A tiny Llama target and a 1-layer EAGLE-1 head for it (see the module doc)."""
+def make_llama_and_eagle_head(
+    root: Path, seed: int = 0, *, agreeing: bool = False
+) -> tuple[Path, Path]:
+    """A tiny Llama target and a 1-layer EAGLE-1 head for it (see the module doc).
+
+    ``agreeing``: every layer silent (the target's next token is a function of
+    its current one: argmax of lm_head . embed(t), the final RMSNorm only scales)
+    and the head's fc keeps the input token's embedding, so the head proposes
+    exactly what the target will pick: drafts are accepted. The tokens then do
+    not depend on the KV cache; the random pair is the one whose tokens do."""
     g = torch.Generator().manual_seed(seed)
     embed = _rand(g, VOCAB, HIDDEN)
     target: dict[str, torch.Tensor] = {
@@ -130,7 +155,7 @@ def make_llama_and_eagle_head(root: Path, seed: int = 0) -> tuple[Path, Path]:
         "lm_head.weight": _rand(g, VOCAB, HIDDEN),
     }
     for i in range(NUM_LAYERS):
-        target.update(_attention_and_mlp(g, f"model.layers.{i}", input_norm=True))
+        target.update(_attention_and_mlp(g, f"model.layers.{i}", input_norm=True, silent=agreeing))
     llama = {
         **_common_config(),
         "architectures": ["LlamaForCausalLM"],
@@ -143,15 +168,23 @@ def make_llama_and_eagle_head(root: Path, seed: int = 0) -> tuple[Path, Path]:
     # (the target's is shared), so none is written.
     head: dict[str, torch.Tensor] = {
         "embed_tokens.weight": embed.clone(),
-        "fc.weight": _rand(g, HIDDEN, 2 * HIDDEN),
-        **_attention_and_mlp(g, "layers.0", input_norm=False),
+        # EAGLE's LlamaModel: fc(cat(embed(token), target hidden))
+        "fc.weight": _take_first_half() if agreeing else _rand(g, HIDDEN, 2 * HIDDEN),
+        **_attention_and_mlp(g, "layers.0", input_norm=False, silent=agreeing),
     }
     eagle = {**llama, "num_hidden_layers": 1}
-    return _save(root / "llama", llama, target), _save(root / "eagle", eagle, head)
+    tag = "-agreeing" if agreeing else ""
+    return (
+        _save(root / f"llama{tag}", llama, target),
+        _save(root / f"eagle{tag}", eagle, head),
+    )
 
 
-def make_ernie_with_mtp(root: Path, seed: int = 1) -> Path:
-    """A tiny dense Ernie 4.5 with one MTP layer in its checkpoint (see the module doc)."""
+def make_ernie_with_mtp(root: Path, seed: int = 1, *, agreeing: bool = False) -> Path:
+    """A tiny dense Ernie 4.5 with one MTP layer in its checkpoint (see the module doc).
+
+    ``agreeing``: as for EAGLE, layers silent and the MTP layer's projection keeping
+    the (normed) input token's embedding: it proposes what the target picks."""
     g = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {
         "model.embed_tokens.weight": _rand(g, VOCAB, HIDDEN),
@@ -159,11 +192,14 @@ def make_ernie_with_mtp(root: Path, seed: int = 1) -> Path:
         "lm_head.weight": _rand(g, VOCAB, HIDDEN),
         "model.mtp_emb_norm.0.weight": torch.ones(HIDDEN),
         "model.mtp_hidden_norm.0.weight": torch.ones(HIDDEN),
-        "model.mtp_linear_proj.0.weight": _rand(g, HIDDEN, 2 * HIDDEN),
-        **_attention_and_mlp(g, "model.mtp_block.0", input_norm=True),
+        # ErnieMultiTokenPredictorLayer: proj(cat(normed embed(token), normed hidden))
+        "model.mtp_linear_proj.0.weight": (
+            _take_first_half() if agreeing else _rand(g, HIDDEN, 2 * HIDDEN)
+        ),
+        **_attention_and_mlp(g, "model.mtp_block.0", input_norm=True, silent=agreeing),
     }
     for i in range(NUM_LAYERS):
-        weights.update(_attention_and_mlp(g, f"model.layers.{i}", input_norm=True))
+        weights.update(_attention_and_mlp(g, f"model.layers.{i}", input_norm=True, silent=agreeing))
     config = {
         **_common_config(),
         "architectures": ["Ernie4_5_MoeForCausalLM"],
@@ -181,7 +217,7 @@ def make_ernie_with_mtp(root: Path, seed: int = 1) -> Path:
         "moe_layer_interval": 1,
         "num_nextn_predict_layers": 1,
     }
-    return _save(root / "ernie", config, weights)
+    return _save(root / ("ernie-agreeing" if agreeing else "ernie"), config, weights)
 
 
 def steps() -> list[dict[str, Any]]:
@@ -237,8 +273,9 @@ def run(
     return out
 
 
-def check(out: dict[str, Any], reference: dict[str, Any]) -> None:
-    """The ngram test's assertions (test_vllm_engines.py), for a random drafter."""
+def check(out: dict[str, Any], reference: dict[str, Any], *, accepted: bool = False) -> None:
+    """The ngram test's assertions (test_vllm_engines.py). ``accepted``: the drafter
+    agrees with the target (``agreeing`` models): most draft tokens are accepted."""
     run = out
     gen, again, follow = run["steps"]
     log = run["kvstore_log"]
@@ -246,6 +283,8 @@ def check(out: dict[str, Any], reference: dict[str, Any]) -> None:
     # Speculation ran: drafts proposed and verified.
     assert c.get("spec_decode_num_drafts", 0) > 0, c
     assert c.get("spec_decode_num_draft_tokens", 0) > 0, c
+    if accepted:
+        assert c["spec_decode_num_accepted_tokens"] * 2 > c["spec_decode_num_draft_tokens"], c
     # Token-identical to the same engine (same speculation) without the connector.
     assert [s["tokens"] for s in run["steps"]] == [s["tokens"] for s in reference["steps"]]
     # Stores: every full block of each prompt + its accepted tokens, once.
