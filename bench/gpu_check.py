@@ -8,7 +8,11 @@ Steps, each a child process with its own time limit inside one overall budget
 3. ``kvstore-bench gpu``: promotion/demotion HBM <-> pinned DRAM vs a torch copy,
    page-locking cost, device-to-device put/get through a daemon's IPC mapping;
 4. ``bench.gpu_copier``: the connector's copies of a 195k-token prefix vs its prefill;
-5. ``bench.gpu_nixl``: NIXL READs from VRAM between two processes, if NIXL loads.
+5. ``bench.gpu_nixl``: NIXL READs from VRAM between two processes, if NIXL loads;
+6. ``vllm-spec``: EAGLE and MTP speculative decoding through the vLLM connector
+   (tests/gpu/test_vllm_spec_decode.py: eight engine starts), where vLLM's GPU build
+   is installed (skipped otherwise, and in host mode). Eight engines take minutes:
+   on the device machine run it alone (``--only vllm-spec --budget-s 560``).
 
 Writes to ``--out``: summary.md (the table and the versions), summary.json,
 gpu_check.log (every step's output). ``--host`` runs the same steps without CUDA
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -59,7 +64,15 @@ REQUIRED = (
 )
 
 # (name, limit in seconds on a GPU) of each step; host mode divides nothing: its sizes are small.
-STEP_LIMITS_S = {"versions": 60, "tests": 180, "bench-gpu": 150, "copier": 150, "nixl": 100}
+STEP_LIMITS_S = {
+    "versions": 60,
+    "tests": 180,
+    "bench-gpu": 150,
+    "copier": 150,
+    "nixl": 100,
+    "vllm-spec": 540,
+}
+VLLM_SPEC_TESTS = "tests/gpu/test_vllm_spec_decode.py"
 RESERVE_S = 10.0  # kept back for the summary
 
 
@@ -149,10 +162,14 @@ def _steps(args: argparse.Namespace, py: str, figures: Path, versions_path: Path
     dev = "cpu" if args.host else "cuda:0"
     quick = ["--quick"] if args.host else []
     tests = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rA", "-s"]
-    tests += ["-p", "no:cacheprovider", "-o", "addopts="]
+    # the vLLM engines have a step of their own (minutes, and only where vLLM is)
+    tests += ["-p", "no:cacheprovider", "-o", "addopts=", "--ignore", VLLM_SPEC_TESTS]
+    spec = [py, "-m", "pytest", "-m", "gpu", VLLM_SPEC_TESTS, "-q", "-rA"]
+    spec += ["-p", "no:cacheprovider", "-o", "addopts="]
     try:
         importlib.import_module("pytest_timeout")
         tests += ["--timeout", "90"]  # one hung test fails alone, the others still run
+        spec += ["--timeout", "270"]
     except ImportError:
         pass
     bench = [py, "-m", "bench", "gpu", "--device", dev, "--figures", str(figures)]
@@ -176,7 +193,22 @@ def _steps(args: argparse.Namespace, py: str, figures: Path, versions_path: Path
             command=[py, "-m", "bench.gpu_nixl", "--figures", str(figures), "--timeout-s", "30"]
             + quick,
         ),
+        Step(name="vllm-spec", command=spec),
     ]
+
+
+def _skip_why(step: Step, host: bool) -> str:
+    """Why ``step`` cannot run here ("" = it can); "skipped: not ..." is no failure."""
+    if step.name != "vllm-spec":
+        return ""
+    if host:
+        return (
+            "skipped: not in host mode (the CPU build runs the same engines:"
+            " tests/integration/test_vllm_spec_drafters.py)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        return "skipped: not installed here: vLLM's GPU build (pip install vllm==0.33.0)"
+    return ""
 
 
 def run_step(step: Step, limit_s: float, log: Any) -> None:
@@ -300,6 +332,11 @@ def run(args: argparse.Namespace) -> int:
         for step in steps:
             if only and step.name not in only:
                 step.status = "skipped: not asked for (--only)"
+                continue
+            why = _skip_why(step, args.host)
+            if why:
+                step.status = why
+                print(f"gpu_check: {step.name}: {step.status}")
                 continue
             left = deadline - time.monotonic() - RESERVE_S
             if left < 15:

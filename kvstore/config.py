@@ -286,6 +286,9 @@ class RouterConfig(_Section):
     OpenAI server, "http://host:port" or "unix:/path/to.sock"."""
     indexer: str = ""
     """host:port of the indexer's gRPC Score. "" = no cache signal (load decides)."""
+    index_models: dict[str, str] = msgspec.field(default_factory=dict)
+    """Served model id -> the model its blocks are indexed under, where the connector
+    sets model_name (docs/vllm.md). Unlisted: the engine's model path (vLLM's root)."""
     backends_from_indexer: bool = False
     """Also route to the nodes the indexer lists (ListNodes) with an engine_url on a
     source (configured --source ...,engine_url=... or RegisterNode). The static backends

@@ -11,12 +11,14 @@
 # Options: --wheels DIR (default .whl), --out DIR (default $OUT, else results/gpu-check-<time>),
 # --budget-s N (default 420: all steps together, each with its own limit too),
 # --no-wheels (the GPU half uses what is installed: a GPU machine with network, docs/gpu.md),
-# --install (with --host: install the carried wheels first, as --gpu does).
+# --install (with --host: install the carried wheels first, as --gpu does),
+# --only STEPS (comma-separated step names of bench/gpu_check.py; e.g. vllm-spec: the
+# EAGLE/MTP engine tests, minutes, where vLLM's GPU build is installed).
 # The GPU machine: Python 3.12 with torch/cupy/CUDA 13, no network; what travels (tree +
 # wheels) must fit 64 MiB and the whole call 10 minutes. See docs/gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-mode=auto wheels=.whl out=${OUT:-} budget=420 use_wheels=1 host_install=0
+mode=auto wheels=.whl out=${OUT:-} budget=420 use_wheels=1 host_install=0 only=
 while [ $# -gt 0 ]; do
     case "$1" in
         --fetch) mode=fetch ;;
@@ -28,7 +30,8 @@ while [ $# -gt 0 ]; do
         --wheels) wheels=$2; shift ;;
         --out) out=$2; shift ;;
         --budget-s) budget=$2; shift ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        --only) only=$2; shift ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument $1 (see --help)"; exit 2 ;;
     esac
     shift
@@ -51,6 +54,7 @@ has_cuda() {
 gpu_half() {  # $1: gpu | host
     local extra=()
     [ "$1" = host ] && extra=(--host)
+    [ -n "$only" ] && extra+=(--only "$only")
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     if { [ "$1" = gpu ] && [ "$use_wheels" = 1 ]; } || [ "$host_install" = 1 ]; then
         local site=${KVSTORE_GPU_SITE:-/tmp/kvstore-gpu-site}

@@ -47,6 +47,7 @@ REQUIRED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "update_state_after_alloc": ("method", ("request", "blocks", "num_external_tokens")),
     "build_connector_meta": ("method", ("scheduler_output",)),
     "request_finished": ("method", ("request", "block_ids")),
+    "get_finished": ("method", ("finished_req_ids",)),
     "get_kv_connector_stats": ("method", ()),
     "build_kv_connector_stats": ("classmethod", ("data",)),
     "build_prom_metrics": (

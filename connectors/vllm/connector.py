@@ -371,11 +371,19 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves complete within the step that computed the blocks, so vLLM may
-        # free them at once.
+        # Saves complete within the step that planned them, so vLLM may free the
+        # blocks at once, unless the request finished with blocks not hashed when
+        # its last step was planned: then they are saved next step and vLLM keeps
+        # them until the workers say so (get_finished).
         assert self._scheduler is not None
-        self._scheduler.finished(request)
-        return False, None
+        return self._scheduler.finished(request, block_ids), None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose blocks vLLM kept for a deferred save that is now done."""
+        if self._worker is None:
+            return None, None
+        done = self._worker.take_finished_saving()
+        return (done or None), None
 
     # ------------------------------------------------------------ observability
 

@@ -6,6 +6,8 @@
       saves: SaveSpec per request with newly computed full blocks: vLLM block
              ids to copy out, their hashes, the hash before the first one and
              their token ids (for the daemon's KV events)
+      deferred: requests that finished with blocks not saved yet (saves above):
+             vLLM keeps their blocks until the workers report them done
 
 Hashes travel as uint64 numpy arrays and token ids as int32 arrays: compact
 to pickle, and what the daemon's packed wire format wants.
@@ -46,6 +48,7 @@ class SaveSpec:
 class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves)
+        return bool(self.loads or self.saves or self.deferred)

@@ -6,7 +6,9 @@
                                               FetchFromPeer of the rest)
     after_alloc(request, block_ids, n)        remember where the hit goes
     build_plan(new, cached, num_scheduled)    StepPlan for the workers
-    finished(request)                         forget the request
+    finished(request, block_ids)              forget the request; True: its last
+                                              blocks are saved next step (vLLM
+                                              keeps them until then)
 
 Works on vLLM's ``Request`` (``request_id``, ``block_hashes``, ``num_tokens``,
 ``num_prompt_tokens``, ``all_token_ids``, ``cache_salt``, and
@@ -22,6 +24,14 @@ daemon skips blocks it already has, and a daemon that restarted empty gets the
 engine's hot prefixes back. A load that fails drops that request's saves for
 the step (its later blocks were computed over bad KV); vLLM recomputes from the
 failed block, and those recomputed blocks are saved on that later step.
+
+A request that finishes in the step that completes a block whose hash did not
+exist when that step was planned (speculative decoding: the drafts that fill it
+are accepted in that step; async scheduling: the token that fills it is a
+placeholder) has no later step to save it in. ``finished`` then plans that save
+for the next step and says so: the connector asks vLLM to keep the request's
+blocks (``request_finished`` -> delay_free_blocks) until the workers report the
+save done (``get_finished``), whatever its outcome.
 """
 
 from __future__ import annotations
@@ -110,6 +120,7 @@ class SchedulerCounters:
     peer_nixl_fetched_blocks: int = 0  # of those, blocks moved by NIXL (not the gRPC fallback)
     peer_fetches_skipped: int = 0  # hinted peer failed recently: not asked again yet
     peer_hit_blocks: int = 0  # hit blocks beyond the local daemon's answer
+    deferred_saves: int = 0  # finished requests whose last blocks were saved a step later
 
 
 class SchedulerSide:
@@ -133,6 +144,9 @@ class SchedulerSide:
         # Peers whose last pull failed -> (no pulls before, next wait): a dead peer
         # costs one peer_timeout_s per retry wait, not one per request.
         self._failing_peers: dict[PeerTarget, tuple[float, float]] = {}
+        # Saves of finished requests, for the next step's plan (emptied by each
+        # build_plan: bounded by the requests that finish in one step).
+        self._deferred: list[SaveSpec] = []
 
     # ------------------------------------------------------------ hits
 
@@ -189,6 +203,10 @@ class SchedulerSide:
         num_scheduled_tokens: Mapping[str, int],
     ) -> StepPlan:
         plan = StepPlan()
+        if self._deferred:
+            plan.saves.extend(self._deferred)
+            plan.deferred = [s.req_id for s in self._deferred]
+            self._deferred = []
         for req in new:
             tracked = self._requests.get(req.req_id)
             if tracked is None:
@@ -218,8 +236,26 @@ class SchedulerSide:
             self._plan_save(tracked, first, after, plan)
         return plan
 
-    def finished(self, request: RequestView) -> None:
-        self._requests.pop(request.request_id, None)
+    def finished(self, request: RequestView, block_ids: Sequence[int] | None = None) -> bool:
+        """Forget ``request``; True when full blocks of it that vLLM computed are not
+        saved yet: their save is in the next step's plan, and vLLM must keep the
+        blocks (``block_ids``, vLLM's at finish) until the workers report it done."""
+        tracked = self._requests.pop(request.request_id, None)
+        computed = getattr(request, "num_computed_tokens", None)
+        if tracked is None or not self.config.save or not isinstance(computed, int):
+            return False
+        if block_ids is not None:
+            tracked.block_ids = list(block_ids)
+        plan = StepPlan()
+        # never past vLLM's computed blocks (as build_plan: after a failed load it
+        # rewinds num_computed_tokens)
+        first = min(tracked.save_cursor, computed // self.block_size)
+        self._plan_save(tracked, first, computed, plan)
+        if not plan.saves:
+            return False
+        self._deferred.extend(plan.saves)
+        self.counters.deferred_saves += 1
+        return True
 
     @property
     def num_tracked(self) -> int:

@@ -169,6 +169,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._warned: set[str] = set()
         self._step = _Step()
+        # Finished requests whose deferred save is in this step (plan.deferred),
+        # then, once it is done or dropped, whose blocks vLLM may free.
+        self._deferred: list[str] = []
+        self._finished_saving: set[str] = set()
 
     # ------------------------------------------------------------ setup
 
@@ -205,6 +209,8 @@ class WorkerSide:
     def start_step(self, plan: StepPlan) -> None:
         """Loads (complete or queued) and save reservations, before the forward."""
         self._step = _Step()
+        self._finished_saving.update(self._deferred)  # a step that never finished
+        self._deferred = list(plan.deferred)
         if self.copier is None and plan.loads:
             # No KV cache to load into (unregistered for sleep mode): vLLM must
             # compute those blocks, not read whatever its cache holds.
@@ -225,7 +231,21 @@ class WorkerSide:
             self.copier.save_layer(name)
 
     def finish_step(self) -> None:
-        """Copy the step's saves into the region and commit them; release load leases."""
+        """Copy the step's saves into the region and commit them; release load leases.
+        Finished requests whose save this was are reported done whatever happened
+        (``take_finished_saving``): vLLM holds their blocks until then."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            self._finish_step()
+        finally:
+            self._finished_saving.update(deferred)
+
+    def take_finished_saving(self) -> set[str]:
+        """Finished requests whose last save is done (or dropped): vLLM frees their blocks."""
+        done, self._finished_saving = self._finished_saving, set()
+        return done
+
+    def _finish_step(self) -> None:
         step, self._step = self._step, _Step()
         if self.copier is not None:
             self.copier.wait_loads()

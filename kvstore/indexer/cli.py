@@ -2,6 +2,7 @@
 
     kvstore indexer --source node=a,endpoint=tcp://10.0.0.5:5557,replay_endpoint=tcp://10.0.0.5:5558
     kvstore indexer --config indexer.toml --backend redis --redis-url redis://127.0.0.1:6379/0
+    kvstore indexer --vllm-server node=a,url=http://10.0.0.5:8000,model=M   # its DP ranks
 
 Wired into ``kvstore.cli`` through ``add_arguments(parser)`` and ``run(args)``;
 ``main(argv)`` runs it standalone (``python -m kvstore.indexer``).
@@ -19,7 +20,7 @@ from typing import Any
 import msgspec
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.indexer.config import IndexerConfig, load, parse_source
+from kvstore.indexer.config import IndexerConfig, load, parse_source, parse_vllm_server
 from kvstore.sdnotify import SdNotifier
 
 log = logging.getLogger("kvstore.indexer")
@@ -38,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="node=N,endpoint=tcp://H:P[,replay_endpoint=tcp://H:P][,kind=engine,model=M]"
         "[,engine_url=http://H:P]",
         help="an event stream to follow (repeatable; adds to the config file's sources)",
+    )
+    parser.add_argument(
+        "--vllm-server",
+        action="append",
+        default=[],
+        metavar="node=N,url=http://H:P|unix:PATH,model=M[,host=H][,engine_url=U]",
+        help="a vLLM OpenAI server: follow each data-parallel rank's KV events as its "
+        "GET /kv_event_sources lists them (repeatable; adds to the config's vllm_servers)",
     )
     parser.add_argument(
         "--no-ingest", action="store_true", help="serve scores only (a replica on a shared Redis)"
@@ -65,8 +74,11 @@ def config_from_args(args: argparse.Namespace) -> IndexerConfig:
         overrides["cluster_secret"] = os.environ["KVSTORE_SECRET"]
     cfg = load(getattr(args, "config", None), overrides)
     extra = [parse_source(s) for s in getattr(args, "source", [])]
-    if extra:
-        cfg = msgspec.structs.replace(cfg, sources=[*cfg.sources, *extra])
+    servers = [parse_vllm_server(s) for s in getattr(args, "vllm_server", [])]
+    if extra or servers:
+        cfg = msgspec.structs.replace(
+            cfg, sources=[*cfg.sources, *extra], vllm_servers=[*cfg.vllm_servers, *servers]
+        )
         cfg.check()
     return cfg
 

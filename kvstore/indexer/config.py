@@ -16,6 +16,7 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import ALGOS
 from kvstore.identity import Authorizer, PrincipalConfig
 from kvstore.indexer.subscriber import SourceSpec
+from kvstore.indexer.vllm_sources import VllmServer
 from kvstore.tls import TlsFiles
 
 
@@ -38,6 +39,14 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Follow event sources. Extra replicas on one Redis may set false and only serve."""
     sources: list[SourceSpec] = msgspec.field(default_factory=list)
     """Statically configured event streams; more can register over gRPC."""
+    vllm_servers: list[VllmServer] = msgspec.field(default_factory=list)
+    """vLLM OpenAI servers whose KV event streams are followed, one source per
+    data-parallel rank, as their ``GET /kv_event_sources`` lists them (retried
+    until the server answers, then re-read every ``vllm_servers_refresh_s``)."""
+    vllm_servers_refresh_s: float = 30.0
+    """How often each vllm_servers listing is re-read (an engine restarted with
+    port-0 endpoints binds new ports); a server that does not answer is retried
+    sooner (doubling from 1 s up to this)."""
     block_size_tokens: int = 16
     """Tokens per block when a Score request sends token ids without a block size."""
     hash_algo: str = "sha256"
@@ -114,6 +123,7 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "tail_check_s",
             "error_log_interval_s",
             "max_registered_sources",
+            "vllm_servers_refresh_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"indexer.{name} must be > 0")
@@ -135,6 +145,17 @@ class IndexerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                     f"indexer.sources[{i}] ({src.node}) has a curve_server_key: "
                     "indexer.events_curve_key_file (the indexer's own CURVE key) is needed"
                 )
+        seen: set[tuple[str, str]] = set()
+        for i, srv in enumerate(self.vllm_servers):
+            try:
+                srv.check()
+            except ConfigError as e:
+                raise ConfigError(f"indexer.vllm_servers[{i}]: {e}") from None
+            if (srv.node, srv.url) in seen:
+                raise ConfigError(
+                    f"indexer.vllm_servers[{i}]: {srv.url} of {srv.node} is listed twice"
+                )
+            seen.add((srv.node, srv.url))
 
 
 def load(path: str | None, overrides: dict[str, Any]) -> IndexerConfig:
@@ -172,3 +193,32 @@ def parse_source(text: str) -> SourceSpec:
         raise ConfigError(f"--source {text!r}: {e}") from None
     spec.check()
     return spec
+
+
+def _pairs(text: str, flag: str) -> dict[str, str]:
+    fields: dict[str, str] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"{flag} wants key=value pairs separated by commas; got {text!r}")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def parse_vllm_server(text: str) -> VllmServer:
+    """``node=N,url=http://h:p|unix:PATH,model=M[,host=H][,engine_url=U][,per_rank=true]``."""
+    fields: dict[str, Any] = dict(_pairs(text, "--vllm-server"))
+    if "per_rank" in fields:
+        flag = str(fields["per_rank"]).lower()
+        if flag not in ("true", "false"):
+            raise ConfigError(f"--vllm-server {text!r}: per_rank must be true or false")
+        fields["per_rank"] = flag == "true"
+    try:
+        server = msgspec.convert(fields, VllmServer)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"--vllm-server {text!r}: {e}") from None
+    try:
+        server.check()
+    except ConfigError as e:
+        raise ConfigError(f"--vllm-server {text!r}: {e}") from None
+    return server

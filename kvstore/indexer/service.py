@@ -24,6 +24,12 @@ all); others get PERMISSION_DENIED, audited.
 Block sizes: the index learns each model's block size from the events and
 snapshots it ingests. A Score with token ids and no block size hashes at the
 learned size; one whose block size the sources do not publish is rejected.
+
+vLLM servers (``vllm_servers``): a thread reads each one's ``/kv_event_sources``
+(retried, doubling from 1 s, until it answers; then every
+``vllm_servers_refresh_s``) and follows one engine source per listed rank,
+replacing the sources of a server whose listing changed. Their nodes count as
+configured (a registration cannot replace them).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.seedcheck import SeedVerdict
 from kvstore.indexer.subscriber import SourceSpec, SourceStatus, Subscriber
+from kvstore.indexer.vllm_sources import VllmServer, discover
 from kvstore.rpc_guard import SyncParseGuardInterceptor
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
@@ -115,7 +122,13 @@ class Indexer:
         self._hashers: dict[tuple[int, str], BlockHasher] = {}
         self._registered: dict[str, tuple[SourceSpec, float]] = {}  # key -> (spec, expires_at|0)
         self._owners: dict[str, str] = {}  # registered node -> its owner token
-        self._configured_nodes = {s.node for s in cfg.sources}
+        self._configured_nodes = {s.node for s in cfg.sources} | {v.node for v in cfg.vllm_servers}
+        self._discovered: list[dict[str, SourceSpec]] = [{} for _ in cfg.vllm_servers]
+        """Per vllm_servers entry: the sources its last listing gave (key -> spec)."""
+        self._discovery_errors: list[str] = ["" for _ in cfg.vllm_servers]
+        self._discovery = threading.Thread(
+            target=self._discover_loop, name="kv-indexer-vllm-sources", daemon=True
+        )
         self._reg_lock = threading.Lock()
         self._health: Any = None  # grpc_health HealthServicer once served
         self._healthy: tuple[bool, str] = (True, "")
@@ -127,6 +140,8 @@ class Indexer:
             self.subscriber.start()
             for spec in self.cfg.sources:
                 self.subscriber.add_source(spec)
+            if self.cfg.vllm_servers:
+                self._discovery.start()
         self._reaper.start()
 
     def health(self) -> tuple[bool, str]:
@@ -172,7 +187,68 @@ class Indexer:
             self.subscriber.close()
         if self._reaper.is_alive():
             self._reaper.join(2.0)
+        if self._discovery.is_alive():
+            self._discovery.join(12.0)  # one listing read is bounded by 10 s
         self.index.close()
+
+    # --- vLLM servers' rank sources -----------------------------------------------------
+
+    def discover_once(self, i: int) -> bool:
+        """Read vllm_servers[i]'s listing and follow what it lists now; False (and
+        one warning per distinct error) when it cannot be read or followed."""
+        server: VllmServer = self.cfg.vllm_servers[i]
+        try:
+            found = discover(server, timeout_s=min(10.0, self.cfg.vllm_servers_refresh_s))
+        except KVStoreError as e:
+            why = str(e)
+            if why != self._discovery_errors[i]:
+                log.warning("vLLM server %s (node %s): %s; retrying", server.url, server.node, why)
+            self._discovery_errors[i] = why
+            return False
+        if self._discovery_errors[i]:
+            log.warning("vLLM server %s (node %s) answers again", server.url, server.node)
+        self._discovery_errors[i] = ""
+        static = {s.key for s in self.cfg.sources}
+        new = {s.key: s for s in found if s.key not in static}
+        old = self._discovered[i]
+        if not found and old:
+            log.warning("vLLM server %s lists no ZMQ KV event streams now", server.url)
+        for key, spec in old.items():
+            if new.get(key) != spec:
+                self.subscriber.remove_source(key, drop_entries=True)
+        for key, spec in new.items():
+            if old.get(key) != spec:
+                log.info(
+                    "vLLM server %s: following rank %d at %s",
+                    server.url,
+                    spec.data_parallel_rank,
+                    spec.endpoint,
+                )
+                self.subscriber.add_source(spec)
+        self._discovered[i] = new
+        return True
+
+    def _discover_loop(self) -> None:
+        n = len(self.cfg.vllm_servers)
+        refresh_s = self.cfg.vllm_servers_refresh_s
+        retry_s = [min(1.0, refresh_s)] * n
+        due = [0.0] * n
+        while not self._stop.is_set():
+            for i in range(n):
+                if time.monotonic() < due[i] or self._stop.is_set():
+                    continue
+                try:
+                    ok = self.discover_once(i)
+                except Exception:  # the loop must outlive a bug in one server's listing
+                    log.exception("reading vLLM server %s failed", self.cfg.vllm_servers[i].url)
+                    ok = False
+                if ok:
+                    retry_s[i] = min(1.0, refresh_s)
+                    due[i] = time.monotonic() + refresh_s
+                else:
+                    due[i] = time.monotonic() + retry_s[i]
+                    retry_s[i] = min(2 * retry_s[i], refresh_s)
+            self._stop.wait(max(0.05, min(due) - time.monotonic()))
 
     # --- scoring ----------------------------------------------------------------------
 

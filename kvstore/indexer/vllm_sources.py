@@ -17,6 +17,10 @@ work for rank 0 only: vLLM 0.32 cannot offset them for rank 1 (it raises at
 start). And PUB/SUB drops whatever is published before a subscriber's
 connection is up: the indexer catches up from the replay endpoint, so give
 each rank one (``replay_endpoint``).
+
+``VllmServer`` (the indexer's ``vllm_servers`` config, ``kvstore indexer
+--vllm-server``) names a server whose ranks the indexer discovers this way and
+follows, re-reading the listing (an engine restarted on port 0 binds new ports).
 """
 
 from __future__ import annotations
@@ -28,11 +32,78 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
+
 from kvstore.errors import ConfigError, Unavailable
 from kvstore.indexer.subscriber import KIND_ENGINE, SourceSpec
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::")
 _MAX_REPLY_BYTES = 1 << 20
+MAX_RANKS = 1024
+"""Ranks taken from one listing (vLLM's DP sizes are far below; bounds the sources)."""
+
+
+class VllmServer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A vLLM OpenAI server whose per-rank KV event streams the indexer follows,
+    read from its ``GET /kv_event_sources``."""
+
+    node: str
+    """The node the engine runs on (the node id of its kvstore daemon's source)."""
+    url: str
+    """The server: ``http://host:port`` or ``unix:PATH``."""
+    model: str
+    """The model its blocks are indexed under (the connector's namespace model:
+    vLLM's ``--model``, or the connector's ``model_name``)."""
+    host: str = ""
+    """Put in place of a wildcard bind host in the listed endpoints; "" = the
+    host of ``url`` (a ``unix:`` server with wildcard endpoints needs it)."""
+    engine_url: str = ""
+    """The engine URL ListNodes gives routers; "" = ``url``."""
+    per_rank: bool | None = None
+    """Key GPU entries by rank; unset = when more than one rank is listed."""
+
+    def check(self) -> None:
+        if not self.node or "@" in self.node:
+            raise ConfigError(f"vllm server node must be non-empty without '@'; got {self.node!r}")
+        if not self.model:
+            raise ConfigError(f"vllm server {self.url!r} needs a model")
+        _split_url(self.url)
+
+    def connect_host(self) -> str:
+        if self.host:
+            return self.host
+        if self.url.startswith("unix:"):
+            return ""
+        return urlsplit(self.url).hostname or ""
+
+
+def _split_url(url: str) -> tuple[str, int]:
+    """(host, port) of an http:// url, ("", 0) for unix:PATH; ConfigError otherwise."""
+    if url.startswith("unix:"):
+        if len(url) <= len("unix:"):
+            raise ConfigError(f"engine url {url!r} has no socket path")
+        return "", 0
+    parts = urlsplit(url)
+    try:
+        port = parts.port or 80
+    except ValueError:
+        port = -1
+    if parts.scheme != "http" or not parts.hostname or port <= 0:
+        raise ConfigError(f"engine url must be http://host:port or unix:PATH; got {url!r}")
+    return parts.hostname, port
+
+
+def discover(server: VllmServer, timeout_s: float = 10.0) -> list[SourceSpec]:
+    """The engine sources (one per rank) ``server`` lists now (Unavailable: it does
+    not answer; ConfigError: its listing cannot be followed)."""
+    return engine_sources(
+        fetch_kv_event_sources(server.url, timeout_s),
+        node=server.node,
+        model=server.model,
+        host=server.connect_host(),
+        engine_url=server.engine_url or server.url,
+        per_rank=server.per_rank,
+    )
 
 
 def _connectable(endpoint: str, host: str, what: str) -> str:
@@ -79,6 +150,8 @@ def engine_sources(
         if not cfg.get("enable_kv_cache_events", True) or cfg.get("publisher", "zmq") != "zmq":
             continue  # that rank publishes nothing a ZMQ SUB can follow
         ranks.append((int(key), cfg))
+    if len(ranks) > MAX_RANKS:
+        raise ConfigError(f"/kv_event_sources lists {len(ranks)} ranks (at most {MAX_RANKS})")
     ranks.sort(key=lambda rc: rc[0])
     keyed = len(ranks) > 1 if per_rank is None else per_rank
     out = []
@@ -106,14 +179,11 @@ def engine_sources(
 def fetch_kv_event_sources(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     """``GET <url>/kv_event_sources`` of a vLLM OpenAI server (http://host:port or unix:PATH)."""
     conn: http.client.HTTPConnection
+    host, port = _split_url(url)
     if url.startswith("unix:"):
-        path = url[len("unix:") :]
-        conn = _UnixHTTPConnection(path, timeout_s)
+        conn = _UnixHTTPConnection(url[len("unix:") :], timeout_s)
     else:
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ConfigError(f"engine url must be http://host:port or unix:PATH; got {url!r}")
-        conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout_s)
+        conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.request("GET", "/kv_event_sources")
         resp = conn.getresponse()

@@ -31,6 +31,8 @@ log = logging.getLogger("kvstore.router")
 
 # Bounds: an engine's /metrics and /v1/models bodies (vLLM's are ~100 KiB).
 MAX_SCRAPE_BYTES = 4 << 20
+# Bound on the ranks counted from one engine's gauges (vLLM's DP sizes are far below).
+MAX_DP_RANKS = 1024
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -38,6 +40,9 @@ _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 class EngineInfo:
     block_size: int = 0
     hash_algo: str = ""
+    dp_ranks: int = 0
+    """Data-parallel ranks the engine serves: the distinct ``engine`` labels of its
+    vLLM gauges (vLLM labels each rank's engine core by its rank; 0 = not seen)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class Backend:
     """The node's daemon gRPC address ("" = not watched)."""
     daemon_serving: bool = True
     """The daemon's grpc.health.v1 status is SERVING (True when not watched)."""
+    dp_ranks: int = 0
+    """The engine's data-parallel ranks at the last scrape (``EngineInfo.dp_ranks``)."""
 
     def load(self, capacity: float) -> NodeLoad:
         return NodeLoad(
@@ -91,6 +98,7 @@ def parse_metrics(text: str) -> tuple[float, float, float, EngineInfo]:
     """(running, waiting, kv_usage, engine info) from vLLM's Prometheus text."""
     running = waiting = kv = 0.0
     info = EngineInfo()
+    ranks: set[str] = set()
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -108,6 +116,9 @@ def parse_metrics(text: str) -> tuple[float, float, float, EngineInfo]:
         except (ValueError, IndexError):
             continue
         if name == "vllm:num_requests_running":
+            engine = dict(_LABEL_RE.findall(labels)).get("engine")
+            if engine is not None and len(ranks) < MAX_DP_RANKS:
+                ranks.add(engine)
             running += v
         elif name == "vllm:num_requests_waiting":
             waiting += v
@@ -118,6 +129,7 @@ def parse_metrics(text: str) -> tuple[float, float, float, EngineInfo]:
             with contextlib.suppress(ValueError):
                 info.block_size = int(lab.get("block_size", "0"))
             info.hash_algo = lab.get("prefix_caching_hash_algo", "")
+    info.dp_ranks = len(ranks)
     return running, waiting, kv, info
 
 
@@ -334,6 +346,7 @@ class Fleet:
         # the counts before and after, so a request of ours that started or ended
         # meanwhile is never taken for someone else's (that errs toward admitting).
         b.others = max(0.0, b.running + b.waiting - max(mine, b.inflight))
+        b.dp_ranks = info.dp_ranks
         if info.block_size:
             b.info = info
         models: dict[str, ModelInfo] = {}

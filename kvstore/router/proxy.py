@@ -57,6 +57,10 @@ log = logging.getLogger("kvstore.router")
 
 COMPLETIONS = "/v1/completions"
 PEER_HINT = "kvstore_peer"  # kv_transfer_params key the KVStore connector reads
+# vLLM's OpenAI server pins a request to this data-parallel rank
+# (OpenAIServing._get_data_parallel_rank, vLLM 0.32 and 0.33); without it vLLM's
+# own balancer picks one.
+DP_RANK_HEADER = "X-data-parallel-rank"
 CHAT = "/v1/chat/completions"
 # Chat fields /tokenize needs to apply the template as the chat endpoint does.
 CHAT_TOKENIZE_FIELDS = (
@@ -440,7 +444,7 @@ class Router:
         if prefill:
             p = await self._choose_among(model, hashed, prefill, both)
             pb = next(b for b in prefill if b.node == p.node)
-            why = await self._prefill(request.path, body, pb, headers)
+            why = await self._prefill(request.path, body, pb, headers, p.rank)
         raw: bytes
         if not why:
             params = body.get("kv_transfer_params")
@@ -458,9 +462,10 @@ class Router:
         )
 
     async def _prefill(
-        self, path: str, body: dict[str, Any], b: Backend, headers: dict[str, str]
+        self, path: str, body: dict[str, Any], b: Backend, headers: dict[str, str], rank: int
     ) -> str:
-        """Run the prompt on prefill engine ``b``; "" when it answered, else why not."""
+        """Run the prompt on prefill engine ``b`` (its DP rank ``rank``; -1: any);
+        "" when it answered, else why not."""
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
         pre["max_tokens"] = 1
         if "max_completion_tokens" in pre:
@@ -468,6 +473,8 @@ class Router:
         timeout = aiohttp.ClientTimeout(
             total=self.config.prefill_deadline_s, connect=self.config.connect_timeout_s
         )
+        if rank >= 0:
+            headers = {**headers, DP_RANK_HEADER: str(rank)}
         b.inflight += 1
         try:
             async with b.session.post(
@@ -498,7 +505,10 @@ class Router:
     ) -> tuple[list[Backend], Decision]:
         t0 = time.perf_counter()
         by_load = self._by_load(candidates)
-        if len(candidates) == 1:
+        # One engine has nothing to choose among, unless it serves several DP
+        # ranks: then the Score picks the rank (the one whose GPU cache holds most).
+        ranked = candidates[0].dp_ranks > 1 and self.strategy.uses_index
+        if len(candidates) == 1 and not ranked:
             d = Decision(node=candidates[0].node, reason="only")
         else:
             hashed = await self._hash_request(model, body, chat, by_load[0])
@@ -562,7 +572,7 @@ class Router:
         # The index knows blocks under the connector's namespace model: the engine's
         # model path (vLLM's "root") unless the connector sets model_name.
         info = self.fleet.models().get(model)
-        index_model = info.root if info else model
+        index_model = self.config.index_models.get(model) or (info.root if info else model)
         t0 = time.perf_counter()
         if self.local is not None and self.local.ready()[0]:
             try:
@@ -667,13 +677,18 @@ class Router:
                 "x-kvstore-route": decision.reason,
                 **(extra or {}),
             }
+            up_headers = headers
             if b.node != decision.node:
                 route["x-kvstore-route"] = "retry"
+            elif decision.rank >= 0:
+                # The rank is the chosen node's: a retry elsewhere goes rank-less.
+                up_headers = {**headers, DP_RANK_HEADER: str(decision.rank)}
+                route["x-kvstore-rank"] = str(decision.rank)
             b.inflight += 1
             t0 = time.perf_counter()
             try:
                 async with b.session.post(
-                    b.base + request.path, data=raw, headers=headers, timeout=timeout
+                    b.base + request.path, data=raw, headers=up_headers, timeout=timeout
                 ) as up:
                     self.metrics.first_byte_s.observe(time.perf_counter() - t0)
                     if up.status != 200 or not stream:

@@ -4,12 +4,14 @@
 - ``GET /metrics``: vLLM's gauges the router reads (``vllm:num_requests_running``,
   ``_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:cache_config_info`` with the
   block size and hash algorithm), from :attr:`Engine.running` etc., so a test
-  sets the load the router sees;
+  sets the load the router sees; one ``engine`` label per DP rank (``dp_ranks``),
+  as vLLM labels each rank's engine core;
 - ``GET /v1/models``: one model;
 - ``POST /tokenize``: words ``w<N>`` -> token id N + 2 (the tiny vocabulary's);
 - ``POST /v1/completions``: an answer naming the engine (``text = "<node>"``), so
   a test sees which engine the router really forwarded to; held while
-  :attr:`Engine.gate` is clear (then counted in the running gauge).
+  :attr:`Engine.gate` is clear (then counted in the running gauge). Each one's
+  request headers are kept (:attr:`Engine.headers`).
 
 It stands in for vLLM only where what is under test is the router's decision
 (made by the real indexer) and its forwarding; tests of the engine path use
@@ -24,8 +26,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class Engine:
-    def __init__(self, node: str, *, model: str = "tiny", block_size: int = 16) -> None:
+    def __init__(
+        self, node: str, *, model: str = "tiny", block_size: int = 16, dp_ranks: int = 1
+    ) -> None:
         self.node = node
+        self.dp_ranks = dp_ranks
+        self.headers: list[dict[str, str]] = []
+        """Each completion's request headers (names lower-cased)."""
         self.model = model
         self.block_size = block_size
         self.running = 0.0
@@ -73,6 +80,7 @@ class Engine:
                 elif self.path == "/v1/completions":
                     with engine._lock:
                         engine.completions.append(body)
+                        engine.headers.append({k.lower(): v for k, v in self.headers.items()})
                         engine.active += 1
                     try:
                         engine.gate.wait(120)
@@ -97,11 +105,14 @@ class Engine:
         self._thread.start()
 
     def metrics(self) -> str:
+        gauges = "".join(
+            f'vllm:num_requests_running{{engine="{r}"}} {(self.running + self.active) if r == 0 else 0}\n'
+            f'vllm:num_requests_waiting{{engine="{r}"}} {self.waiting if r == 0 else 0}\n'
+            f'vllm:kv_cache_usage_perc{{engine="{r}"}} {self.kv_usage}\n'
+            for r in range(self.dp_ranks)
+        )
         return (
-            f'vllm:num_requests_running{{engine="0"}} {self.running + self.active}\n'
-            f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
-            f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv_usage}\n'
-            f'vllm:cache_config_info{{block_size="{self.block_size}",'
+            gauges + f'vllm:cache_config_info{{block_size="{self.block_size}",'
             f'prefix_caching_hash_algo="sha256"}} 1.0\n'
         )
 

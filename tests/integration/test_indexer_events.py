@@ -620,3 +620,151 @@ def test_engine_hash_scheme_is_learned_and_used_for_token_ids(make_indexer):
         if server is not None:
             server.stop(0)
         engine.close()
+
+
+def test_a_vllm_servers_ranks_are_discovered_from_its_listing(make_indexer):
+    """``vllm_servers``: the indexer reads the server's ``/kv_event_sources`` (retrying
+    while it does not answer), follows one source per listed rank (wildcard hosts
+    replaced by the url's host), and re-reads it: a rank whose endpoint moved (an
+    engine restarted on port 0) is followed at its new one, its old entries dropped."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvstore.errors import PermissionDenied
+    from kvstore.indexer.vllm_sources import VllmServer
+
+    ranks = [RawPublisher(topic=b""), RawPublisher(topic=b""), RawPublisher(topic=b"")]
+
+    def wildcard(endpoint: str) -> str:  # as vLLM lists a "tcp://*:0" config
+        return endpoint.replace("127.0.0.1", "*")
+
+    def listing(*pubs: RawPublisher) -> bytes:
+        return json.dumps(
+            {
+                str(i): {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": wildcard(p.endpoint),
+                    "replay_endpoint": wildcard(p.replay_endpoint),
+                    "topic": "",
+                }
+                for i, p in enumerate(pubs)
+            }
+        ).encode()
+
+    answer = [(503, b'{"error": "starting"}')]
+    reads = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            status, body = answer[0] if self.path == "/kv_event_sources" else (404, b"{}")
+            reads[0] += 1
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{http.server_address[1]}"
+    try:
+        ix = make_indexer(
+            vllm_servers=[VllmServer(node="n1", url=url, model="m")],
+            vllm_servers_refresh_s=0.3,
+        )
+        wait_for(lambda: reads[0] >= 2)  # not up yet: asked again, nothing followed
+        assert ix.subscriber.sources() == []
+        # the server's node is configured: a registration cannot take it over
+        with pytest.raises(PermissionDenied, match="configured"):
+            ix.register(SourceSpec(node="n1", endpoint="tcp://127.0.0.1:1"), 0)
+
+        answer[0] = (200, listing(ranks[0], ranks[1]))
+
+        def followed() -> list[tuple[int, str, str, str]]:
+            return sorted(
+                (s.data_parallel_rank, s.endpoint, s.replay_endpoint, s.engine_url)
+                for s in ix.subscriber.sources()
+            )
+
+        wait_for(lambda: len(followed()) == 2)
+        assert followed() == [
+            (i, r.endpoint, r.replay_endpoint, url) for i, r in enumerate(ranks[:2])
+        ]
+        assert all(s.kind == "engine" and s.model == "m" for s in ix.subscriber.sources())
+
+        def rank_gpu(h: int) -> dict[int, int]:
+            for s in ix.score("m", np.array([h], dtype=np.uint64)):
+                return {r.rank: r.gpu_blocks for r in s.ranks}
+            return {}
+
+        def publish_until_indexed(raw: RawPublisher, rank: int, h: int) -> None:
+            payload = raw.enc.encode(
+                KVEventBatch(time.time(), [stored(h, medium="GPU")], data_parallel_rank=rank)
+            )
+            raw.send(0, payload, publish=False)
+            deadline = time.monotonic() + 10
+            while rank_gpu(h).get(rank) != 1:  # PUB drops what it sends before the SUB joins
+                assert time.monotonic() < deadline, f"rank {rank} stream never connected"
+                raw.pub.send_multipart((b"", (0).to_bytes(8, "big"), payload))
+                time.sleep(0.05)
+
+        publish_until_indexed(ranks[1], 1, 61)
+        # rank 1's engine restarted on other ports: the listing says so
+        answer[0] = (200, listing(ranks[0], ranks[2]))
+        wait_for(lambda: followed()[1][1] == ranks[2].endpoint)
+        assert [e for _, e, _, _ in followed()] == [ranks[0].endpoint, ranks[2].endpoint]
+        wait_for(lambda: rank_gpu(61).get(1, 0) == 0)  # the old stream's entries are gone
+        publish_until_indexed(ranks[2], 1, 62)
+        # a listing that cannot be followed keeps what is followed
+        answer[0] = (200, b"[]")
+        before = reads[0]
+        wait_for(lambda: reads[0] >= before + 2)
+        assert len(followed()) == 2
+    finally:
+        http.shutdown()
+        http.server_close()
+        for r in ranks:
+            r.close()
+
+
+def test_vllm_servers_on_the_command_line_and_their_errors():
+    import argparse
+
+    from kvstore.indexer.cli import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(
+        p.parse_args(
+            [
+                "--vllm-server",
+                "node=a,url=http://10.0.0.5:8000,model=M",
+                "--vllm-server",
+                "node=b,url=unix:/run/vllm.sock,model=M,host=10.0.0.6,per_rank=true",
+            ]
+        )
+    )
+    a, b = cfg.vllm_servers
+    assert (a.node, a.url, a.model, a.connect_host(), a.per_rank) == (
+        "a",
+        "http://10.0.0.5:8000",
+        "M",
+        "10.0.0.5",
+        None,
+    )
+    assert (b.url, b.connect_host(), b.per_rank) == ("unix:/run/vllm.sock", "10.0.0.6", True)
+    for bad, why in (
+        ("node=a,url=ftp://x,model=M", "http://host:port or unix:PATH"),
+        ("node=a,url=http://h:1", "model"),
+        ("node=a@b,url=http://h:1,model=M", "without '@'"),
+        ("node=a,url=http://h:1,model=M,per_rank=maybe", "per_rank"),
+        ("node=a,url=http://h:1,model=M,colour=red", "colour"),
+        ("node=a,http://h:1", "key=value"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            config_from_args(p.parse_args(["--vllm-server", bad]))
+    with pytest.raises(ConfigError, match="listed twice"):
+        config_from_args(p.parse_args(["--vllm-server", "node=a,url=http://h:1,model=M"] * 2))

@@ -515,3 +515,75 @@ def test_a_prefill_decode_split_asks_the_indexer_once_per_request(tmp_path):
         ix.close()
         for e in engines.values():
             e.close()
+
+
+def test_the_router_pins_a_dp_engine_to_the_rank_its_score_chose(tmp_path):
+    """An engine serving several DP ranks (one ``engine`` label per rank on its
+    /metrics) gets ``X-data-parallel-rank`` with the rank whose GPU cache holds the
+    prompt (router_client's ``Decision.rank``), even as the only backend; on a
+    prefill/decode split the prefill and the decode each get their own engine's
+    rank. A decision without a rank (nothing cached, or an engine without ranks)
+    sends no header. (vLLM itself takes the header: test_vllm_dp.py.) The blocks
+    are indexed under the connector's model_name, which ``index_models`` names."""
+    engines = {
+        "node-a": Engine("node-a", dp_ranks=2),
+        "node-b": Engine("node-b"),
+        "node-p": Engine("node-p", dp_ranks=2),
+    }
+    ix = Indexer(IndexerConfig())
+    ix.start()
+    server, port = serve(ix, "127.0.0.1:0")
+    hasher = BlockHasher(BS, "sha256")
+    held = list(range(3 * BS))
+    hashes = np.asarray(hasher.hash_tokens_int(held), dtype=np.uint64)
+    ix.index.add("tiny-ns", "node-a", "GPU", hashes, rank=1)
+    ix.index.add("tiny-ns", "node-a", "CPU", hashes)  # the node's DRAM: every rank's
+    ix.index.add("tiny-ns", "node-b", "GPU", hashes)
+    ix.index.add("tiny-ns", "node-p", "GPU", hashes, rank=0)
+    ix.index.add("tiny-ns", "node-p", "GPU", hashes[:2], rank=1)
+    procs = []
+    base = {
+        "indexer": f"127.0.0.1:{port}",
+        "decision_deadline_s": "5",
+        "index_models.tiny": "tiny-ns",
+    }
+    rank_header = "x-data-parallel-rank"
+    try:
+        for node in ("node-a", "node-b"):  # each alone behind a router
+            proc, r = start_router(
+                tmp_path, f"router-{node}", {**base, f"backends.{node}": engines[node].url}
+            )
+            procs.append(proc)
+            wait_for(lambda r=r, node=node: healthy(r) == [node], 30, "backend up")
+            status, headers, body = r.post("/v1/completions", completion(held + [7]))
+            assert status == 200, body
+            status, headers2, body = r.post("/v1/completions", completion(list(range(100, 140))))
+            assert status == 200, body
+            sent = engines[node].headers
+            if node == "node-a":
+                assert (headers["x-kvstore-route"], headers["x-kvstore-rank"]) == ("prefix", "1")
+                assert sent[-2][rank_header] == "1"
+            else:  # one engine, no ranks: nothing to choose, no header
+                assert headers["x-kvstore-route"] == "only" and "x-kvstore-rank" not in headers
+                assert rank_header not in sent[-2]
+            # nothing cached anywhere: no rank, no header
+            assert "x-kvstore-rank" not in headers2 and rank_header not in sent[-1], sent
+        cfg = tmp_path / "router.toml"
+        cfg.write_text('[router]\nprefill = ["node-p"]\ndecode = ["node-a"]\n')
+        settings = {**base, **{f"backends.{n}": engines[n].url for n in ("node-a", "node-p")}}
+        proc, r = start_router(tmp_path, "router-pd", settings, cfg)
+        procs.append(proc)
+        wait_for(lambda: healthy(r) == ["node-a", "node-p"], 30, "backends up")
+        status, headers, body = r.post("/v1/completions", completion(held))
+        assert status == 200, body
+        assert (headers["x-kvstore-pd"], headers["x-kvstore-rank"]) == ("prefill=node-p", "1")
+        prefill, decode = engines["node-p"].headers[-1], engines["node-a"].headers[-1]
+        assert (prefill[rank_header], decode[rank_header]) == ("0", "1")
+        assert engines["node-p"].completions[-1]["max_tokens"] == 1
+    finally:
+        for proc in procs:
+            stop(proc)
+        server.stop(0)
+        ix.close()
+        for e in engines.values():
+            e.close()

@@ -42,6 +42,7 @@ class Req:
     cache_salt: str | None = None
     num_prompt_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int | None = None  # read when the request finishes
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.all_token_ids)
@@ -214,6 +215,52 @@ def test_async_scheduling_saves_a_block_once_its_placeholder_token_is_known(daem
     assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
     # Saved once: the step after plans nothing.
     assert not eng.step(running=[RunningRequest("a", None, False, 3 * BS + 1)], scheduled={"a": 1})
+
+
+def test_a_request_that_finishes_in_the_step_completing_its_block_saves_it_next_step(daemon):
+    """Speculative decoding (the drafts filling a block are accepted in the step that
+    computes them) and async scheduling (the filling token is a placeholder) plan a
+    block's last step before the block has a hash. A request that finishes in that
+    step has no later step: its save is planned for the next one, and vLLM keeps
+    the blocks (request_finished -> True) until the worker reports it done. Found
+    with EAGLE/MTP drafters that agree with their target on the CPU engine: the
+    old code never stored the last block of such a request."""
+    eng = Engine(daemon.address, seed=8)
+    prompt, accepted = _tokens(8, 2 * BS + 10), _tokens(9, 6)
+    req = Req("f", list(prompt))
+    eng.prefill(req, [0, 1, 2])
+    # a target token + 5 drafts scheduled: block 2's last position is computed,
+    # its hash does not exist yet
+    plan = eng.step(running=[RunningRequest("f", None, False, 2 * BS + 10)], scheduled={"f": 6})
+    assert not plan.saves
+    # all accepted; the request has its max_tokens and finishes in that step
+    req.all_token_ids = [*prompt, *accepted]
+    req.rehash()
+    req.num_computed_tokens = 3 * BS
+    assert eng.scheduler.finished(req, [0, 1, 2]) is True
+    assert eng.worker.take_finished_saving() == set()
+    plan = eng.step()  # the next step, nothing else scheduled
+    assert plan.deferred == ["f"]
+    assert [s.block_ids.tolist() for s in plan.saves] == [[2]]
+    assert plan.saves[0].parent_block_hash == req.int_hashes()[1]
+    assert eng.worker.take_finished_saving() == {"f"}  # vLLM may free its blocks now
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
+    assert not eng.step()
+    # every block saved already: freed at once, nothing deferred
+    done = Req("g", _tokens(10, 2 * BS), num_computed_tokens=2 * BS)
+    eng.prefill(done, [5, 6])
+    assert eng.scheduler.finished(done, [5, 6]) is False
+    assert not eng.step()
+    # a deferred save that cannot be made (daemon gone) is still reported done
+    late = Req("h", _tokens(11, BS + 4))
+    eng.prefill(late, [7, 8])
+    late.all_token_ids += _tokens(12, BS - 4)
+    late.rehash()
+    late.num_computed_tokens = 2 * BS
+    assert eng.scheduler.finished(late, [7, 8]) is True
+    daemon.stop()
+    eng.step()
+    assert eng.worker.take_finished_saving() == {"h"}
 
 
 def test_resumed_request_takes_its_new_blocks(daemon):

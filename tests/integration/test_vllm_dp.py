@@ -5,7 +5,10 @@ is valid for every rank) and each has its own GPU cache and KV-event stream,
 listed by ``GET /kv_event_sources``. The indexer (in-memory and Redis) follows
 both rank streams and the daemon's, and scores the GPU tier per rank and DRAM
 per node; ``router_client`` then picks the node and the rank. Requests are
-pinned to a rank with vLLM's ``X-data-parallel-rank`` header.
+pinned to a rank with vLLM's ``X-data-parallel-rank`` header, which `kvstore
+router` sends with the rank it chose (on one engine and on a prefill/decode
+split); where a request landed is read from the server's per-rank ``engine``
+labels on /metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import http.client
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,10 +34,11 @@ from kvstore.indexer.backend import RankScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
-from kvstore.indexer.vllm_sources import engine_sources, fetch_kv_event_sources
+from kvstore.indexer.vllm_sources import VllmServer, engine_sources, fetch_kv_event_sources
 from router_client import RouterClient
 from tests.integration import vllm_model as vm
 from tests.integration._redis import RedisProcess
+from tests.integration.test_router_vllm import start_router, stop
 
 pytestmark = [
     pytest.mark.vllm,
@@ -94,6 +99,40 @@ def complete(sock: str, ids: list[int], rank: int) -> dict[str, Any]:
     )
     assert status == 200, out
     return out
+
+
+_SAMPLE_RE = re.compile(r"^([\w:]+)\{(.*)\} ([0-9.eE+-]+)$")
+_LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+def per_rank(sock: str, name: str) -> dict[str, float]:
+    """One metric of the server's /metrics summed per ``engine`` label (the DP rank)."""
+    status, text = call(sock, "GET", "/metrics")
+    assert status == 200 and isinstance(text, bytes), text
+    out: dict[str, float] = {}
+    for line in text.decode().splitlines():
+        m = _SAMPLE_RE.match(line)
+        if m and m.group(1) == name:
+            engine = dict(_LABEL_RE.findall(m.group(2))).get("engine", "")
+            out[engine] = out.get(engine, 0.0) + float(m.group(3))
+    return out
+
+
+# Each finished request adds its max_tokens to its rank's histogram sum: requests
+# with distinct max_tokens show which rank served which.
+MAX_TOKENS_SUM = "vllm:request_params_max_tokens_sum"
+
+
+def routed_max_tokens(sock: str, before: dict[str, float], total: float) -> dict[str, float]:
+    """Per rank, the max_tokens of requests finished since ``before`` (once they add
+    up to ``total``: the server records a request as it finishes it)."""
+
+    def delta() -> dict[str, float]:
+        now = per_rank(sock, MAX_TOKENS_SUM)
+        return {r: now.get(r, 0.0) - before.get(r, 0.0) for r in ("0", "1")}
+
+    wait_for(lambda: sum(delta().values()) == total, EVENT_TIMEOUT_S, f"{total} max_tokens served")
+    return delta()
 
 
 def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
@@ -170,8 +209,12 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
         )
         for cfg in (
             IndexerConfig(sources=[daemon_src, *ranks]),
+            # the Redis one finds the ranks itself, from the server's listing
             IndexerConfig(
-                sources=[daemon_src, *ranks],
+                sources=[daemon_src],
+                vllm_servers=[
+                    VllmServer(node="node-a", url=f"unix:{sock}", model="tiny", host="127.0.0.1")
+                ],
                 backend="redis",
                 redis_url=redis.url,
                 redis_read="direct",
@@ -241,6 +284,74 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
             assert (d.node, d.reason, d.rank) == ("node-a", "prefix", 0)
             assert d.hit is not None and [r.rank for r in d.hit.ranks] == [-1, 0, 1]
             assert rc.pick("tiny", other, ["node-a"], default="node-a").rank == 1
+        assert sorted(
+            (s.data_parallel_rank, s.endpoint) for s in indexers[1].subscriber.sources()
+        ) == sorted((s.data_parallel_rank, s.endpoint) for s in [daemon_src, *ranks])
+
+        # `kvstore router` in front of the server: it pins each request to the rank
+        # it chose (X-data-parallel-rank); a rank-less decision sends no header.
+        settings = {
+            "backends.node-a": f"unix:{sock}",
+            "indexer": f"127.0.0.1:{port}",
+            # the connector names the model "tiny" (model_name), not vLLM's model path
+            "index_models.tiny": "tiny",
+            "block_size_tokens": str(BS),
+            "decision_deadline_s": "10",
+            "scrape_interval_s": "0.5",
+        }
+        rproc, router = start_router(tmp_path, "router", settings)
+        try:
+            wait_for(
+                lambda: router.get("/health")[0] == 200, START_TIMEOUT_S, "router sees the server"
+            )
+            for ids, max_tokens, rank in ((other, 2, "1"), (shared, 3, "0")):
+                before = per_rank(sock, MAX_TOKENS_SUM)
+                status, headers, out = router.post(
+                    "/v1/completions",
+                    {"model": "tiny", "prompt": ids, "max_tokens": max_tokens, "temperature": 0},
+                )
+                assert status == 200, out
+                assert (headers["x-kvstore-route"], headers.get("x-kvstore-rank")) == (
+                    "prefix",
+                    rank,
+                ), headers
+                served = routed_max_tokens(sock, before, max_tokens)
+                assert served[rank] == max_tokens, served  # it ran on the chosen rank
+            # no block of it anywhere: no rank chosen, no header (vLLM's balancer picks)
+            status, headers, out = router.post(
+                "/v1/completions",
+                {"model": "tiny", "prompt": vm.prompt_ids(3, 2 * BS + 1), "max_tokens": 1},
+            )
+            assert status == 200, out
+            assert "x-kvstore-rank" not in headers and headers["x-kvstore-route"] != "prefix"
+        finally:
+            stop(rproc)
+
+        # a prefill/decode split: the prefill goes to node-a's rank holding the
+        # prompt; the decode node (the same server under another node id, of which
+        # the indexer knows nothing) gets no rank
+        pd = tmp_path / "pd.toml"
+        pd.write_text('[router]\nprefill = ["node-a"]\ndecode = ["node-d"]\n')
+        rproc, router = start_router(
+            tmp_path, "router-pd", {**settings, "backends.node-d": f"unix:{sock}"}, pd
+        )
+        try:
+            wait_for(
+                lambda: router.get("/health")[0] == 200, START_TIMEOUT_S, "router sees the server"
+            )
+            before = per_rank(sock, MAX_TOKENS_SUM)
+            status, headers, out = router.post(
+                "/v1/completions",
+                {"model": "tiny", "prompt": other, "max_tokens": 3, "temperature": 0},
+            )
+            assert status == 200, out
+            assert headers["x-kvstore-pd"] == "prefill=node-a", headers
+            assert "x-kvstore-rank" not in headers  # the decode choice has no rank
+            served = routed_max_tokens(sock, before, 1 + 3)
+            # the prefill (max_tokens 1) ran on rank 1; the decode (3) wherever vLLM put it
+            assert served["1"] in (1, 1 + 3) and served["0"] in (0, 3), served
+        finally:
+            stop(rproc)
 
         # the block rank 0 stored is valid for rank 1: loaded from the daemon,
         # the same tokens; then rank 1's own GPU cache has it too

@@ -64,21 +64,29 @@ def engine_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def make_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
-    """Write a random tiny Llama + word-level tokenizer to ``model_dir``; returns it."""
-    import torch
+def write_tokenizer(model_dir: Path) -> None:
+    """The word-level tokenizer (``w0 .. w{vocab-3}``, ids 2..) into ``model_dir``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
-        return model_dir
     vocab = {"<s>": 0, "</s>": 1}
     vocab.update({f"w{i}": i + 2 for i in range(VOCAB_SIZE - 2)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(model_dir)
+
+
+def make_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
+    """Write a random tiny Llama + word-level tokenizer to ``model_dir``; returns it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    if (model_dir / "config.json").exists() and (model_dir / "tokenizer.json").exists():
+        return model_dir
+    write_tokenizer(model_dir)
 
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -260,6 +268,21 @@ def _force_async_scheduling() -> None:
     platform_cls.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
+def _drain(llm: Any, max_steps: int = 16) -> None:
+    """Run the engine's steps left after ``generate`` returned: a connector that
+    saves a finished request's last blocks a step later holds them until then (a
+    server's engine loop runs that step at once; the offline ``generate`` stops
+    when the last request finished)."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core  # the in-process engine core
+    except AttributeError:
+        return
+    for _ in range(max_steps):
+        if not core.scheduler.has_requests():
+            return
+        llm.llm_engine.step()
+
+
 def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     """Run the steps of ``spec`` in one vLLM engine; results per step and prompt."""
     from vllm import LLM, SamplingParams
@@ -267,7 +290,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     kwargs: dict[str, Any] = {
         "model": spec["model_dir"],
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "max_model_len": spec.get("max_model_len", MAX_MODEL_LEN),
         "block_size": spec.get("block_size", BLOCK_SIZE),
         "distributed_executor_backend": "uni",
@@ -278,6 +301,8 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     }
     if spec.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if spec.get("gpu_memory_utilization"):  # GPU runs (tests/gpu): a share, not 90%
+        kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     if spec.get("speculative_config"):
         kwargs["speculative_config"] = spec["speculative_config"]
         kwargs["disable_log_stats"] = False  # for the spec_decode counters
@@ -332,6 +357,7 @@ def run_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         before = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         t = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        _drain(llm)
         elapsed_s = time.monotonic() - t
         after = {**_connector_counters(llm), **_spec_counters(llm, spec)}
         results.append(

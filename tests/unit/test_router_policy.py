@@ -196,6 +196,8 @@ def test_engine_metrics_are_read_as_vllm_writes_them():
     running, waiting, kv, info = parse_metrics(text)
     assert (running, waiting, kv) == (4.0, 2.0, 0.5)
     assert (info.block_size, info.hash_algo) == (32, "sha256_cbor")
+    assert info.dp_ranks == 2  # one engine label per data-parallel rank's engine core
+    assert parse_metrics('vllm:num_requests_running{model_name="m"} 1.0')[3].dp_ranks == 0
 
 
 def test_the_node_comes_with_the_rank_that_saves_most() -> None:
