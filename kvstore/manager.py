@@ -175,6 +175,8 @@ class BlockManager:
             copy_ttl_s=config.eviction.copy_ttl_s,
             copy_window=config.eviction.copy_window,
             copy_learn=config.eviction.copy_learn,
+            pulled_admission=config.eviction.pulled_admission,
+            replica_promote_loads=config.eviction.replica_promote_loads,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
@@ -344,7 +346,7 @@ class BlockManager:
                 present = ns.blocks.get(h)
                 if present is not None:
                     statuses[i] = STORE_PRESENT
-                    placement.touch(present)
+                    placement.touch(present, load=False)
                     placement.pin(present)
                     held.append(present)
                     continue
