@@ -143,6 +143,7 @@ class Stats:
     namespaces: int
     active_leases: int
     counters: Counters = field(default_factory=Counters)
+    replica_blocks: int = 0  # DRAM copies resident as low-priority replicas now
 
 
 class BlockManager:
@@ -177,6 +178,7 @@ class BlockManager:
             copy_learn=config.eviction.copy_learn,
             pulled_admission=config.eviction.pulled_admission,
             replica_promote_loads=config.eviction.replica_promote_loads,
+            replica_share=config.eviction.replica_share,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
@@ -714,6 +716,7 @@ class BlockManager:
             # Quarantined leases still hold their slots and pins.
             active_leases=len(self.leases) + self.leases.quarantined,
             counters=dataclasses.replace(self.counters),
+            replica_blocks=placement.replica_blocks(),
         )
 
     # --------------------------------------------------------- warm restart

@@ -98,6 +98,7 @@ class Placement:
         copy_learn: str = "served",
         pulled_admission: str = "full",
         replica_promote_loads: int = 2,
+        replica_share: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -127,12 +128,14 @@ class Placement:
             raise ConfigError(
                 f"eviction.replica_promote_loads must be >= 1, not {replica_promote_loads}"
             )
+        if not 0.0 <= replica_share < 1.0:
+            raise ConfigError(f"eviction.replica_share must be in [0, 1), not {replica_share}")
         self.replicas = pulled_admission == "replica"
         self.replica_promote_loads = replica_promote_loads
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         self.eviction_policy = eviction_policy
-        self.dram = SlabPool(dram_allocator, eviction_policy)
+        self.dram = SlabPool(dram_allocator, eviction_policy, cold_share=replica_share)
         self.gpu: GpuSlabPool | None = None
         self.counters = Counters()
         self.pinned_blocks = 0
@@ -533,6 +536,9 @@ class Placement:
         # A replica (a pulled copy not reused yet) comes first in the order and is
         # as good a victim as a clean or a redundant one.
         now_s = self._clock()
+        # Replicas do not move on hits, so the ones a store has just pinned (the
+        # prefix it pulled) can fill the head of the order: look past all of them.
+        cold = self.dram.policy(slot_bytes).cold_len() if self.replicas else 0
         if self.disk is not None:
             prefer: Callable[[Block], bool] = self._clean
             if self.copy_aware and not clean_only:
@@ -544,7 +550,7 @@ class Placement:
 
             victim = self.dram.victim(
                 slot_bytes,
-                4 * CLEAN_VICTIM_WINDOW,
+                4 * CLEAN_VICTIM_WINDOW + cold,
                 only=only,
                 prefer=prefer,
                 window=CLEAN_VICTIM_WINDOW,
@@ -553,13 +559,13 @@ class Placement:
         elif self.copy_aware:
             victim = self.dram.victim(
                 slot_bytes,
-                4 * self.copy_window,
+                4 * self.copy_window + cold,
                 only=only,
                 prefer=lambda b: b.replica_loads >= 0 or b.redundant_until_s > now_s,
                 window=self.copy_window,
             )
         else:
-            victim = self.dram.victim(slot_bytes, 4, only=only)
+            victim = self.dram.victim(slot_bytes, 4 + cold, only=only)
         if victim is None:
             return False
         self._evict(victim)
