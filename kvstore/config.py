@@ -92,6 +92,11 @@ class EvictionConfig(_Section):
     """Unpinned blocks at the cold end looked at for a redundant copy before a sole copy
     goes (1..4096): larger drops redundant copies sooner, at that many checks per
     eviction."""
+    copy_order: Literal["window", "fifo"] = "window"
+    """How redundant copies are found: window = the coldest redundant one among the
+    coldest copy_window; fifo = marking moves a copy into the low-priority FIFO the
+    replicas use (first to go, O(1) per eviction whatever its recency; one local load
+    makes it a normal block again; an expired mark puts it back)."""
     copy_ttl_s: float = 300.0
     """How long "a peer holds this block too" is believed after the pull that learned
     it; past it the copy counts as a sole copy again (the staleness bound)."""

@@ -176,6 +176,7 @@ class BlockManager:
             copy_ttl_s=config.eviction.copy_ttl_s,
             copy_window=config.eviction.copy_window,
             copy_learn=config.eviction.copy_learn,
+            copy_order=config.eviction.copy_order,
             pulled_admission=config.eviction.pulled_admission,
             replica_promote_loads=config.eviction.replica_promote_loads,
             replica_share=config.eviction.replica_share,

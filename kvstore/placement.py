@@ -96,6 +96,7 @@ class Placement:
         copy_ttl_s: float = 300.0,
         copy_window: int = COPY_VICTIM_WINDOW,
         copy_learn: str = "served",
+        copy_order: str = "window",
         pulled_admission: str = "full",
         replica_promote_loads: int = 2,
         replica_share: float = 0.0,
@@ -120,6 +121,12 @@ class Placement:
             )
         self.learn_pulled = copy_learn in ("pulled", "both")
         self.learn_served = copy_learn in ("served", "both")
+        if copy_order not in ("window", "fifo"):
+            raise ConfigError(f"eviction.copy_order must be window or fifo, not {copy_order!r}")
+        # fifo: a redundant copy goes into the low-priority FIFO (O(1) per eviction
+        # whatever the distance from the cold end) instead of being looked for
+        # among the coldest copy_window.
+        self.copy_fifo = copy_aware and copy_order == "fifo"
         if pulled_admission not in ("full", "replica"):
             raise ConfigError(
                 f"eviction.pulled_admission must be full or replica, not {pulled_admission!r}"
@@ -270,7 +277,28 @@ class Placement:
             if block.state is BlockState.COMMITTED and not block.doomed:
                 block.redundant_until_s = until_s
                 marked += 1
+                if self.copy_fifo and block.offset >= 0:
+                    # Into the low-priority FIFO (its tail: the FIFO stays in mark
+                    # order, so the marks expire from its head); one local load
+                    # makes it a normal block again: it is wanted here.
+                    if block.replica_loads < 0:
+                        block.replica_loads = self.replica_promote_loads - 1
+                    self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
         return marked
+
+    def _expire_cold(self, slot_bytes: int, now_s: float) -> None:
+        """copy_order = fifo: copies at the head of the low-priority FIFO whose
+        belief has expired count as sole copies again (the copy_ttl_s bound): back
+        into the normal order. Marks expire in FIFO order, so a few looks suffice."""
+        policy = self.dram.policy(slot_bytes)
+        expired = [
+            b
+            for b in cast("Iterator[Block]", itertools.islice(policy.cold_keys(), 16))
+            if 0.0 < b.redundant_until_s <= now_s
+        ]
+        for block in expired:
+            block.replica_loads = -1
+            policy.promote(block)
 
     def _replica_from(self, source_node_id: str) -> bool:
         """Whether a copy pulled from ``source_node_id`` enters as a replica. A replica
@@ -536,16 +564,18 @@ class Placement:
         # A replica (a pulled copy not reused yet) comes first in the order and is
         # as good a victim as a clean or a redundant one.
         now_s = self._clock()
+        if self.copy_fifo:
+            self._expire_cold(slot_bytes, now_s)
         # Replicas do not move on hits, so the ones a store has just pinned (the
         # prefix it pulled) can fill the head of the order: look past all of them.
-        cold = self.dram.policy(slot_bytes).cold_len() if self.replicas else 0
+        cold = self.dram.policy(slot_bytes).cold_len()
         if self.disk is not None:
             prefer: Callable[[Block], bool] = self._clean
             if self.copy_aware and not clean_only:
                 prefer = lambda b: (  # noqa: E731
                     b.disk_slot >= 0 or b.replica_loads >= 0 or b.redundant_until_s > now_s
                 )
-            elif self.replicas and not clean_only:
+            elif (self.replicas or self.copy_fifo) and not clean_only:
                 prefer = lambda b: b.disk_slot >= 0 or b.replica_loads >= 0  # noqa: E731
 
             victim = self.dram.victim(
@@ -556,7 +586,7 @@ class Placement:
                 window=CLEAN_VICTIM_WINDOW,
                 prefer_only=clean_only,
             )
-        elif self.copy_aware:
+        elif self.copy_aware and not self.copy_fifo:
             victim = self.dram.victim(
                 slot_bytes,
                 4 * self.copy_window + cold,

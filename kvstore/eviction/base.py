@@ -22,6 +22,7 @@ Low-priority copies (docs/eviction.md, "Admission of pulled copies"):
                       touch() does not move it (the placement decides promotion)
     promote(key)      a low-priority copy becomes a normal block (as if just hit)
     cold_len()        how many low-priority copies are resident
+    cold_keys()       the low-priority copies, oldest first (read only)
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class EvictionPolicy(Protocol):
     def promote(self, key: Hashable) -> None: ...
 
     def cold_len(self) -> int: ...
+
+    def cold_keys(self) -> Iterator[Hashable]: ...
 
     def victims(self) -> Iterator[Hashable]: ...
 

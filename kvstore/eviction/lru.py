@@ -44,6 +44,9 @@ class LRUPolicy:
     def cold_len(self) -> int:
         return len(self._cold)
 
+    def cold_keys(self) -> Iterator[Hashable]:
+        return iter(self._cold)
+
     def victims(self) -> Iterator[Hashable]:
         # No snapshot (O(n) per call): the manager collects victims before it
         # removes any, as the interface requires.

@@ -103,6 +103,9 @@ class S3FIFOPolicy:
     def cold_len(self) -> int:
         return len(self._cold)
 
+    def cold_keys(self) -> Iterator[Hashable]:
+        return iter(self._cold)
+
     def victims(self) -> Iterator[Hashable]:
         self._restore()
         # The cold FIFO is only read (a key the manager skips stays where it is);

@@ -86,7 +86,15 @@ class Clock:
 def make_manager(tmp_path):
     made = []
 
-    def make(node_id="b", admission="replica", copy_aware=False, promote=2, policy="lru"):
+    def make(
+        node_id="b",
+        admission="replica",
+        copy_aware=False,
+        promote=2,
+        policy="lru",
+        order="window",
+        clock=None,
+    ):
         config = load_config(
             environ={},
             assignments=[
@@ -98,13 +106,15 @@ def make_manager(tmp_path):
                 f"eviction.pulled_admission={admission}",
                 f"eviction.replica_promote_loads={promote}",
                 f"eviction.copy_aware={str(copy_aware).lower()}",
+                f"eviction.copy_order={order}",
+                "eviction.copy_ttl_s=60",
             ],
         )
         region = Region(
             config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
         )
         made.append(region)
-        m = BlockManager(config, region, RecordingSink(), clock=Clock())
+        m = BlockManager(config, region, RecordingSink(), clock=clock or Clock())
         return m, m.declare_namespace(make_spec(4096))
 
     yield make
@@ -218,3 +228,47 @@ def test_a_store_that_pins_its_pulled_replicas_still_finds_a_victim(make_manager
     assert present(m, ns, [100, 101]) == [100, 101]
     assert present(m, ns, range(50, 58)) == list(range(50, 58))
     assert present(m, ns, [0, 1]) == []
+
+
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("order", ["fifo", "window"])
+def test_copy_order_fifo_drops_a_hot_redundant_copy_first_beyond_any_window(
+    make_manager, order, policy
+):
+    # The owner's copies 12..15 are the hottest here (just stored) and a lower-id
+    # peer pulled them (learn served): fifo finds them in O(1); the window of 4
+    # coldest does not reach them.
+    m, ns = make_manager(admission="full", copy_aware=True, order=order, policy=policy)
+    m.placement.copy_window = 4
+    store(m, ns, list(range(16)))
+    m.note_held_elsewhere([ns.blocks[h] for h in range(12, 16)], "a", served=True)
+    store(m, ns, [100, 101])
+    if order == "fifo":
+        assert present(m, ns, [12, 13]) == []
+        assert present(m, ns, range(12)) == list(range(12))
+        assert m.counters.evicted_redundant_blocks == 2
+    else:
+        assert present(m, ns, [12, 13]) == [12, 13]
+        assert m.counters.evicted_redundant_blocks == 0
+
+
+def test_copy_order_fifo_a_local_load_or_the_ttl_makes_it_a_normal_block(make_manager):
+    clock = Clock()
+    m, ns = make_manager(admission="full", copy_aware=True, order="fifo", clock=clock)
+    store(m, ns, list(range(16)))
+    m.note_held_elsewhere([ns.blocks[h] for h in range(8, 16)], "a", served=True)
+    load(m, ns, [8, 9])  # wanted here: back in the normal order (the hot end)
+    clock.now_s += 30.0
+    m.note_held_elsewhere([ns.blocks[h] for h in (14, 15)], "a", served=True)  # re-marked
+    clock.now_s += 31.0  # 10..13's marks expired; 14, 15's hold 29 s more
+    store(m, ns, [100, 101])
+    assert present(m, ns, [14, 15]) == []
+    assert m.counters.evicted_redundant_blocks == 2
+    store(m, ns, [102, 103])  # now plain LRU: the coldest sole copies
+    assert present(m, ns, [0, 1]) == []
+    assert present(m, ns, range(2, 14)) == list(range(2, 14))
+
+
+def test_copy_order_must_be_known(make_manager):
+    with pytest.raises(ConfigError, match="copy_order"):
+        make_manager(order="heap")
