@@ -108,11 +108,6 @@ class EvictionConfig(_Section):
     replica_promote_loads: int = 2
     """Local loads that promote a replica to a normal block (>= 1); the pull's own
     load counts, so 2 = the first reuse by a later request."""
-    replica_share: float = 0.0
-    """Share of a DRAM slot size's blocks the replicas may hold before they go first
-    (0 <= share < 1): 0 = a replica is always the first to go; 0.1 = replicas wait in
-    a FIFO of about a tenth of DRAM (like S3-FIFO's small queue) and the normal order
-    evicts while they hold less."""
 
 
 class LeaseConfig(_Section):

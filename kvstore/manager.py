@@ -179,7 +179,6 @@ class BlockManager:
             copy_order=config.eviction.copy_order,
             pulled_admission=config.eviction.pulled_admission,
             replica_promote_loads=config.eviction.replica_promote_loads,
-            replica_share=config.eviction.replica_share,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters

@@ -99,7 +99,6 @@ class Placement:
         copy_order: str = "window",
         pulled_admission: str = "full",
         replica_promote_loads: int = 2,
-        replica_share: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -135,14 +134,12 @@ class Placement:
             raise ConfigError(
                 f"eviction.replica_promote_loads must be >= 1, not {replica_promote_loads}"
             )
-        if not 0.0 <= replica_share < 1.0:
-            raise ConfigError(f"eviction.replica_share must be in [0, 1), not {replica_share}")
         self.replicas = pulled_admission == "replica"
         self.replica_promote_loads = replica_promote_loads
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         self.eviction_policy = eviction_policy
-        self.dram = SlabPool(dram_allocator, eviction_policy, cold_share=replica_share)
+        self.dram = SlabPool(dram_allocator, eviction_policy)
         self.gpu: GpuSlabPool | None = None
         self.counters = Counters()
         self.pinned_blocks = 0

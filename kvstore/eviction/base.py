@@ -16,9 +16,7 @@ Primitives:
 
 Low-priority copies (docs/eviction.md, "Admission of pulled copies"):
     insert_cold(key)  the block enters (or moves to) a FIFO of low-priority copies
-                      ahead of the policy's own order (once they hold more than the
-                      policy's ``cold_share`` of its keys; behind it below that):
-                      first to go, oldest first;
+                      ahead of the policy's own order: first to go, oldest first;
                       touch() does not move it (the placement decides promotion)
     promote(key)      a low-priority copy becomes a normal block (as if just hit)
     cold_len()        how many low-priority copies are resident

@@ -9,12 +9,9 @@ from collections.abc import Hashable, Iterator
 
 class LRUPolicy:
     """Coldest = least recently inserted or touched, after the low-priority copies
-    (insert_cold, oldest first) once they hold more than ``cold_share`` of the keys.
-    O(1) per operation."""
+    (insert_cold, oldest first). O(1) per operation."""
 
-    def __init__(self, cold_share: float = 0.0) -> None:
-        assert 0.0 <= cold_share < 1.0
-        self._cold_share = cold_share
+    def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()
         self._cold: dict[Hashable, None] = {}  # low-priority copies, FIFO
 
@@ -50,9 +47,7 @@ class LRUPolicy:
     def victims(self) -> Iterator[Hashable]:
         # No snapshot (O(n) per call): the manager collects victims before it
         # removes any, as the interface requires.
-        if len(self._cold) > self._cold_share * len(self):
-            return itertools.chain(self._cold, self._order)
-        return itertools.chain(self._order, self._cold)
+        return itertools.chain(self._cold, self._order)
 
     def coldest(self) -> Iterator[Hashable]:
         return self.victims()  # victims() changes nothing here either

@@ -13,8 +13,7 @@ shared prefixes and re-sent agent contexts live. Hits only bump a 2-bit
 counter, so a hit costs a dict lookup, not a list relink.
 
 Low-priority copies (``insert_cold``: a block pulled from a peer, say) wait in a
-fourth FIFO, ``cold``, ahead of all three (once it holds more than ``cold_share``
-of the keys; else behind them): they go first, oldest first, and
+fourth FIFO, ``cold``, ahead of all three: they go first, oldest first, and
 leave it by ``promote`` (into main: they were reused) or by eviction.
 
 Each queue is an insertion-ordered dict, so every primitive is O(1) and
@@ -32,12 +31,8 @@ _FREQ_MAX = 3
 class S3FIFOPolicy:
     """Coldest first by S3-FIFO. ``small_ratio`` is small's share of resident keys."""
 
-    def __init__(
-        self, small_ratio: float = 0.1, ghost_min: int = 1024, cold_share: float = 0.0
-    ) -> None:
+    def __init__(self, small_ratio: float = 0.1, ghost_min: int = 1024) -> None:
         assert 0.0 < small_ratio < 1.0
-        assert 0.0 <= cold_share < 1.0
-        self._cold_share = cold_share
         self._small_ratio = small_ratio
         self._ghost_min = ghost_min
         self._small: dict[Hashable, None] = {}
@@ -110,9 +105,7 @@ class S3FIFOPolicy:
         self._restore()
         # The cold FIFO is only read (a key the manager skips stays where it is);
         # then small/main by S3-FIFO.
-        if len(self._cold) > self._cold_share * len(self):
-            return itertools.chain(self._cold, self._walk())
-        return itertools.chain(self._walk(), self._cold)
+        return itertools.chain(self._cold, self._walk())
 
     def coldest(self) -> Iterator[Hashable]:
         """About the order the next walks would evict in, without moving anything:

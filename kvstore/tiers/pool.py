@@ -27,12 +27,9 @@ from kvstore.tiers.dram import SlabAllocator
 class SlabPool:
     """Slots, their owners and per-size eviction orders over one byte range."""
 
-    def __init__(
-        self, allocator: SlabAllocator, eviction_policy: str, *, cold_share: float = 0.0
-    ) -> None:
+    def __init__(self, allocator: SlabAllocator, eviction_policy: str) -> None:
         self.allocator = allocator
         self.eviction_policy = eviction_policy
-        self.cold_share = cold_share  # of each order, for low-priority copies (kvstore.eviction)
         # slot offset -> the block it is reserved for or holds (pending, committed,
         # or the target of a move or promotion still running)
         self.owner: dict[int, Block] = {}
@@ -73,9 +70,7 @@ class SlabPool:
     def policy(self, slot_bytes: int) -> EvictionPolicy:
         policy = self.policies.get(slot_bytes)
         if policy is None:
-            policy = self.policies[slot_bytes] = make_policy(
-                self.eviction_policy, cold_share=self.cold_share
-            )
+            policy = self.policies[slot_bytes] = make_policy(self.eviction_policy)
         return policy
 
     def committed_blocks(self) -> int:

@@ -49,19 +49,6 @@ def test_a_cold_key_inserted_again_is_a_normal_key(make) -> None:
     assert p.cold_len() == 0 and len(p) == 2 and "r" in p
 
 
-@pytest.mark.parametrize("make", POLICIES)
-def test_below_their_share_cold_keys_wait_behind_the_normal_order(make) -> None:
-    p = make(cold_share=0.25)
-    for k in range(6):
-        p.insert(k)
-    p.insert_cold("r1")
-    p.insert_cold("r2")  # 2 of 8 keys: within a quarter
-    assert next(iter(p.victims())) != "r1"
-    assert list(p.victims())[-2:] == ["r1", "r2"]
-    p.insert_cold("r3")  # 3 of 9: over it, the oldest replica goes first
-    assert list(p.victims())[:3] == ["r1", "r2", "r3"]
-
-
 def test_s3fifo_a_pinned_cold_key_stays_cold_and_resident() -> None:
     p = S3FIFOPolicy()
     for k in range(4):
