@@ -100,11 +100,11 @@ class EvictionConfig(_Section):
     copy_ttl_s: float = 300.0
     """How long "a peer holds this block too" is believed after the pull that learned
     it; past it the copy counts as a sole copy again (the staleness bound)."""
-    pulled_admission: Literal["full", "replica"] = "full"
-    """How a block pulled from a peer enters this node's DRAM: full = a normal block of
-    the eviction order; replica = a low-priority copy, first to go (ahead of the LRU /
-    S3-FIFO order), promoted to a normal block at its replica_promote_loads-th local
-    load (docs/eviction.md)."""
+    pulled_admission: Literal["full", "replica"] = "replica"
+    """How a block pulled from a peer enters this node's DRAM: replica = a low-priority
+    copy, first to go (ahead of the LRU / S3-FIFO order), promoted to a normal block at
+    its replica_promote_loads-th local load (measured better: docs/eviction.md); full =
+    a normal block of the eviction order."""
     replica_promote_loads: int = 2
     """Local loads that promote a replica to a normal block (>= 1); the pull's own
     load counts, so 2 = the first reuse by a later request."""

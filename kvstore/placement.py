@@ -97,7 +97,7 @@ class Placement:
         copy_window: int = COPY_VICTIM_WINDOW,
         copy_learn: str = "served",
         copy_order: str = "window",
-        pulled_admission: str = "full",
+        pulled_admission: str = "replica",
         replica_promote_loads: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
