@@ -666,7 +666,7 @@ class BlockManager:
     ) -> int:
         """Peer ``holder_node_id`` holds these committed blocks too (they were just
         pulled from it, or it is pulling them from here: ``served``): for copy-aware
-        eviction (kvstore.placement)."""
+        eviction and the admission of pulled copies as replicas (kvstore.placement)."""
         return self.placement.note_held_elsewhere(blocks, holder_node_id, served=served)
 
     # ---------------------------------------------------------------- stats

@@ -229,6 +229,8 @@ class Placement:
         block.replica_loads = -1
         self.dram.policy(block.namespace.slot_bytes).promote(block)
         self.counters.promoted_replicas += 1
+        if self.disk is not None and block.disk_slot < 0 and block not in self.dirty:
+            self._dirty([block])
 
     def replica_blocks(self) -> int:
         """DRAM copies resident as low-priority replicas now (O(slot sizes))."""
@@ -312,6 +314,10 @@ class Placement:
                 block.replica_loads = 0
                 self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
                 self.counters.admitted_replicas += 1
+                # Not for the demoter: a copy the source keeps is not worth a disk
+                # write (it came first in the demoter's cold-end walk, ahead of the
+                # sole copies DRAM drops next). Promoted, it is dirty again.
+                self.dirty.pop(block, None)
 
     def _serve_replicas(self, blocks: Sequence[Block], requester_node_id: str) -> None:
         """The requester will hold these as replicas, believing we keep ours: our
@@ -568,7 +574,13 @@ class Placement:
         cold = self.dram.policy(slot_bytes).cold_len()
         if self.disk is not None:
             prefer: Callable[[Block], bool] = self._clean
-            if self.copy_aware and not clean_only:
+            if clean_only and self.replicas:
+                # A replica is never demoted (_admit_replicas) and is as good a
+                # victim as a clean block (its source keeps it): also in the
+                # clean-only search, which comes first, and under
+                # disk.when_full = "reject".
+                prefer = lambda b: b.disk_slot >= 0 or b.replica_loads >= 0  # noqa: E731
+            elif self.copy_aware and not clean_only:
                 prefer = lambda b: (  # noqa: E731
                     b.disk_slot >= 0 or b.replica_loads >= 0 or b.redundant_until_s > now_s
                 )

@@ -259,3 +259,39 @@ def test_copy_order_fifo_a_local_load_or_the_ttl_makes_it_a_normal_block(make_ma
 def test_copy_order_must_be_known(make_manager):
     with pytest.raises(ConfigError, match="copy_order"):
         make_manager(order="heap")
+
+
+async def test_with_a_disk_tier_replicas_are_not_demoted_and_go_before_clean_blocks(tmp_path):
+    (tmp_path / "disk").mkdir()
+    settings = {
+        "node_id": "b",
+        "dram.capacity_bytes": "64KiB",  # 16 slots of 4 KiB
+        "dram.chunk_bytes": "64KiB",
+        "dram.path": str(tmp_path / "region"),
+        "disk.path": str(tmp_path / "disk"),
+        "disk.capacity_bytes": "1MiB",
+        "disk.slab_bytes": "64KiB",
+        "eviction.pulled_admission": "replica",
+    }
+    config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
+    region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
+    m = BlockManager(config, region, RecordingSink())
+    try:
+        ns = m.declare_namespace(make_spec(4096))
+        # No await between these calls: the demoter (a task on this loop) runs
+        # only when the test lets it, so what is dirty is what placement decided.
+        store(m, ns, list(range(12)))
+        pulled(m, ns, [50, 51, 52, 53], "a")
+        dirty = m.placement.dirty
+        assert [h for h in range(12) if ns.blocks[h] in dirty] == list(range(12))
+        assert [h for h in (50, 51, 52, 53) if ns.blocks[h] in dirty] == []
+        load(m, ns, [53])
+        load(m, ns, [53])  # promoted: a normal block, to be demoted like the others
+        assert ns.blocks[53] in dirty
+        store(m, ns, [100, 101, 102])
+        assert present(m, ns, [50, 51, 52, 53]) == [53]
+        assert present(m, ns, range(12)) == list(range(12))
+        assert m.counters.evicted_replica_blocks == 3
+    finally:
+        await m.close()
+        region.close(unlink=True)
