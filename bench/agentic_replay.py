@@ -36,6 +36,11 @@ DAEMON_COUNTERS = (
     "demoted_blocks",
     "promoted_blocks",
     "expired_leases",
+    # copies (docs/eviction.md): pulled replicas and copy-aware evictions
+    "admitted_replicas",
+    "promoted_replicas",
+    "evicted_replica_blocks",
+    "evicted_redundant_blocks",
 )
 
 

@@ -93,9 +93,22 @@ class EvictionConfig(_Section):
     """Unpinned blocks at the cold end looked at for a redundant copy before a sole copy
     goes (1..4096): larger drops redundant copies sooner, at that many checks per
     eviction."""
+    copy_order: Literal["window", "fifo"] = "window"
+    """How redundant copies are found: window = the coldest redundant one among the
+    coldest copy_window; fifo = marking moves a copy into the low-priority FIFO the
+    replicas use (first to go, O(1) per eviction whatever its recency; one local load
+    makes it a normal block again; an expired mark puts it back)."""
     copy_ttl_s: float = 300.0
     """How long "a peer holds this block too" is believed after the pull that learned
     it; past it the copy counts as a sole copy again (the staleness bound)."""
+    pulled_admission: Literal["full", "replica"] = "replica"
+    """How a block pulled from a peer enters this node's DRAM: replica = a low-priority
+    copy, first to go (ahead of the LRU / S3-FIFO order), promoted to a normal block at
+    its replica_promote_loads-th local load (measured better: docs/eviction.md); full =
+    a normal block of the eviction order."""
+    replica_promote_loads: int = 2
+    """Local loads that promote a replica to a normal block (>= 1); the pull's own
+    load counts, so 2 = the first reuse by a later request."""
 
 
 class LeaseConfig(_Section):

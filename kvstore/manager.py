@@ -147,6 +147,7 @@ class Stats:
     counters: Counters = field(default_factory=Counters)
     # Bytes and caps by tenant: configured names, the others summed (kvstore.quotas).
     tenants: list[TenantStats] = field(default_factory=list)
+    replica_blocks: int = 0  # DRAM copies resident as low-priority replicas now
 
 
 class BlockManager:
@@ -180,6 +181,9 @@ class BlockManager:
             copy_window=config.eviction.copy_window,
             copy_learn=config.eviction.copy_learn,
             quotas=QuotaTable(config.quotas),  # per-tenant caps (docs/tenants.md)
+            copy_order=config.eviction.copy_order,
+            pulled_admission=config.eviction.pulled_admission,
+            replica_promote_loads=config.eviction.replica_promote_loads,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
@@ -351,7 +355,7 @@ class BlockManager:
                 present = ns.blocks.get(h)
                 if present is not None:
                     statuses[i] = STORE_PRESENT
-                    placement.touch(present)
+                    placement.touch(present, load=False)
                     placement.pin(present)
                     held.append(present)
                     continue
@@ -678,7 +682,7 @@ class BlockManager:
     ) -> int:
         """Peer ``holder_node_id`` holds these committed blocks too (they were just
         pulled from it, or it is pulling them from here: ``served``): for copy-aware
-        eviction (kvstore.placement)."""
+        eviction and the admission of pulled copies as replicas (kvstore.placement)."""
         return self.placement.note_held_elsewhere(blocks, holder_node_id, served=served)
 
     # ---------------------------------------------------------------- stats
@@ -729,6 +733,7 @@ class BlockManager:
             active_leases=len(self.leases) + self.leases.quarantined,
             counters=dataclasses.replace(self.counters),
             tenants=placement.tenant_stats(),
+            replica_blocks=placement.replica_blocks(),
         )
 
     # --------------------------------------------------------- warm restart

@@ -131,6 +131,11 @@ class ManagerCollector(Collector):
         yield quota
         yield GaugeMetricFamily("kvstore_lease_active", "Live leases.", value=s.active_leases)
         yield GaugeMetricFamily("kvstore_namespaces", "Declared namespaces.", value=s.namespaces)
+        yield GaugeMetricFamily(
+            "kvstore_replica_blocks",
+            "Pulled copies resident in DRAM as low-priority replicas (first to go).",
+            value=s.replica_blocks,
+        )
         c = s.counters
         for name, doc, value in (
             (
@@ -154,6 +159,21 @@ class ManagerCollector(Collector):
                 "kvstore_eviction_redundant_blocks",
                 "Of the evicted blocks: copies a lower-id node was believed to hold too.",
                 c.evicted_redundant_blocks,
+            ),
+            (
+                "kvstore_eviction_replica_blocks",
+                "Of the evicted blocks: pulled copies evicted while low-priority replicas.",
+                c.evicted_replica_blocks,
+            ),
+            (
+                "kvstore_replica_admitted_blocks",
+                "Pulled copies admitted to DRAM as low-priority replicas.",
+                c.admitted_replicas,
+            ),
+            (
+                "kvstore_replica_promoted_blocks",
+                "Replicas promoted to normal blocks by local loads.",
+                c.promoted_replicas,
             ),
             ("kvstore_lease_expired", "Leases reclaimed because they expired.", c.expired_leases),
             ("kvstore_tier_demoted_blocks", "Blocks moved to a lower tier.", c.demoted_blocks),

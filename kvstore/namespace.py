@@ -261,6 +261,10 @@ class Block:
     # clock) a node with a lower id is believed to hold this block too, so this
     # copy is redundant. 0.0 = a sole copy as far as this node knows.
     redundant_until_s: float = 0.0
+    # Admission of pulled copies (eviction.pulled_admission = "replica"): >= 0 while
+    # this DRAM copy is a low-priority replica (first to go), counting its local
+    # loads until it is promoted; -1 = a full citizen of the eviction order.
+    replica_loads: int = -1
 
     @property
     def tier(self) -> Tier:

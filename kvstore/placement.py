@@ -85,6 +85,12 @@ class Counters:
     # Of evicted_blocks: copies dropped because a lower-id node was believed to hold
     # the block too (copy-aware eviction).
     evicted_redundant_blocks: int = 0
+    # Admission of pulled copies (eviction.pulled_admission = "replica"): pulled
+    # copies admitted as low-priority replicas, of them promoted to normal blocks
+    # by local loads, and evicted while still replicas.
+    admitted_replicas: int = 0
+    promoted_replicas: int = 0
+    evicted_replica_blocks: int = 0
 
 
 class Placement:
@@ -103,6 +109,9 @@ class Placement:
         copy_window: int = COPY_VICTIM_WINDOW,
         copy_learn: str = "served",
         quotas: QuotaTable | None = None,
+        copy_order: str = "window",
+        pulled_admission: str = "replica",
+        replica_promote_loads: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -124,6 +133,22 @@ class Placement:
             )
         self.learn_pulled = copy_learn in ("pulled", "both")
         self.learn_served = copy_learn in ("served", "both")
+        if copy_order not in ("window", "fifo"):
+            raise ConfigError(f"eviction.copy_order must be window or fifo, not {copy_order!r}")
+        # fifo: a redundant copy goes into the low-priority FIFO (O(1) per eviction
+        # whatever the distance from the cold end) instead of being looked for
+        # among the coldest copy_window.
+        self.copy_fifo = copy_aware and copy_order == "fifo"
+        if pulled_admission not in ("full", "replica"):
+            raise ConfigError(
+                f"eviction.pulled_admission must be full or replica, not {pulled_admission!r}"
+            )
+        if replica_promote_loads < 1:
+            raise ConfigError(
+                f"eviction.replica_promote_loads must be >= 1, not {replica_promote_loads}"
+            )
+        self.replicas = pulled_admission == "replica"
+        self.replica_promote_loads = replica_promote_loads
         self._clock = clock
         self.quota_bytes = quota_bytes  # per namespace in DRAM; 0 = none
         # Per-tenant caps and usage (docs/tenants.md): one account per tenant, by
@@ -254,14 +279,41 @@ class Placement:
         store and nothing reads or writes its bytes where they are (only holds)."""
         return block.pins == block.holds and not block.doomed
 
-    def touch(self, block: Block) -> None:
-        if block.state is BlockState.COMMITTED:
-            self.dram.policy(block.namespace.slot_bytes).touch(block)
-            account = block.namespace.account
-            order = account.order[_DRAM] if account is not None else None
-            # Resident in the tenant's order (pop finds it): back in as the hottest.
-            if order is not None and order.pop(block, 0) is None:
-                order[block] = None
+    def touch(self, block: Block, *, load: bool = True) -> None:
+        """A hit: a load (``load``) or a store that found the block present.
+
+        A replica is not moved by hits; its ``replica_promote_loads``-th local load
+        makes it a normal block (a store finding it present is the same request
+        that pulled or computed it, not a reuse)."""
+        if block.state is not BlockState.COMMITTED:
+            return
+        if block.replica_loads >= 0:
+            if load:
+                block.replica_loads += 1
+                if block.replica_loads >= self.replica_promote_loads:
+                    self._promote_replica(block)
+            return
+        self.dram.policy(block.namespace.slot_bytes).touch(block)
+        self._touch_tenant(block)
+
+    def _touch_tenant(self, block: Block) -> None:
+        account = block.namespace.account
+        order = account.order[_DRAM] if account is not None else None
+        # Resident in the tenant's order (pop finds it): back in as the hottest.
+        if order is not None and order.pop(block, 0) is None:
+            order[block] = None
+
+    def _promote_replica(self, block: Block) -> None:
+        block.replica_loads = -1
+        self.dram.policy(block.namespace.slot_bytes).promote(block)
+        self._touch_tenant(block)
+        self.counters.promoted_replicas += 1
+        if self.disk is not None and block.disk_slot < 0 and block not in self.dirty:
+            self._dirty([block])
+
+    def replica_blocks(self) -> int:
+        """DRAM copies resident as low-priority replicas now (O(slot sizes))."""
+        return sum(p.cold_len() for p in self.dram.policies.values())
 
     @staticmethod
     def set_checksum(block: Block, checksum: int) -> None:
@@ -271,12 +323,16 @@ class Placement:
     # ------------------------------------------- copies on other nodes
 
     def note_held_elsewhere(
-        self, blocks: Iterable[Block], holder_node_id: str, *, served: bool = False
+        self, blocks: Sequence[Block], holder_node_id: str, *, served: bool = False
     ) -> int:
         """Node ``holder_node_id`` holds these blocks too: we just pulled them from it,
         or (``served``) it pinned them here to pull them. With copy-aware eviction,
         and when ``copy_learn`` takes that kind of pull, each counts as a redundant
         copy here for ``copy_ttl_s``. Returns how many were marked.
+
+        With ``pulled_admission = "replica"`` the pulled blocks also enter as
+        low-priority replicas (``_admit_replicas``), and a replica served to a
+        peer that will hold its copy as a replica becomes a normal block here.
 
         The tie-break that keeps the last copy: only a holder with a *lower* node id
         makes a copy redundant. Beliefs then point from higher ids to lower ones, so
@@ -284,6 +340,11 @@ class Placement:
         redundant, however stale every node's view is: two nodes can never each drop
         their copy believing the other keeps one.
         """
+        if self.replicas:
+            if served:
+                self._serve_replicas(blocks, holder_node_id)
+            else:
+                self._admit_replicas(blocks, holder_node_id)
         if not (self.copy_aware and holder_node_id and holder_node_id < self.node_id):
             return 0
         if not (self.learn_served if served else self.learn_pulled):
@@ -294,7 +355,58 @@ class Placement:
             if block.state is BlockState.COMMITTED and not block.doomed:
                 block.redundant_until_s = until_s
                 marked += 1
+                if self.copy_fifo and block.offset >= 0:
+                    # Into the low-priority FIFO (its tail: the FIFO stays in mark
+                    # order, so the marks expire from its head); one local load
+                    # makes it a normal block again: it is wanted here.
+                    if block.replica_loads < 0:
+                        block.replica_loads = self.replica_promote_loads - 1
+                    self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
         return marked
+
+    def _expire_cold(self, slot_bytes: int, now_s: float) -> None:
+        """copy_order = fifo: copies at the head of the low-priority FIFO whose
+        belief has expired count as sole copies again (the copy_ttl_s bound): back
+        into the normal order. Marks expire in FIFO order, so a few looks suffice."""
+        policy = self.dram.policy(slot_bytes)
+        expired = [
+            b
+            for b in cast("Iterator[Block]", itertools.islice(policy.cold_keys(), 16))
+            if 0.0 < b.redundant_until_s <= now_s
+        ]
+        for block in expired:
+            block.replica_loads = -1
+            policy.promote(block)
+
+    def _replica_from(self, source_node_id: str) -> bool:
+        """Whether a copy pulled from ``source_node_id`` enters as a replica. A replica
+        is a belief ("the source keeps its copy"), so with copy-aware eviction it
+        follows the tie-break: only a lower-id source makes one (the owner then
+        never marks its copy redundant for this pull: the puller's id is higher)."""
+        return self.replicas and (not self.copy_aware or source_node_id < self.node_id)
+
+    def _admit_replicas(self, blocks: Sequence[Block], source_node_id: str) -> None:
+        if not self._replica_from(source_node_id):
+            return
+        for block in blocks:
+            if block.state is BlockState.COMMITTED and not block.doomed and block.offset >= 0:
+                block.replica_loads = 0
+                self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
+                self.counters.admitted_replicas += 1
+                # Not for the demoter: a copy the source keeps is not worth a disk
+                # write (it came first in the demoter's cold-end walk, ahead of the
+                # sole copies DRAM drops next). Promoted, it is dirty again.
+                self.dirty.pop(block, None)
+
+    def _serve_replicas(self, blocks: Sequence[Block], requester_node_id: str) -> None:
+        """The requester will hold these as replicas, believing we keep ours: our
+        replicas among them become normal blocks, so two replicas never each
+        count on the other (a pull chain A -> B -> A)."""
+        if not (self.copy_aware and requester_node_id < self.node_id):
+            # (else the requester's copy is a full one and ours may go first)
+            for block in blocks:
+                if block.replica_loads >= 0 and block.offset >= 0:
+                    self._promote_replica(block)
 
     def redundant(self, block: Block) -> bool:
         """True while a lower-id node is believed to hold this block too."""
@@ -509,6 +621,8 @@ class Placement:
             return
         if self.copy_aware and self.redundant(block):
             self.counters.evicted_redundant_blocks += 1
+        if block.replica_loads >= 0:
+            self.counters.evicted_replica_blocks += 1
         self.remove(block, emit=True)
         self.counters.evicted_blocks += 1
 
@@ -564,30 +678,47 @@ class Placement:
         # Copy-aware, a redundant copy (another node keeps the block: a pull, not
         # a recompute) is as good a victim as a clean one; a sole dirty copy
         # goes last, and only from DRAM-only nodes it is dropped rather than demoted.
+        # A replica (a pulled copy not reused yet) comes first in the order and is
+        # as good a victim as a clean or a redundant one.
         now_s = self._clock()
+        if self.copy_fifo:
+            self._expire_cold(slot_bytes, now_s)
+        # Replicas do not move on hits, so the ones a store has just pinned (the
+        # prefix it pulled) can fill the head of the order: look past all of them.
+        cold = self.dram.policy(slot_bytes).cold_len()
         if self.disk is not None:
             prefer: Callable[[Block], bool] = self._clean
-            if self.copy_aware and not clean_only:
-                prefer = lambda b: b.disk_slot >= 0 or b.redundant_until_s > now_s  # noqa: E731
+            if clean_only and self.replicas:
+                # A replica is never demoted (_admit_replicas) and is as good a
+                # victim as a clean block (its source keeps it): also in the
+                # clean-only search, which comes first, and under
+                # disk.when_full = "reject".
+                prefer = lambda b: b.disk_slot >= 0 or b.replica_loads >= 0  # noqa: E731
+            elif self.copy_aware and not clean_only:
+                prefer = lambda b: (  # noqa: E731
+                    b.disk_slot >= 0 or b.replica_loads >= 0 or b.redundant_until_s > now_s
+                )
+            elif (self.replicas or self.copy_fifo) and not clean_only:
+                prefer = lambda b: b.disk_slot >= 0 or b.replica_loads >= 0  # noqa: E731
 
             victim = self.dram.victim(
                 slot_bytes,
-                4 * CLEAN_VICTIM_WINDOW,
+                4 * CLEAN_VICTIM_WINDOW + cold,
                 only=only,
                 prefer=prefer,
                 window=CLEAN_VICTIM_WINDOW,
                 prefer_only=clean_only,
             )
-        elif self.copy_aware:
+        elif self.copy_aware and not self.copy_fifo:
             victim = self.dram.victim(
                 slot_bytes,
-                4 * self.copy_window,
+                4 * self.copy_window + cold,
                 only=only,
-                prefer=lambda b: b.redundant_until_s > now_s,
+                prefer=lambda b: b.replica_loads >= 0 or b.redundant_until_s > now_s,
                 window=self.copy_window,
             )
         else:
-            victim = self.dram.victim(slot_bytes, 4, only=only)
+            victim = self.dram.victim(slot_bytes, 4 + cold, only=only)
         if victim is None:
             return False
         self._evict(victim)
@@ -685,6 +816,7 @@ class Placement:
         ns = block.namespace
         self.dram.policy(ns.slot_bytes).remove(block)
         self._gone(block, Tier.DRAM)
+        block.replica_loads = -1  # its next DRAM copy (a promotion) is a normal one
         self._free_dram_slot(block)
         self.clean_bytes -= ns.slot_bytes
         self.counters.demoted_blocks += 1
@@ -902,6 +1034,7 @@ class Placement:
         ns = block.namespace
         self.dram.policy(ns.slot_bytes).remove(block)
         self._gone(block, Tier.DRAM)
+        block.replica_loads = -1
         self._free_dram_slot(block)
         if self.disk is not None:
             if block.disk_slot >= 0:

@@ -378,6 +378,11 @@ class StoreService(pb_grpc.StoreServiceServicer):
                 )
                 for r in s.tenants
             ],
+            replica_blocks=s.replica_blocks,
+            admitted_replicas=c.admitted_replicas,
+            promoted_replicas=c.promoted_replicas,
+            evicted_replica_blocks=c.evicted_replica_blocks,
+            evicted_redundant_blocks=c.evicted_redundant_blocks,
             peer=[
                 pb.PeerTransportStats(transport=t, **dataclasses.asdict(p))
                 for t, p in (self.peer_counters.by_transport.items() if self.peer_counters else ())

@@ -13,6 +13,14 @@ Primitives:
     victims()     keys, coldest first (the walk of an eviction: may reorder the policy)
     coldest()     keys, about coldest first, without changing anything (for a
                   reader that evicts nothing, like the disk demoter)
+
+Low-priority copies (docs/eviction.md, "Admission of pulled copies"):
+    insert_cold(key)  the block enters (or moves to) a FIFO of low-priority copies
+                      ahead of the policy's own order: first to go, oldest first;
+                      touch() does not move it (the placement decides promotion)
+    promote(key)      a low-priority copy becomes a normal block (as if just hit)
+    cold_len()        how many low-priority copies are resident
+    cold_keys()       the low-priority copies, oldest first (read only)
 """
 
 from __future__ import annotations
@@ -27,6 +35,14 @@ class EvictionPolicy(Protocol):
     def touch(self, key: Hashable) -> None: ...
 
     def remove(self, key: Hashable) -> None: ...
+
+    def insert_cold(self, key: Hashable) -> None: ...
+
+    def promote(self, key: Hashable) -> None: ...
+
+    def cold_len(self) -> int: ...
+
+    def cold_keys(self) -> Iterator[Hashable]: ...
 
     def victims(self) -> Iterator[Hashable]: ...
 

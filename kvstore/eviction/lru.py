@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 
 
 class LRUPolicy:
-    """Coldest = least recently inserted or touched. O(1) per operation."""
+    """Coldest = least recently inserted or touched, after the low-priority copies
+    (insert_cold, oldest first). O(1) per operation."""
 
     def __init__(self) -> None:
         self._order: OrderedDict[Hashable, None] = OrderedDict()
+        self._cold: dict[Hashable, None] = {}  # low-priority copies, FIFO
 
     def insert(self, key: Hashable) -> None:
+        self._cold.pop(key, None)
         self._order[key] = None
         self._order.move_to_end(key)
 
@@ -22,17 +26,34 @@ class LRUPolicy:
 
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
+        self._cold.pop(key, None)
+
+    def insert_cold(self, key: Hashable) -> None:
+        self._order.pop(key, None)
+        self._cold.pop(key, None)
+        self._cold[key] = None
+
+    def promote(self, key: Hashable) -> None:
+        if key in self._cold:
+            del self._cold[key]
+            self._order[key] = None  # the hot end: it was just hit
+
+    def cold_len(self) -> int:
+        return len(self._cold)
+
+    def cold_keys(self) -> Iterator[Hashable]:
+        return iter(self._cold)
 
     def victims(self) -> Iterator[Hashable]:
         # No snapshot (O(n) per call): the manager collects victims before it
         # removes any, as the interface requires.
-        return iter(self._order)
+        return itertools.chain(self._cold, self._order)
 
     def coldest(self) -> Iterator[Hashable]:
-        return iter(self._order)  # victims() changes nothing here either
+        return self.victims()  # victims() changes nothing here either
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._order) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._order or key in self._cold

@@ -12,12 +12,17 @@ re-sent) leaves from ``small`` without disturbing ``main``, where the long
 shared prefixes and re-sent agent contexts live. Hits only bump a 2-bit
 counter, so a hit costs a dict lookup, not a list relink.
 
+Low-priority copies (``insert_cold``: a block pulled from a peer, say) wait in a
+fourth FIFO, ``cold``, ahead of all three: they go first, oldest first, and
+leave it by ``promote`` (into main: they were reused) or by eviction.
+
 Each queue is an insertion-ordered dict, so every primitive is O(1) and
 ``victims()`` does O(1) amortised work per key it yields.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Iterator
 
 _FREQ_MAX = 3
@@ -34,6 +39,8 @@ class S3FIFOPolicy:
         self._main: dict[Hashable, None] = {}
         self._ghost: dict[Hashable, None] = {}
         self._freq: dict[Hashable, int] = {}
+        # Low-priority copies, FIFO, outside small/main/freq (docs/eviction.md).
+        self._cold: dict[Hashable, None] = {}
         # Keys a victims() walk has handed out and the manager has not removed
         # yet, with the queue they came from: they go back to its head when the
         # walk ends, so a skipped (pinned) key stays resident.
@@ -41,6 +48,7 @@ class S3FIFOPolicy:
 
     def insert(self, key: Hashable) -> None:
         self._restore()
+        self._cold.pop(key, None)
         if key in self._freq:
             self.touch(key)
             return
@@ -58,6 +66,7 @@ class S3FIFOPolicy:
 
     def remove(self, key: Hashable) -> None:
         self._restore()
+        self._cold.pop(key, None)
         if self._freq.pop(key, None) is None:
             return
         if key in self._small:
@@ -70,9 +79,33 @@ class S3FIFOPolicy:
         else:
             self._main.pop(key, None)
 
+    def insert_cold(self, key: Hashable) -> None:
+        self._restore()
+        if self._freq.pop(key, None) is not None:
+            # Out of small/main without a ghost entry: it did not leave the tier.
+            self._small.pop(key, None)
+            self._main.pop(key, None)
+        self._cold.pop(key, None)
+        self._cold[key] = None
+
+    def promote(self, key: Hashable) -> None:
+        self._restore()
+        if key in self._cold:
+            del self._cold[key]
+            self._freq[key] = 0
+            self._main[key] = None  # reused since it came: worth keeping
+
+    def cold_len(self) -> int:
+        return len(self._cold)
+
+    def cold_keys(self) -> Iterator[Hashable]:
+        return iter(self._cold)
+
     def victims(self) -> Iterator[Hashable]:
         self._restore()
-        return self._walk()
+        # The cold FIFO is only read (a key the manager skips stays where it is);
+        # then small/main by S3-FIFO.
+        return itertools.chain(self._cold, self._walk())
 
     def coldest(self) -> Iterator[Hashable]:
         """About the order the next walks would evict in, without moving anything:
@@ -80,6 +113,7 @@ class S3FIFOPolicy:
         would first move to main or give another round)."""
         self._restore()
         freq = self._freq
+        yield from self._cold
         yield from (k for k in self._small if not freq[k])
         yield from (k for k in self._main if not freq[k])
         yield from (k for k in self._small if freq[k])
@@ -126,7 +160,7 @@ class S3FIFOPolicy:
                 queue[key] = None
 
     def __len__(self) -> int:
-        return len(self._freq)
+        return len(self._freq) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._freq
+        return key in self._freq or key in self._cold

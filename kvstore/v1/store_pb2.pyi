@@ -304,7 +304,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks", "peer", "tenants")
+    __slots__ = ("node_id", "uptime_s", "tiers", "namespaces", "active_leases", "lookup_hit_blocks", "lookup_miss_blocks", "evicted_blocks", "expired_leases", "stored_blocks", "loaded_blocks", "demoted_blocks", "promoted_blocks", "peer", "tenants", "replica_blocks", "admitted_replicas", "promoted_replicas", "evicted_replica_blocks", "evicted_redundant_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,11 @@ class StatsResponse(_message.Message):
     PROMOTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PEER_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_REPLICA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_REDUNDANT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -335,7 +340,12 @@ class StatsResponse(_message.Message):
     promoted_blocks: int
     peer: _containers.RepeatedCompositeFieldContainer[PeerTransportStats]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., peer: _Optional[_Iterable[_Union[PeerTransportStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    replica_blocks: int
+    admitted_replicas: int
+    promoted_replicas: int
+    evicted_replica_blocks: int
+    evicted_redundant_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[int] = ..., active_leases: _Optional[int] = ..., lookup_hit_blocks: _Optional[int] = ..., lookup_miss_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., expired_leases: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., demoted_blocks: _Optional[int] = ..., promoted_blocks: _Optional[int] = ..., peer: _Optional[_Iterable[_Union[PeerTransportStats, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., replica_blocks: _Optional[int] = ..., admitted_replicas: _Optional[int] = ..., promoted_replicas: _Optional[int] = ..., evicted_replica_blocks: _Optional[int] = ..., evicted_redundant_blocks: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "namespaces", "tenants", "dram_bytes", "dram_quota_bytes", "disk_bytes", "disk_quota_bytes", "gpu_bytes", "gpu_quota_bytes")

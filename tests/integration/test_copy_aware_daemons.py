@@ -1,5 +1,7 @@
-"""Copy-aware eviction between two real daemons (docs/eviction.md): a pulled copy
-goes first, and under a stale view the lowest-id holder keeps the last copy.
+"""Copy-aware eviction and replica admission between two real daemons
+(docs/eviction.md): a pulled copy goes first (a replica before older local
+blocks, until a second local load promotes it), and under a stale view the
+lowest-id holder keeps the last copy.
 
 Real `kvstore serve` processes on port 0 and temp dirs, pulling over the gRPC
 stream transport (no NIXL needed); the view is made stale on purpose (the owner
@@ -32,7 +34,9 @@ def blocks_for(hashes):  # type: ignore[no-untyped-def]
 def daemon(tmp_path):  # type: ignore[no-untyped-def]
     started: list[DaemonProcess] = []
 
-    def start(name: str, *, copy_aware: bool = True, learn: str = "pulled") -> DaemonProcess:
+    def start(
+        name: str, *, copy_aware: bool = True, learn: str = "pulled", admission: str = "full"
+    ) -> DaemonProcess:
         d = DaemonProcess(
             tmp_path / name,
             name=name,
@@ -46,6 +50,7 @@ def daemon(tmp_path):  # type: ignore[no-untyped-def]
                 "eviction.copy_aware": str(copy_aware).lower(),
                 "eviction.copy_learn": learn,
                 "eviction.copy_ttl_s": "600",  # longer than the test: the view stays stale
+                "eviction.pulled_admission": admission,
             },
         )
         d.start()
@@ -103,12 +108,21 @@ PRESSURE_A, PRESSURE_B = list(range(300, 308)), list(range(400, 408))
 
 
 @pytest.mark.parametrize(
-    ("copy_aware", "learn"),
-    [(True, "pulled"), (True, "served"), (True, "both"), (False, "pulled")],
+    ("copy_aware", "learn", "admission"),
+    [
+        (True, "pulled", "full"),
+        (True, "served", "full"),
+        (True, "both", "full"),
+        (False, "pulled", "full"),
+        (True, "served", "replica"),
+        (False, "served", "replica"),
+    ],
 )
-def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(daemon, copy_aware, learn) -> None:  # type: ignore[no-untyped-def]
-    a = daemon("node-a", copy_aware=copy_aware, learn=learn)
-    b = daemon("node-b", copy_aware=copy_aware, learn=learn)
+def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(  # type: ignore[no-untyped-def]
+    daemon, copy_aware, learn, admission
+) -> None:
+    a = daemon("node-a", copy_aware=copy_aware, learn=learn, admission=admission)
+    b = daemon("node-b", copy_aware=copy_aware, learn=learn, admission=admission)
     put(a, X)
     put(b, FILL_B)
     # b learns (pulled) node-a holds X; a learns (served) node-b will: a higher id,
@@ -122,8 +136,18 @@ def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(daemon, copy_aw
     # Each node now holds X and believes the other does. Make each evict 4 blocks.
     put(a, PRESSURE_A)
     put(b, PRESSURE_B)
+    if admission == "replica" and not copy_aware:
+        # a's copy is a replica (pulled from b) and goes first; b's, served to a
+        # peer that holds a replica, was promoted: the cluster keeps X on b.
+        assert held(a, X) == []
+        assert held(a, FILL_A) == FILL_A
+        assert held(b, X) == X
+        assert held(b, FILL_B) == FILL_B[4:]
+        assert held(a, PRESSURE_A) == PRESSURE_A and held(b, PRESSURE_B) == PRESSURE_B
+        return
     # The lowest-id holder kept X (it evicted its coldest sole copies), so the
-    # cluster still has it, whatever b believed.
+    # cluster still has it, whatever b believed (with replicas too: b's copy came
+    # from a lower id, a's from a higher one, which makes no replica).
     assert held(a, X) == X
     assert held(a, FILL_A) == FILL_A[4:]
     if copy_aware:
@@ -134,3 +158,57 @@ def test_lowest_id_holder_keeps_the_last_copy_under_a_stale_view(daemon, copy_aw
         assert held(b, X) == X
         assert held(b, FILL_B) == FILL_B[4:]
     assert held(a, PRESSURE_A) == PRESSURE_A and held(b, PRESSURE_B) == PRESSURE_B
+
+
+def load(d: DaemonProcess, hashes) -> None:  # type: ignore[no-untyped-def]
+    """One local load of the blocks (what an engine does after a pull), bytes checked."""
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        got = c.get(ns, list(hashes))
+        assert got.found == len(hashes)
+        np.testing.assert_array_equal(got.data, blocks_for(hashes))
+
+
+def stats(d: DaemonProcess):  # type: ignore[no-untyped-def]
+    with Client(d.address) as c:
+        return c.stats()
+
+
+LOCAL = list(range(500, 512))  # the puller's own blocks, older than the pull
+
+
+@pytest.mark.parametrize("admission", ["replica", "full"])
+def test_a_pulled_replica_is_evicted_before_older_local_blocks(daemon, admission) -> None:  # type: ignore[no-untyped-def]
+    a = daemon("node-a", copy_aware=False, admission=admission)
+    b = daemon("node-b", copy_aware=False, admission=admission)
+    put(a, X)
+    put(b, LOCAL)
+    assert pull(b, X, a) == len(X)
+    load(b, X)  # the pulling request's own load: not a reuse
+    put(b, PRESSURE_B[:4])  # 16 slots: 4 must go
+    if admission == "replica":
+        assert stats(b).evicted_replica_blocks == 4
+        assert held(b, X) == []
+        assert held(b, LOCAL) == LOCAL
+    else:
+        assert held(b, X) == X
+        assert held(b, LOCAL) == LOCAL[4:]
+    assert held(a, X) == X  # the owner's copy: a full one either way
+
+
+def test_a_replica_loaded_again_is_promoted_and_outlives_older_blocks(daemon) -> None:  # type: ignore[no-untyped-def]
+    a = daemon("node-a", copy_aware=False, admission="replica")
+    b = daemon("node-b", copy_aware=False, admission="replica")
+    put(a, X)
+    put(b, LOCAL)
+    assert pull(b, X, a) == len(X)
+    s = stats(b)
+    assert (s.admitted_replicas, s.replica_blocks, s.promoted_replicas) == (4, 4, 0)
+    load(b, X)  # the pull's own load
+    load(b, X[:2])  # a later request reuses two of them: promoted, now the hottest
+    s = stats(b)
+    assert (s.replica_blocks, s.promoted_replicas) == (2, 2)
+    put(b, PRESSURE_B[:4])  # the 2 replicas left go first, then the 2 coldest
+    assert stats(b).evicted_replica_blocks == 2
+    assert held(b, X) == X[:2]
+    assert held(b, LOCAL) == LOCAL[2:]

@@ -37,6 +37,9 @@ def make_manager(tmp_path):
                 f"eviction.copy_ttl_s={ttl_s}",
                 f"eviction.copy_window={window}",
                 f"eviction.copy_learn={learn}",
+                # Pulled copies as normal blocks: these tests are about the beliefs
+                # (replica admission: test_replica_admission.py).
+                "eviction.pulled_admission=full",
             ],
         )
         region = Region(
@@ -164,6 +167,7 @@ async def test_with_a_disk_tier_a_redundant_copy_goes_before_a_sole_undemoted_on
         "disk.slab_bytes": "64KiB",
         "eviction.copy_aware": str(copy_aware).lower(),
         "eviction.copy_learn": "pulled",
+        "eviction.pulled_admission": "full",
     }
     config = load_config(environ={}, assignments=[f"{k}={v}" for k, v in settings.items()])
     region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
