@@ -318,7 +318,7 @@ class RouterConfig(_Section):
     strategy: Literal["random", "round-robin", "approximate", "precise-only", "cache+load"] = (
         "cache+load"
     )
-    """Routing strategy (router_client.strategies)."""
+    """Routing strategy (kvstore_router_client.strategies)."""
     decision_deadline_s: float = 0.05
     """The indexer must answer within this; past it the choice falls back to load."""
     index: Literal["indexer", "local"] = "indexer"

@@ -48,7 +48,7 @@ class Tier(enum.IntEnum):
 _MEDIUM = {Tier.GPU: MEDIUM_GPU, Tier.DRAM: MEDIUM_CPU, Tier.DISK: MEDIUM_DISK}
 # A layout may end in ";hash=<fingerprint>": what the client's block hashes are
 # seeded with (for vLLM, the hash algorithm and a one-way digest of the seed of
-# NONE_HASH, connectors.vllm.hashes). Engines whose fingerprints differ never
+# NONE_HASH, kvstore_connectors.vllm.hashes). Engines whose fingerprints differ never
 # compute one hash alike; the daemon reports such siblings at declare time.
 HASH_SEED_MARK = ";hash="
 
@@ -84,7 +84,7 @@ def layout_hash_seed(layout: str) -> str | None:
 def layout_hash_scheme(layout: str) -> HashScheme | None:
     """The hash scheme a layout records, or None where the client did not say.
 
-    The algorithm is the fingerprint's ``<algo>:`` (connectors.vllm.hashes);
+    The algorithm is the fingerprint's ``<algo>:`` (kvstore_connectors.vllm.hashes);
     a layout without ``;lookahead=`` is the legacy scheme. A malformed record
     is an ``InvalidRequest`` naming it.
     """

@@ -15,12 +15,12 @@ so renewed certificates take effect without a restart; a renewal that does not
 load is logged and the previous certificates stay in use. Connections already
 open keep the certificate they were made with.
 
-Clients (``kvstore.client.Client``, the router, ``router_client``, tools) take the
+Clients (``kvstore.client.Client``, the router, ``kvstore_router_client``, tools) take the
 same three paths from ``KVSTORE_TLS_CERT``, ``KVSTORE_TLS_KEY`` and ``KVSTORE_TLS_CA``.
 
 The client side reloads too (``ClientCredentials``): gRPC's channel credentials
 are fixed when a channel is made, so each holder of an outgoing channel (the
-client, peer pulls, the router, ``router_client``, the indexer's Snapshot
+client, peer pulls, the router, ``kvstore_router_client``, the indexer's Snapshot
 calls) asks ``ClientCredentials.current()`` when it uses one; after the files
 changed (checked at most every ``RELOAD_CHECK_S``) and load, that returns new
 credentials and a new generation, and the holder opens a new channel with

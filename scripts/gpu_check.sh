@@ -12,7 +12,7 @@
 # --budget-s N (default 420: all steps together, each with its own limit too),
 # --no-wheels (the GPU half uses what is installed: a GPU machine with network, docs/gpu.md),
 # --install (with --host: install the carried wheels first, as --gpu does),
-# --only STEPS (comma-separated step names of bench/gpu_check.py; e.g. vllm-spec: the
+# --only STEPS (comma-separated step names of kvstore_bench/gpu_check.py; e.g. vllm-spec: the
 # EAGLE/MTP engine tests, minutes, where vLLM's GPU build is installed).
 # The GPU machine: Python 3.12 with torch/cupy/CUDA 13, no network; what travels (tree +
 # wheels) must fit 64 MiB and the whole call 10 minutes. See docs/gpu.md.
@@ -79,7 +79,7 @@ gpu_half() {  # $1: gpu | host
         export PYTHONPATH="$PWD:$site"
     fi
     export NIXL_LOG_LEVEL=${NIXL_LOG_LEVEL:-WARN}
-    timeout $(( ${budget%.*} + 30 )) "$gpu_py" -m bench.gpu_check --out "$out" --budget-s "$budget" ${extra[@]+"${extra[@]}"}
+    timeout $(( ${budget%.*} + 30 )) "$gpu_py" -m kvstore_bench.gpu_check --out "$out" --budget-s "$budget" ${extra[@]+"${extra[@]}"}
 }
 
 case $mode in

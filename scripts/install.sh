@@ -60,5 +60,5 @@ pip install -q -e '.[dev,redis,deploy,bench,router]'
 # LMCache 0.5.6 in its own venv (its pins clash with vLLM's), kvstore inside it:
 # tests/integration/test_lmcache.py runs real LMCache engines there (~1-2 min).
 log "LMCache 0.5.6 in .venv-lmcache"
-PYTHON="$PYTHON" bash bench/setup_peers.sh --only lmcache
+PYTHON="$PYTHON" bash kvstore_bench/setup_peers.sh --only lmcache
 log "done"

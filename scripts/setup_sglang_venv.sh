@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv-sglang: SGLang 0.5.23's Python code on a CPU-only machine, for the
-# tests and the bench that drive connectors/sglang with SGLang's own classes
+# tests and the bench that drive kvstore_connectors/sglang with SGLang's own classes
 # (HiCacheStorage, HiCacheStorageConfig, the MHA/MLA host pools, HiCacheFile).
 #
 # Its own venv: SGLang pins torch==2.14.1 and transformers 5.19, which would

@@ -8,7 +8,7 @@ Reads two pure-Python files (from a wheel, or a directory holding ``vllm/``) wit
 of ``KVConnectorBase_V1`` (kind, parameters, abstract), the attributes its
 ``__init__`` sets on ``self``, and the fields of the KV event structs, and
 writes them as JSON. tests/unit/test_vllm_interface.py checks the connector
-(connectors.vllm.compat) and kvstore's event structs against such a file.
+(kvstore_connectors.vllm.compat) and kvstore's event structs against such a file.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import KVStoreError
 from kvstore.tls import env_client_credentials
-from router_client.policy import NodeLoad
+from kvstore_router_client.policy import NodeLoad
 
 log = logging.getLogger("kvstore.router")
 

@@ -51,8 +51,8 @@ from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.service import Indexer, spec_from_pb
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.tls import TlsFiles
-from router_client.policy import NodeHit, RankHit, ScoreResult
-from router_client.scorer import AsyncIndexClient
+from kvstore_router_client.policy import NodeHit, RankHit, ScoreResult
+from kvstore_router_client.scorer import AsyncIndexClient
 
 log = logging.getLogger("kvstore.router")
 

@@ -8,10 +8,10 @@ Each completion request:
   2. token ids: a prompt of token ids is used as is; text and chat messages go
      to one engine's own ``/tokenize`` (the chat template applied exactly as
      that engine applies it);
-  3. block hashes, incrementally (``router_client.PrefixHashCache``: a re-sent
+  3. block hashes, incrementally (``kvstore_router_client.PrefixHashCache``: a re-sent
      context hashes only its new tail), with the request's ``cache_salt``;
   4. the indexer's Score within ``decision_deadline_s`` (late or failing: the
-     choice falls back to load), then ``router_client``'s strategy;
+     choice falls back to load), then ``kvstore_router_client``'s strategy;
   5. forwarded byte for byte; a streamed answer (SSE) is passed through chunk by
      chunk as the engine writes it. An engine that refuses the connection is
      marked down and the next candidate is tried; one that dies mid-stream ends
@@ -48,10 +48,10 @@ from kvstore.router.local_index import LocalIndex
 from kvstore.router.metrics import RouterMetrics
 from kvstore.router.prompt_cache import PromptBytesCache
 from kvstore.sdnotify import SdNotifier
-from router_client.policy import Decision, Policy, ScoreResult
-from router_client.prefix_cache import Hashed, PrefixHashCache
-from router_client.scorer import AsyncIndexClient
-from router_client.strategies import make_strategy
+from kvstore_router_client.policy import Decision, Policy, ScoreResult
+from kvstore_router_client.prefix_cache import Hashed, PrefixHashCache
+from kvstore_router_client.scorer import AsyncIndexClient
+from kvstore_router_client.strategies import make_strategy
 
 log = logging.getLogger("kvstore.router")
 

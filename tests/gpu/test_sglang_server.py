@@ -3,7 +3,7 @@
 Skipped without CUDA. The SGLang environment is ``$KVSTORE_SGLANG_GPU_PYTHON``
 (an interpreter with ``pip install sglang==0.5.23`` and its CUDA kernels), else
 .venv-sglang. A tiny random Llama (tests/integration/vllm_model.py) is served
-with ``--hicache-storage-backend dynamic`` pointing at connectors.sglang; the
+with ``--hicache-storage-backend dynamic`` pointing at kvstore_connectors.sglang; the
 same prompt is sent, the GPU and host caches flushed, and sent again: the
 second answer must be the same, its prefix loaded from kvstore (the daemon's
 loaded_blocks grows) and the pages stored must appear in the daemon's events.
@@ -73,7 +73,7 @@ def test_sglang_server_serves_a_flushed_prefix_from_kvstore(daemon_factory, tmp_
     port = free_port()
     extra = {
         "backend_name": "kvstore",
-        "module_path": "connectors.sglang.backend",
+        "module_path": "kvstore_connectors.sglang.backend",
         "class_name": "KVStoreHiCacheStorage",
         "interface_v1": 1,
         "kvstore_address": daemon.address,

@@ -25,8 +25,8 @@ def _layers(device, seed=0):
 
 
 def test_cuda_save_and_load_match_the_cpu_path_byte_for_byte():
-    from connectors.vllm.copier import BlockCopier, PagedKV
-    from connectors.vllm.cuda import CudaBlockCopier
+    from kvstore_connectors.vllm.copier import BlockCopier, PagedKV
+    from kvstore_connectors.vllm.cuda import CudaBlockCopier
 
     gpu_layers = _layers("cuda")
     cpu_layers = [(n, t.cpu()) for n, t in gpu_layers]
@@ -62,8 +62,8 @@ def test_cuda_save_and_load_match_the_cpu_path_byte_for_byte():
 def test_gpu_tier_copier_is_device_to_device_and_matches_the_cpu_path():
     """tier="gpu": BlockCopier between a CUDA cache and a pool on the same device
     gives the same bytes as the CPU path; a pool on another device is refused."""
-    from connectors.vllm.copier import BlockCopier, PagedKV
     from kvstore.errors import InvalidRequest
+    from kvstore_connectors.vllm.copier import BlockCopier, PagedKV
 
     gpu_layers = _layers("cuda", seed=1)
     cpu_layers = [(n, t.cpu()) for n, t in gpu_layers]

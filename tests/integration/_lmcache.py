@@ -21,14 +21,14 @@ REPLY_TIMEOUT_S = 120.0  # the first call imports torch and builds the engine
 
 
 def lmcache_python() -> str:
-    """$KVSTORE_LMCACHE_PYTHON, else .venv-lmcache (bench/setup_peers.sh --only lmcache)."""
+    """$KVSTORE_LMCACHE_PYTHON, else .venv-lmcache (kvstore_bench/setup_peers.sh --only lmcache)."""
     for cand in (
         os.environ.get("KVSTORE_LMCACHE_PYTHON", ""),
         os.path.join(ROOT, ".venv-lmcache", "bin", "python"),
     ):
         if cand and os.path.exists(cand):
             return cand
-    pytest.skip("no LMCache venv: run `bash bench/setup_peers.sh --only lmcache`")
+    pytest.skip("no LMCache venv: run `bash kvstore_bench/setup_peers.sh --only lmcache`")
 
 
 def _env() -> dict[str, str]:
@@ -116,7 +116,7 @@ class LMCacheEngineProc(DriverProc):
 
 class LMCacheMPServer:
     """`lmcache server` (engine-driven shared-memory transfer, LRU L1) with kvstore
-    as its L2 (connectors.lmcache.l2), on free ports."""
+    as its L2 (kvstore_connectors.lmcache.l2), on free ports."""
 
     def __init__(self, daemon_address: str, workdir: str, *, l1_size_gb: float) -> None:
         from tests.integration._redis import free_port
@@ -125,7 +125,7 @@ class LMCacheMPServer:
         self.http_url = f"http://127.0.0.1:{http}"
         l2 = {
             "type": "plugin",
-            "module_path": "connectors.lmcache.l2",
+            "module_path": "kvstore_connectors.lmcache.l2",
             "class_name": "KVStoreL2Adapter",
             "adapter_params": {"address": daemon_address},
         }

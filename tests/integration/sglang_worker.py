@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 BACKEND = {
     "backend_name": "kvstore",
-    "module_path": "connectors.sglang.backend",
+    "module_path": "kvstore_connectors.sglang.backend",
     "class_name": "KVStoreHiCacheStorage",
     "interface_v1": 1,
 }
@@ -52,7 +52,7 @@ class WarningCount(logging.Handler):
 
 
 WARNINGS = WarningCount()
-logging.getLogger("connectors").addHandler(WARNINGS)
+logging.getLogger("kvstore_connectors").addHandler(WARNINGS)
 
 
 def make_pool(

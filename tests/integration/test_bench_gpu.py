@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 def test_bench_gpu_quick_prints_every_figure():
     before = set(glob.glob("/dev/shm/kvstore-bench-gpu-*"))
     out = subprocess.run(
-        [sys.executable, "-m", "bench", "gpu", "--quick"],
+        [sys.executable, "-m", "kvstore_bench", "gpu", "--quick"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -19,7 +19,7 @@ def test_compare_quick_lmcache_local_vs_lmcache_with_kvstore(tmp_path: Path) -> 
     results = tmp_path / "results"
     proc = subprocess.run(
         [
-            sys.executable, "-m", "bench.cli", "compare",
+            sys.executable, "-m", "kvstore_bench.cli", "compare",
             "--systems", "lmcache-local,lmcache-kvstore",
             "--block-sizes", "65536", "--total-bytes", str(8 << 20),
             "--repeats", "2", "--latency-ops", "3", "--results", str(results),

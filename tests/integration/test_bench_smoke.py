@@ -21,7 +21,7 @@ HAVE_NIXL = (
 
 def _bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bench", *args],
+        [sys.executable, "-m", "kvstore_bench", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -226,7 +226,17 @@ def test_sigterm_stops_the_bench_and_everything_it_started(tmp_path: Path) -> No
     key, value = mark.split("=")
     before = set(Path("/dev/shm").glob("kvsbench-*"))
     bench = subprocess.Popen(
-        [sys.executable, "-m", "bench", "agentic", "--quick", "--agents", "40", "--nodes", "2"]
+        [
+            sys.executable,
+            "-m",
+            "kvstore_bench",
+            "agentic",
+            "--quick",
+            "--agents",
+            "40",
+            "--nodes",
+            "2",
+        ]
         + ["--results", str(tmp_path / "results")],
         cwd=ROOT,
         env={**os.environ, key: value},

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from connectors.vllm.namespace import EngineLayout
-from connectors.vllm.session import DaemonSession
 from kvstore.client import Client
+from kvstore_connectors.vllm.namespace import EngineLayout
+from kvstore_connectors.vllm.session import DaemonSession
 
 LAYOUT = dict(
     model="tiny",

@@ -317,7 +317,7 @@ def test_the_indexer_refuses_register_node_from_a_router():
 
 
 def test_router_client_presents_its_token():
-    from router_client import RouterClient
+    from kvstore_router_client import RouterClient
 
     router = secrets.token_hex(16)
     ix = indexer_with({"router-1": {"token_sha256": hash_token(router), "roles": ["router"]}})
@@ -344,8 +344,8 @@ def test_token_files_must_be_private(tmp_path):
 
 
 def test_the_vllm_connector_session_presents_its_token(daemon, stored, tmp_path):
-    from connectors.vllm.config import ConnectorConfig
-    from connectors.vllm.session import DaemonSession
+    from kvstore_connectors.vllm.config import ConnectorConfig
+    from kvstore_connectors.vllm.session import DaemonSession
 
     f = tmp_path / "alice.token"
     f.write_text(ALICE + "\n")

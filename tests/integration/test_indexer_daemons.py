@@ -17,7 +17,7 @@ from kvstore.indexer.backend import NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
-from router_client import RouterClient
+from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
 from tests.integration._redis import free_port
 from tests.vllm_python import vllm_python

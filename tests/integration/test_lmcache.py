@@ -1,7 +1,7 @@
 """kvstore as LMCache's remote backend, with real LMCache 0.5.6 engines on CPU.
 
 Each engine is tests/lmcache/driver.py in .venv-lmcache (LMCache's pins clash
-with vLLM's), loading connectors.lmcache.remote through LMCache's own plugin
+with vLLM's), loading kvstore_connectors.lmcache.remote through LMCache's own plugin
 mechanism; the daemon is a real one on a temp Unix socket, started here.
 40 tokens = two full 16-token chunks and one partial chunk of 8.
 """

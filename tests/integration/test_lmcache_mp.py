@@ -1,5 +1,5 @@
 """kvstore as the L2 of LMCache's multiprocess server: a real `lmcache server`
-(CPU, LRU L1 of 20 MiB) loads connectors.lmcache.l2 through its plugin L2
+(CPU, LRU L1 of 20 MiB) loads kvstore_connectors.lmcache.l2 through its plugin L2
 adapter; its client is the engine-driven shared-memory path a vLLM worker
 takes (tests/lmcache/mp_driver.py), all in .venv-lmcache."""
 
@@ -15,7 +15,7 @@ from tests.integration._lmcache import DriverProc, LMCacheMPServer
 pytestmark = pytest.mark.timeout(600)
 
 BLOCK_BYTES = 64 * 1024  # one LMCache chunk (256 tokens) of the client's layout
-MODEL = f"kvstore-bench/compare-{BLOCK_BYTES}"  # the model bench.compare_lmcache registers
+MODEL = f"kvstore-bench/compare-{BLOCK_BYTES}"  # the model kvstore_bench.compare_lmcache registers
 STORE_RETRY_S = 30.0
 
 

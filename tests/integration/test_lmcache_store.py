@@ -1,4 +1,4 @@
-"""connectors.lmcache's daemon link (store, blocks, keys) against a real daemon, in
+"""kvstore_connectors.lmcache's daemon link (store, blocks, keys) against a real daemon, in
 the main venv: no LMCache needed (the LMCache side: test_lmcache.py)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import logging
 import numpy as np
 import pytest
 
-from connectors.lmcache.blocks import PREFIX_BYTES, read_block, slot_bytes, write_block
-from connectors.lmcache.keys import ChunkLayout, block_hash, tenant_of
-from connectors.lmcache.store import Chunk, ChunkStore, PutReport
 from kvstore import errors
 from kvstore.client import Client
 from kvstore.namespace import MAX_NAME_CHARS
+from kvstore_connectors.lmcache.blocks import PREFIX_BYTES, read_block, slot_bytes, write_block
+from kvstore_connectors.lmcache.keys import ChunkLayout, block_hash, tenant_of
+from kvstore_connectors.lmcache.store import Chunk, ChunkStore, PutReport
 
 META = 28  # LMCache's RemoteMetadata for one group
 FULL = 2048

@@ -1,4 +1,4 @@
-"""router_client against a real indexer (and against no indexer at all)."""
+"""kvstore_router_client against a real indexer (and against no indexer at all)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kvstore.events.publisher import ZmqEventPublisher
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
-from router_client import NodeHit, Policy, RouterClient, ScoreResult, choose
+from kvstore_router_client import NodeHit, Policy, RouterClient, ScoreResult, choose
 
 
 class NS:

@@ -520,7 +520,7 @@ def test_a_prefill_decode_split_asks_the_indexer_once_per_request(tmp_path):
 def test_the_router_pins_a_dp_engine_to_the_rank_its_score_chose(tmp_path):
     """An engine serving several DP ranks (one ``engine`` label per rank on its
     /metrics) gets ``X-data-parallel-rank`` with the rank whose GPU cache holds the
-    prompt (router_client's ``Decision.rank``), even as the only backend; on a
+    prompt (kvstore_router_client's ``Decision.rank``), even as the only backend; on a
     prefill/decode split the prefill and the decode each get their own engine's
     rank. A decision without a rank (nothing cached, or an engine without ranks)
     sends no header. (vLLM itself takes the header: test_vllm_dp.py.) The blocks

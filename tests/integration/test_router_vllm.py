@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench import router_bench as rb
 from kvstore.hashing import BlockHasher
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
-from router_client.prefix_cache import PrefixHashCache
+from kvstore_bench import router_bench as rb
+from kvstore_router_client.prefix_cache import PrefixHashCache
 from tests.integration import vllm_model as vm
 
 pytestmark = [

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from connectors.sglang.keys import key_to_block_hash, page_hashes
+from kvstore_connectors.sglang.keys import key_to_block_hash, page_hashes
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = ROOT / ".venv-sglang" / "bin" / "python"
@@ -137,7 +137,7 @@ def test_pages_round_trip_bit_exact_between_two_engines(daemon, worker, mla, lay
 
 def test_keys_are_sglangs_own_page_hashes(daemon, worker):
     """SGLang's native page hashing (compiled at first use) names pages as
-    connectors.sglang.keys does; a chain resumed from a prior hash continues it."""
+    kvstore_connectors.sglang.keys does; a chain resumed from a prior hash continues it."""
     tokens = [(i * 7919) % 50_000 for i in range(6 * PS + 3)]
     theirs = worker.call("sglang_keys", tokens=tokens, page_size=PS)
     assert theirs == page_hashes(tokens, None, PS)
@@ -448,7 +448,15 @@ def test_bad_extra_config_is_refused_clearly(daemon, worker):
 
 def test_bench_quick_compares_kvstore_with_sglangs_file_backend(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "bench.cli", "sglang", "--quick", "--results", str(tmp_path)],
+        [
+            sys.executable,
+            "-m",
+            "kvstore_bench.cli",
+            "sglang",
+            "--quick",
+            "--results",
+            str(tmp_path),
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -39,7 +39,7 @@ CHEAP = (
 def test_soak_quick_serves_no_wrong_byte_and_leaks_nothing(tmp_path: Path) -> None:
     results = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "soak", "--quick", "--results", str(results)],
+        [sys.executable, "-m", "kvstore_bench", "soak", "--quick", "--results", str(results)],
         cwd=ROOT,
         capture_output=True,
         text=True,

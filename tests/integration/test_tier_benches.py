@@ -9,7 +9,10 @@ import sys
 
 def bench(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "kvstore_bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
 
 

@@ -32,7 +32,7 @@ from kvstore.process import DaemonProcess
 from kvstore.router.backends import Fleet
 from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
-from router_client import RouterClient
+from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
 from tests.integration._redis import free_port
 

@@ -19,13 +19,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from connectors.vllm.config import ConnectorConfig  # noqa: E402
-from connectors.vllm.namespace import EngineLayout  # noqa: E402
-from connectors.vllm.scheduler import NewRequest, RunningRequest, SchedulerSide  # noqa: E402
-from connectors.vllm.session import DaemonSession  # noqa: E402
-from connectors.vllm.worker import WorkerSide  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 from kvstore.hashing import BlockHasher, to_int_hashes  # noqa: E402
+from kvstore_connectors.vllm.config import ConnectorConfig  # noqa: E402
+from kvstore_connectors.vllm.namespace import EngineLayout  # noqa: E402
+from kvstore_connectors.vllm.scheduler import NewRequest, RunningRequest, SchedulerSide  # noqa: E402
+from kvstore_connectors.vllm.session import DaemonSession  # noqa: E402
+from kvstore_connectors.vllm.worker import WorkerSide  # noqa: E402
 
 BS = 16
 LAYERS, HEADS, HEAD_DIM = 2, 2, 32
@@ -318,7 +318,7 @@ def test_daemon_death_costs_one_warning_and_recovers(daemon_factory, caplog):
     assert b.scheduler.hit_tokens(req, 0) == 4 * BS
     b.scheduler.after_alloc(req, [5, 6, 7, 8, 9], 4 * BS)
     daemon.kill()
-    caplog.set_level(logging.WARNING, logger="connectors.vllm")
+    caplog.set_level(logging.WARNING, logger="kvstore_connectors.vllm")
     t0 = time.monotonic()
     plan = b.scheduler.build_plan([NewRequest("r", [5, 6, 7, 8, 9], 4 * BS)], [], {"r": 1})
     b.worker.start_step(plan)

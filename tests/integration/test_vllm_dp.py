@@ -4,7 +4,7 @@ The ranks share the node's daemon (one namespace: a block stored by one rank
 is valid for every rank) and each has its own GPU cache and KV-event stream,
 listed by ``GET /kv_event_sources``. The indexer (in-memory and Redis) follows
 both rank streams and the daemon's, and scores the GPU tier per rank and DRAM
-per node; ``router_client`` then picks the node and the rank. Requests are
+per node; ``kvstore_router_client`` then picks the node and the rank. Requests are
 pinned to a rank with vLLM's ``X-data-parallel-rank`` header, which `kvstore
 router` sends with the rank it chose (on one engine and on a prefill/decode
 split); where a request landed is read from the server's per-rank ``engine``
@@ -35,7 +35,7 @@ from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.indexer.vllm_sources import VllmServer, engine_sources, fetch_kv_event_sources
-from router_client import RouterClient
+from kvstore_router_client import RouterClient
 from tests.integration import vllm_model as vm
 from tests.integration._redis import RedisProcess
 from tests.integration.test_router_vllm import start_router, stop
@@ -277,7 +277,7 @@ def test_dp_ranks_gpu_per_rank_dram_per_node(tmp_path: Path) -> None:
             assert (b.rank, b.gpu_blocks) == (1, 2)
             assert ix.index.nodes() == ["node-a"]
 
-        # router_client, over the indexer's gRPC: the node and the rank
+        # kvstore_router_client, over the indexer's gRPC: the node and the rank
         server, port = serve(indexers[1], "127.0.0.1:0")
         with RouterClient(f"127.0.0.1:{port}", block_size_tokens=BS, deadline_s=10.0) as rc:
             d = rc.pick("tiny", shared, ["node-a"], default="node-a")

@@ -399,11 +399,11 @@ def test_peer_hint_from_sampling_params_reaches_the_scheduler(peer_daemons):
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
-    from connectors.vllm.config import ConnectorConfig
-    from connectors.vllm.namespace import EngineLayout
-    from connectors.vllm.scheduler import SchedulerSide
-    from connectors.vllm.session import DaemonSession
     from kvstore.hashing import BlockHasher, to_int_hashes
+    from kvstore_connectors.vllm.config import ConnectorConfig
+    from kvstore_connectors.vllm.namespace import EngineLayout
+    from kvstore_connectors.vllm.scheduler import SchedulerSide
+    from kvstore_connectors.vllm.session import DaemonSession
 
     a, b = peer_daemons
     layout = EngineLayout(

@@ -124,7 +124,7 @@ def kv_transfer_config(address: str, **extra: Any) -> dict[str, Any]:
     """The --kv-transfer-config for the kvstore connector (see docs/vllm.md)."""
     return {
         "kv_connector": "KVStoreConnector",
-        "kv_connector_module_path": "connectors.vllm",
+        "kv_connector_module_path": "kvstore_connectors.vllm",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"address": address, **extra},

@@ -34,8 +34,8 @@ from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from bench.compare_lmcache import gpu_connector_class, wait_remote_puts
-from connectors.lmcache.keys import block_hash
+from kvstore_bench.compare_lmcache import gpu_connector_class, wait_remote_puts
+from kvstore_connectors.lmcache.keys import block_hash
 
 CHUNK = 16
 LAYERS, HEADS, HEAD_DIM = 2, 2, 8
@@ -64,7 +64,7 @@ def build(
         save_unfull_chunk=True,
         remote_storage_plugins=["kvstore"],
         extra_config={
-            "remote_storage_plugin.kvstore.module_path": "connectors.lmcache.remote",
+            "remote_storage_plugin.kvstore.module_path": "kvstore_connectors.lmcache.remote",
             "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
             "remote_storage_plugin.kvstore.address": address,
             "remote_storage_plugin.kvstore.timeout_s": 2.0,

@@ -1,4 +1,4 @@
-"""A client of LMCache's MP server (bench.compare_lmcache.LMCacheMPSystem: the
+"""A client of LMCache's MP server (kvstore_bench.compare_lmcache.LMCacheMPSystem: the
 engine-driven shared-memory path a vLLM worker takes); runs in .venv-lmcache.
 
     python -m tests.lmcache.mp_driver URL BLOCK_BYTES
@@ -19,7 +19,7 @@ import traceback
 
 import numpy as np
 
-from bench.compare_lmcache import LMCacheMPSystem
+from kvstore_bench.compare_lmcache import LMCacheMPSystem
 
 
 def blocks_of(name: str, n: int, block_bytes: int) -> np.ndarray:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.agentic_diagnosis import Diagnosis, Tally
-from bench.agentic_engine import GpuCacheModel
-from bench.agentic_replay import block_payload, verify
-from bench.agentic_routing import EventIndex, index_scores
-from router_client import NodeLoad, make_strategy
+from kvstore_bench.agentic_diagnosis import Diagnosis, Tally
+from kvstore_bench.agentic_engine import GpuCacheModel
+from kvstore_bench.agentic_replay import block_payload, verify
+from kvstore_bench.agentic_routing import EventIndex, index_scores
+from kvstore_router_client import NodeLoad, make_strategy
 
 
 def test_gpu_cache_events_reach_the_index_and_precise_router(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.costmodel import CostModel
+from kvstore_bench.costmodel import CostModel
 
 
 def test_defaults_derive_documented_figures() -> None:

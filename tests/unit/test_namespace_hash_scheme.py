@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.namespace import EngineLayout
 from kvstore.errors import InvalidRequest
 from kvstore.hashing import HashScheme
 from kvstore.namespace import (
@@ -14,6 +13,7 @@ from kvstore.namespace import (
     layout_hash_seed,
     layout_with_hash_seed,
 )
+from kvstore_connectors.vllm.namespace import EngineLayout
 
 LAYOUT = dict(
     model="m",

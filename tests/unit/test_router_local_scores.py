@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvstore.indexer.backend import NodeScore, RankScore
 from kvstore.router.local_index import score_result
 from kvstore.v1 import indexer_pb2
-from router_client import scorer
+from kvstore_router_client import scorer
 
 
 def _pb(s: NodeScore) -> indexer_pb2.NodeScore:

@@ -1,4 +1,4 @@
-"""router_client's policy (cache by tier against load, affinity, bursts), its
+"""kvstore_router_client's policy (cache by tier against load, affinity, bursts), its
 strategies, and incremental hashing of re-sent contexts against full hashing."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.hashing import BlockHasher
-from router_client import (
+from kvstore_router_client import (
     NodeHit,
     NodeLoad,
     Policy,
@@ -17,8 +17,8 @@ from router_client import (
     choose,
     make_strategy,
 )
-from router_client.prefix_cache import MAX_CHAINS_PER_KEY
-from router_client.strategies import llmd_pick
+from kvstore_router_client.prefix_cache import MAX_CHAINS_PER_KEY
+from kvstore_router_client.strategies import llmd_pick
 
 NODES = ["a", "b", "c"]
 
@@ -201,7 +201,7 @@ def test_engine_metrics_are_read_as_vllm_writes_them():
 
 
 def test_the_node_comes_with_the_rank_that_saves_most() -> None:
-    from router_client import RankHit
+    from kvstore_router_client import RankHit
 
     # rank 0: 2 GPU + 2 DRAM; rank 1: 4 DRAM (the node's); rank 2: 3 GPU + 1 DRAM
     ranks = (

@@ -1,4 +1,4 @@
-"""connectors.sglang without SGLang: page runs, zero-copy copies, keys, namespaces."""
+"""kvstore_connectors.sglang without SGLang: page runs, zero-copy copies, keys, namespaces."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from connectors.sglang.identity import namespace_spec  # noqa: E402
-from connectors.sglang.keys import key_to_block_hash, page_hashes  # noqa: E402
-from connectors.sglang.pages import PageLayout, pages_to_region, region_to_pages  # noqa: E402
+from kvstore_connectors.sglang.identity import namespace_spec  # noqa: E402
+from kvstore_connectors.sglang.keys import key_to_block_hash, page_hashes  # noqa: E402
+from kvstore_connectors.sglang.pages import PageLayout, pages_to_region, region_to_pages  # noqa: E402
 
 # The page views SGLang's host pools hand out (get_data_page(i, flat=False)).
 VIEWS = {

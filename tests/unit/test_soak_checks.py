@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench import chaos as C
-from bench import soak
-from bench import soak_client as SC
+from kvstore_bench import chaos as C
+from kvstore_bench import soak
+from kvstore_bench import soak_client as SC
 
 
 def test_payload_is_a_function_of_the_hash_and_catches_any_wrong_byte() -> None:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from bench import trace as T
 from kvstore.errors import InvalidRequest
+from kvstore_bench import trace as T
 
 
 def _small(**kw: int) -> T.TraceParams:

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from connectors.vllm.copier import BlockCopier, PagedKV  # noqa: E402
 from kvstore.errors import ConfigError, InvalidRequest  # noqa: E402
+from kvstore_connectors.vllm.copier import BlockCopier, PagedKV  # noqa: E402
 
 NUM_BLOCKS = 12
 
@@ -126,7 +126,7 @@ def test_save_is_deferred_to_finish_save():
 
 
 def test_cuda_copier_refuses_cpu_caches():
-    from connectors.vllm.cuda import CudaBlockCopier
+    from kvstore_connectors.vllm.cuda import CudaBlockCopier
 
     with pytest.raises(ConfigError, match="CUDA caches"):
         CudaBlockCopier(PagedKV.from_layers(_cpu_layers(n_layers=1), NUM_BLOCKS))

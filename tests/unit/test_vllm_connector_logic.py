@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from connectors.vllm.config import DEFAULT_ADDRESS, ConnectorConfig
-from connectors.vllm.hashes import RequestHashes, block_hash_stride
-from connectors.vllm.namespace import EngineLayout, dtype_name
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHasher, to_int_hash
+from kvstore_connectors.vllm.config import DEFAULT_ADDRESS, ConnectorConfig
+from kvstore_connectors.vllm.hashes import RequestHashes, block_hash_stride
+from kvstore_connectors.vllm.namespace import EngineLayout, dtype_name
 
 
 def test_config_defaults_and_overrides(monkeypatch):
@@ -112,7 +112,7 @@ def test_namespaces_separate_tenants_ranks_and_layouts():
 
 
 def test_chain_order_splits_chains_and_puts_parents_first():
-    from connectors.vllm.worker import chain_order
+    from kvstore_connectors.vllm.worker import chain_order
 
     u = lambda *xs: np.array(xs, dtype=np.uint64)  # noqa: E731
     # A step's kept blocks: request A's blocks 2-3 (parent 11), then B's blocks

@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connectors.vllm.config import ConnectorConfig
-from connectors.vllm.namespace import EngineLayout
-from connectors.vllm.peer import PeerTarget, peer_hint
-from connectors.vllm.scheduler import SchedulerSide
-from connectors.vllm.session import DaemonSession
 from kvstore.client import Client
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHasher, to_int_hashes
+from kvstore_connectors.vllm.config import ConnectorConfig
+from kvstore_connectors.vllm.namespace import EngineLayout
+from kvstore_connectors.vllm.peer import PeerTarget, peer_hint
+from kvstore_connectors.vllm.scheduler import SchedulerSide
+from kvstore_connectors.vllm.session import DaemonSession
 
 BS = 16
 SECRET = "peer-hint-secret"
@@ -133,7 +133,7 @@ def test_request_hint_wins_over_the_default_and_ports_mean_addresses():
     ],
 )
 def test_malformed_hints_fall_back_to_the_default_with_a_warning(params, message, caplog):
-    with caplog.at_level(logging.WARNING, logger="connectors.vllm.peer"):
+    with caplog.at_level(logging.WARNING, logger="kvstore_connectors.vllm.peer"):
         assert peer_hint(params, "") is None
         assert peer_hint(params, "node-z") == PeerTarget(node_id="node-z")
     assert message in caplog.text
@@ -196,7 +196,7 @@ def test_unreachable_or_unknown_peer_means_no_extra_hit_and_keeps_the_daemon(
     dead = _dead_address()
     req = Req("r1", _tokens(3, 4 * BS + 2), {"kvstore_peer": dead})
     _put(b.address, req.int_hashes()[:1])
-    with caplog.at_level(logging.WARNING, logger="connectors.vllm.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="kvstore_connectors.vllm.scheduler"):
         assert sched.hit_tokens(req, 0) == BS  # the local block, nothing more
         # Within the retry wait the dead peer is not asked again.
         assert sched.hit_tokens(Req("r2", req.all_token_ids, {"kvstore_peer": dead}), 0) == BS

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from connectors.vllm.hashes import hash_seed_fingerprint
-from connectors.vllm.namespace import EngineLayout
 from kvstore.namespace import layout_hash_seed, layout_with_hash_seed
+from kvstore_connectors.vllm.hashes import hash_seed_fingerprint
+from kvstore_connectors.vllm.namespace import EngineLayout
 
 DEFAULT_SEED = "vllm-none-hash"
 
@@ -49,7 +49,7 @@ def test_the_seed_separates_namespaces_and_is_readable_from_the_layout() -> None
 
 def test_stats_are_per_step_increases_that_aggregate_and_reduce() -> None:
     pytest.importorskip("vllm")
-    from connectors.vllm.stats import COUNTER_NAMES, Deltas, KVStoreConnectorStats
+    from kvstore_connectors.vllm.stats import COUNTER_NAMES, Deltas, KVStoreConnectorStats
 
     d = Deltas()
     first = d.take({"scheduler_hit_blocks": 6, "scheduler_lookups": 1, "scheduler_time_ns": 0})

@@ -1,4 +1,4 @@
-"""The connector's vLLM interface check (connectors.vllm.compat), against vLLM 0.33.0's
+"""The connector's vLLM interface check (kvstore_connectors.vllm.compat), against vLLM 0.33.0's
 source and the installed 0.32.0.
 
 tests/fixtures/vllm/0.33.0.json was written by ``scripts/vllm_interface_fixture.py``
@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from connectors.vllm import compat
 from kvstore.errors import ConfigError
 from kvstore.events import wire
+from kvstore_connectors.vllm import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "vllm" / "0.33.0.json"
@@ -114,7 +114,7 @@ def test_a_changed_interface_fails_naming_what_is_missing():
 
 def test_an_untested_matching_version_warns_once_naming_the_tested_ones(caplog):
     base = _fixture()["KVConnectorBase_V1"]
-    with caplog.at_level(logging.WARNING, logger="connectors.vllm.compat"):
+    with caplog.at_level(logging.WARNING, logger="kvstore_connectors.vllm.compat"):
         compat.check_vllm(base, "0.34.1", IMPLEMENTED)
         compat.check_vllm(base, "0.34.1", IMPLEMENTED)
         compat.check_vllm(base, "0.32.0", IMPLEMENTED)
@@ -161,7 +161,7 @@ def test_extractor_agrees_with_the_live_032_class():
 @pytest.mark.vllm
 @needs_vllm
 def test_connector_defines_the_listed_members_with_those_signatures():
-    from connectors.vllm.connector import KVStoreConnector
+    from kvstore_connectors.vllm.connector import KVStoreConnector
 
     ours = compat.describe_class(KVStoreConnector)
     for name, (kind, params) in {**compat.REQUIRED, **compat.OPTIONAL}.items():

@@ -1,0 +1,5 @@
+import sys
+
+from kvstore_bench.cli import main
+
+sys.exit(main())

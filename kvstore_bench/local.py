@@ -1,0 +1,252 @@
+"""`kvstore-bench local`: store and load through one running daemon vs memcpy.
+
+Measured in one run, interleaved, so the machine's swings hit both alike:
+
+- memcpy: numpy.copyto of the whole buffer between two pre-faulted private
+  arrays (the best plain copy of the same bytes; the reference).
+- store: Client.put = PrepareStore RPC + scatter into the shared region + CommitStore RPC.
+- load: Client.get = PrepareLoad RPC + gather out of the region + Release (not awaited).
+
+The control calls go over the daemon's lean local channel when the client can
+open it (docs/local-channel.md), else gRPC: `KVSTORE_LOCAL_CHANNEL=0` measures
+gRPC in the same checkout.
+
+Each is run with request steps of `--step-blocks` blocks (default: 64, and the
+whole transfer in one step) and with slots in allocation order ("contiguous",
+what a fresh daemon gives a request) and shuffled ("scattered", what a daemon
+after heavy churn gives). Also: control overhead per request-step (the RPCs
+with no bytes copied) and the daemon's lookup of 12,000 hashes, in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kvstore_bench._common import Summary, gbps, results_dir, summarize, write_json
+
+MiB = 1 << 20
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="use a running daemon (default: start one in a temp dir)")
+    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
+    p.add_argument("--block-kib", type=int, nargs="+", default=[64, 2048], help="block sizes")
+    p.add_argument(
+        "--step-blocks",
+        type=int,
+        nargs="+",
+        default=[64, 0],
+        help="blocks per request-step (0 = all in one)",
+    )
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--results", default="results", help="folder for the JSON report")
+    p.add_argument("--quick", action="store_true", help="small sizes, 3 repeats (CI smoke)")
+
+
+def _spec(block_bytes: int, model: str) -> Any:
+    from kvstore.namespace import NamespaceSpec
+
+    return NamespaceSpec(
+        model=model,
+        dtype="float16",
+        block_size_tokens=16,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=64,
+        block_bytes=block_bytes,
+    )
+
+
+def _fmt(s: Summary, nbytes: int) -> str:
+    return (
+        f"{gbps(nbytes, s.median_s):6.2f} GB/s "
+        f"[p10-p90 {gbps(nbytes, s.p90_s):.2f}-{gbps(nbytes, s.p10_s):.2f}]"
+    )
+
+
+def _transfer(
+    client: Any, block_bytes: int, total_bytes: int, step: int, scattered: bool, repeats: int
+) -> dict[str, Any]:
+    n = total_bytes // block_bytes
+    step = step or n
+    ns = client.declare_namespace(_spec(block_bytes, f"bench-{block_bytes}-{step}-{scattered}"))
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    out = np.zeros_like(data)
+    ref_dst = np.zeros_like(data)
+    mem, store, load = [], [], []
+    # scattered: blocks reach the daemon in a random order, so neighbours in a
+    # later load request sit in non-neighbouring slots. The shuffled copy of
+    # the data is made here, outside the timed region.
+    order = rng.permutation(n) if scattered else np.arange(n)
+    data_in_store_order = np.ascontiguousarray(data[order]) if scattered else data
+    for rep in range(repeats + 1):  # the first round warms up and is dropped
+        hashes = np.arange(n, dtype=np.uint64) + np.uint64(rep * n + 1)
+        store_hashes = np.ascontiguousarray(hashes[order])
+        t = time.perf_counter()
+        np.copyto(ref_dst, data)
+        t_mem = time.perf_counter() - t
+        t = time.perf_counter()
+        for s in range(0, n, step):
+            client.put(ns, store_hashes[s : s + step], data_in_store_order[s : s + step])
+        t_store = time.perf_counter() - t
+        t = time.perf_counter()
+        for s in range(0, n, step):
+            got = client.get(ns, hashes[s : s + step], out=out[s : s + step])
+            assert got.found == min(step, n - s), "blocks went missing"
+        t_load = time.perf_counter() - t
+        if not np.array_equal(out, data):
+            raise AssertionError("loaded bytes differ from stored bytes")
+        client.clear(ns)
+        if rep:
+            mem.append(t_mem)
+            store.append(t_store)
+            load.append(t_load)
+    m, st, ld = summarize(mem), summarize(store), summarize(load)
+    return {
+        "block_bytes": block_bytes,
+        "step_blocks": step,
+        "slots": "scattered" if scattered else "contiguous",
+        "memcpy": m,
+        "store": st,
+        "load": ld,
+        "store_ratio": m.median_s / st.median_s,
+        "load_ratio": m.median_s / ld.median_s,
+    }
+
+
+def _control_overhead(client: Any, repeats: int, blocks: int = 64) -> dict[str, Summary]:
+    ns = client.declare_namespace(_spec(4096, "bench-control"))
+    store_s, load_s, lookup_s = [], [], []
+    for rep in range(repeats * 20):
+        hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(rep * blocks + 1)
+        t = time.perf_counter()
+        h = client.prepare_store(ns, hashes)
+        client.commit_store(h)
+        store_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        lh = client.prepare_load(ns, hashes)
+        client.release(lh, wait=False)
+        load_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        client.lookup(ns, hashes)
+        lookup_s.append(time.perf_counter() - t)
+    # What the connector's worker does: the commit goes without waiting, its
+    # answer read by the next call (here the next step's prepare).
+    later_s = []
+    base = repeats * 20 * blocks + 1
+    for rep in range(repeats * 20):
+        hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(base + rep * blocks)
+        t = time.perf_counter()
+        h = client.prepare_store(ns, hashes)
+        commit_later = getattr(client, "commit_store_later", None)
+        if commit_later is not None:
+            commit_later(h)
+        else:  # a client without it (an older checkout measured for reference)
+            client.commit_store(h)
+        later_s.append(time.perf_counter() - t)
+    client.clear(ns)
+    return {
+        "store_step": summarize(store_s),
+        "store_step_nowait": summarize(later_s),
+        "load_step": summarize(load_s),
+        "lookup_rpc": summarize(lookup_s),
+    }
+
+
+def _lookup_in_daemon(repeats: int, n_hashes: int = 12_000) -> Summary:
+    """The daemon's own work for a 195k-token lookup: unpack + index probes."""
+    from kvstore.config import load_config
+    from kvstore.manager import BlockManager
+    from kvstore.service import unpack_u64
+    from kvstore.tiers.dram import Region
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = load_config(
+            environ={},
+            assignments=[
+                f"dram.path={tmp}/r",
+                "dram.capacity_bytes=64MiB",
+                "dram.chunk_bytes=4MiB",
+            ],
+        )
+        region = Region(
+            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
+        )
+        manager = BlockManager(config, region)
+        ns = manager.declare_namespace(_spec(4096, "bench-lookup"))
+        hashes = np.random.default_rng(1).integers(0, 2**63, n_hashes, dtype=np.uint64)
+        # 12k present blocks (4 KiB slots: 48 MiB) plus 200k others in the index
+        for s in range(0, n_hashes, 4096):
+            plan = manager.prepare_store(ns.namespace_id, hashes[s : s + 4096].tolist())
+            manager.commit_store(plan.lease_id)
+        packed = hashes.tobytes()
+        samples = []
+        for _ in range(repeats * 10):
+            t = time.perf_counter()
+            result = manager.lookup(ns.namespace_id, unpack_u64(packed))
+            samples.append(time.perf_counter() - t)
+            assert result.prefix_blocks == n_hashes
+        region.close(unlink=True)
+    return summarize(samples)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.client import Client
+    from kvstore.process import DaemonProcess
+
+    if args.quick:
+        args.total_mib, args.repeats = min(args.total_mib, 32), 3
+    total = args.total_mib * MiB
+    tmp = tempfile.TemporaryDirectory()
+    daemon = None
+    address = args.address
+    if address is None:
+        daemon = DaemonProcess(
+            tmp.name,
+            dram_bytes=2 * total + 64 * MiB,
+            chunk_bytes=max(4 * MiB, max(args.block_kib) * 1024 * 2),
+        )
+        daemon.start()
+        address = daemon.address
+    rows = []
+    try:
+        with Client(address) as client:
+            print(
+                f"kvstore-bench local: {args.total_mib} MiB per measurement, {args.repeats} repeats, median [p10-p90]"
+            )
+            print("ratio = memcpy time / kvstore time (1.0 = as fast as a plain in-process memcpy)")
+            for block_kib in args.block_kib:
+                for step in args.step_blocks:
+                    for scattered in (False, True):
+                        r = _transfer(
+                            client, block_kib * 1024, total, step, scattered, args.repeats
+                        )
+                        rows.append(r)
+                        print(
+                            f"  block {block_kib:>5} KiB step {r['step_blocks']:>5} {r['slots']:<10} "
+                            f"memcpy {_fmt(r['memcpy'], total)} | store {_fmt(r['store'], total)} "
+                            f"x{r['store_ratio']:.2f} | load {_fmt(r['load'], total)} x{r['load_ratio']:.2f}"
+                        )
+            control = _control_overhead(client, args.repeats)
+        print("control overhead per request-step of 64 blocks (RPCs only, no bytes), p50 / p99:")
+        for name, s in control.items():
+            print(f"  {name:<11} {s.median_s * 1e3:.3f} ms / {s.p99_s * 1e3:.3f} ms")
+        lookup = _lookup_in_daemon(args.repeats)
+        print(
+            f"lookup of 12,000 hashes inside the daemon (unpack + index): "
+            f"p50 {lookup.median_s * 1e3:.3f} ms, p99 {lookup.p99_s * 1e3:.3f} ms"
+        )
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        tmp.cleanup()
+    out = results_dir(args.results, "local")
+    write_json(out / "local.json", {"transfers": rows, "control": control, "lookup_12000": lookup})
+    print(f"report: {out / 'local.json'}")
+    return 0

@@ -1,0 +1,545 @@
+"""Worker side of the connector: copy the step's blocks in and out of the daemon.
+
+    register(kv_caches, num_blocks)   learn vLLM's cache layout (again after
+                                      unregister(): sleep mode)
+    start_step(plan)                  before the forward: pin and load hits
+                                      (one PrepareLoad per request), reserve
+                                      slots for saves (one PrepareStore per request)
+    wait_layer(name) / save_layer(name)   around each attention layer (GPU overlap)
+    finish_step()                     after the forward: copy saves out, commit
+    take_load_errors()                vLLM block ids that must be recomputed
+
+Leases are fenced by this process's clock (``handle.deadline_s``, see
+kvstore.client): a load copied out after its lease ran out is reported as
+failed (its slots may hold another block by then), and a step whose forward
+outlived its store leases writes nothing into their slots and commits nothing;
+the daemon is fine, so the link and the cache stay up.
+
+Every block of a step moves in one batched copy per layer (``copier``). The
+daemon's failures never reach vLLM: a request whose blocks could not be loaded
+(daemon gone, evicted since the lookup, checksum mismatch, a restarted daemon
+whose region is another file) gets those blocks reported as load errors and
+vLLM recomputes exactly them; saves that cannot be made are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from kvstore.client import Client, LoadHandle, StoreHandle
+from kvstore.errors import ConfigError
+from kvstore_connectors.vllm.config import ConnectorConfig
+from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
+from kvstore_connectors.vllm.metadata import SaveSpec, StepPlan
+from kvstore_connectors.vllm.namespace import EngineLayout
+from kvstore_connectors.vllm.session import DaemonSession
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    saved_blocks: int = 0
+    save_skipped_blocks: int = 0  # already stored, stored by another client, or no room
+    save_dropped_blocks: int = 0  # planned but not stored (daemon down, failed load)
+    checksum_failures: int = 0
+
+
+@dataclass(slots=True)
+class _SaveBatch:
+    """One namespace's blocks to store this step, from one or more requests."""
+
+    tenant: str
+    block_hashes: np.ndarray  # uint64, distinct
+    block_ids: np.ndarray  # int64
+    token_ids: np.ndarray  # int32, block_size per block
+    # per block: the hash of the block before it in its request (parents[i] is
+    # meaningless where has_parent[i] is False: a request's first block)
+    parents: np.ndarray  # uint64
+    has_parent: np.ndarray  # bool
+    handle: StoreHandle | None = None
+    allocated: np.ndarray | None = None  # indices of the blocks to write
+    generation: int = -1  # the daemon connection the slots belong to
+
+    @classmethod
+    def of(cls, tenant: str, specs: list[SaveSpec], block_size: int) -> _SaveBatch:
+        parents = np.concatenate([_parents_of(s) for s in specs])
+        has_parent = np.concatenate(
+            [
+                np.r_[s.parent_block_hash is not None, np.ones(len(s.block_hashes) - 1, bool)]
+                for s in specs
+            ]
+        )
+        if len(specs) == 1:
+            s = specs[0]
+            return cls(tenant, s.block_hashes, s.block_ids, s.token_ids, parents, has_parent)
+        hashes = np.concatenate([s.block_hashes for s in specs])
+        # Two requests can complete the same block in one step: store it once.
+        _, first = np.unique(hashes, return_index=True)
+        keep = np.sort(first)
+        tokens = np.concatenate([s.token_ids.reshape(-1, block_size) for s in specs])
+        return cls(
+            tenant,
+            hashes[keep],
+            np.concatenate([s.block_ids for s in specs])[keep],
+            tokens[keep].reshape(-1),
+            parents[keep],
+            has_parent[keep],
+        )
+
+
+def _parents_of(spec: SaveSpec) -> np.ndarray:
+    first = 0 if spec.parent_block_hash is None else spec.parent_block_hash
+    return np.r_[np.uint64(first), spec.block_hashes[:-1]].astype(np.uint64)
+
+
+def chain_order(
+    hashes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray
+) -> tuple[np.ndarray, list[tuple[int, int | None]]]:
+    """Split blocks into chains (each block's parent is the one before it) and
+    order the chains parent first: ``(permutation of the blocks, [(blocks,
+    parent hash or None)])``.
+
+    A step's blocks come from several requests (and the copies two requests
+    share are kept once, at the first), so one request's blocks may follow
+    another's child of them; consumers that place a block by its parent
+    (llm-d) need every parent before its children.
+    """
+    n = len(hashes)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), []
+    cont = has_parent[1:] & (parents[1:] == hashes[:-1])
+    starts = np.r_[0, np.flatnonzero(~cont) + 1]
+    ends = np.r_[starts[1:], n]
+    block_at = {h: i for i, h in enumerate(hashes.tolist())}
+    segment = np.repeat(np.arange(len(starts)), ends - starts).tolist()
+    order: list[int] = []
+    done = [False] * len(starts)
+    for k in range(len(starts)):
+        # emit the oldest ancestor segment not yet emitted, until k itself is
+        while not done[k]:
+            j, seen = k, {k}
+            while True:
+                first = int(starts[j])
+                up = block_at.get(int(parents[first])) if has_parent[first] else None
+                if up is None or done[segment[up]] or segment[up] in seen:
+                    break  # (a cycle can only come from colliding hashes)
+                j = segment[up]
+                seen.add(j)
+            done[j] = True
+            order.append(j)
+    perm = np.concatenate([np.arange(starts[j], ends[j]) for j in order])
+    chains = [
+        (int(ends[j] - starts[j]), int(parents[starts[j]]) if has_parent[starts[j]] else None)
+        for j in order
+    ]
+    return perm, chains
+
+
+@dataclass(slots=True)
+class _Step:
+    leases: list[LoadHandle] = field(default_factory=list)
+    saves: list[_SaveBatch] = field(default_factory=list)
+
+
+class WorkerSide:
+    def __init__(
+        self, config: ConnectorConfig, layout: EngineLayout, session: DaemonSession
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.session = session
+        self.counters = WorkerCounters()
+        self.kv: PagedKV | None = None
+        self.copier: Copier | None = None
+        self._region_t: torch.Tensor | None = None
+        self._region_generation = -1
+        self._load_errors: set[int] = set()
+        self._warned: set[str] = set()
+        self._step = _Step()
+        # Finished requests whose deferred save is in this step (plan.deferred),
+        # then, once it is done or dropped, whose blocks vLLM may free.
+        self._deferred: list[str] = []
+        self._finished_saving: set[str] = set()
+
+    # ------------------------------------------------------------ setup
+
+    def register(self, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int) -> None:
+        kv = PagedKV.from_layers(layers, num_blocks)
+        if kv.block_bytes != self.layout.block_bytes:
+            raise ConfigError(
+                f"vLLM's KV cache holds {kv.block_bytes} bytes per block across {len(kv.layers)} layers, "
+                f"but its config says {self.layout.block_bytes}; the kvstore connector does not "
+                "support this layout (padded or hybrid pages)"
+            )
+        self.kv = kv
+        on_cuda = kv.device is not None and kv.device.type == "cuda"
+        if on_cuda and self.config.tier == "dram":
+            from kvstore_connectors.vllm.cuda import CudaBlockCopier
+
+            self.copier = CudaBlockCopier(kv)
+        else:
+            # A CPU cache, or the GPU tier: both sides on one device, so the
+            # same batched index_select/index_copy_ runs there (device to device).
+            self.copier = BlockCopier(kv)
+
+    def unregister(self) -> None:
+        """Forget vLLM's KV cache (sleep mode unmaps it): no pointer into it is kept."""
+        self.kv = None
+        self.copier = None
+
+    @property
+    def registered(self) -> bool:
+        return self.copier is not None
+
+    # ------------------------------------------------------------ per step
+
+    def start_step(self, plan: StepPlan) -> None:
+        """Loads (complete or queued) and save reservations, before the forward."""
+        self._step = _Step()
+        self._finished_saving.update(self._deferred)  # a step that never finished
+        self._deferred = list(plan.deferred)
+        if self.copier is None and plan.loads:
+            # No KV cache to load into (unregistered for sleep mode): vLLM must
+            # compute those blocks, not read whatever its cache holds.
+            failed = {int(b) for spec in plan.loads for b in spec.block_ids.tolist()}
+            self.counters.load_failed_blocks += len(failed)
+            self._load_errors |= failed
+        if self.copier is None or not plan:
+            return
+        failed_reqs, failed_ids = self._load(plan)
+        self._reserve_saves(plan, failed_reqs, failed_ids)
+
+    def wait_layer(self, name: str) -> None:
+        if self.copier is not None:
+            self.copier.wait_layer(name)
+
+    def save_layer(self, name: str) -> None:
+        if self.copier is not None and self._step.saves:
+            self.copier.save_layer(name)
+
+    def finish_step(self) -> None:
+        """Copy the step's saves into the region and commit them; release load leases.
+        Finished requests whose save this was are reported done whatever happened
+        (``take_finished_saving``): vLLM holds their blocks until then."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            self._finish_step()
+        finally:
+            self._finished_saving.update(deferred)
+
+    def take_finished_saving(self) -> set[str]:
+        """Finished requests whose last save is done (or dropped): vLLM frees their blocks."""
+        done, self._finished_saving = self._finished_saving, set()
+        return done
+
+    def _finish_step(self) -> None:
+        step, self._step = self._step, _Step()
+        if self.copier is not None:
+            self.copier.wait_loads()
+        if not step.saves:
+            return
+        # The forward may have outlived the store leases: then their slots may
+        # belong to other blocks already, and not one byte may go there.
+        deadline_s = min(b.handle.deadline_s for b in step.saves if b.handle is not None)
+        in_time = True
+        try:
+            assert self.copier is not None
+            in_time = self.copier.finish_save(deadline_s)
+            current = self.session.region_is_current() and all(
+                b.generation == self.session.generation for b in step.saves
+            )
+        except Exception as exc:  # a failed copy must not fail the step: drop the saves
+            logger.warning("kvstore: copying blocks out failed (%s); not stored", exc)
+            current = False
+        if current and not (in_time and time.monotonic() <= deadline_s):
+            self._warn_once(
+                "store-lease-expired",
+                "kvstore: a step outlived its store leases (raise lease_ttl_s); "
+                "its blocks are not stored",
+            )
+            self._abort(step.saves)
+            return
+        if not current:
+            # The daemon restarted onto another region file mid-step: the bytes
+            # went to the old one, so committing would publish garbage.
+            self._warn_once(
+                "stale-region",
+                "kvstore: the link to the daemon was reset during a step; "
+                "that step's blocks are not stored",
+            )
+            self._abort(step.saves)
+            self._remap()
+            return
+        for batch in step.saves:
+            self._commit(batch)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ------------------------------------------------------------ loads
+
+    def _load(self, plan: StepPlan) -> tuple[set[str], set[int]]:
+        failed_reqs: set[str] = set()
+        failed_ids: set[int] = set()
+        offsets: list[np.ndarray] = []
+        block_ids: list[np.ndarray] = []
+        prepared = []
+        for spec in plan.loads:
+            found, handle = self._prepare_load(spec.tenant, spec.block_hashes)
+            prepared.append((spec, found, handle, self.session.generation))
+        for spec, found, handle, generation in prepared:
+            if generation != self.session.generation:
+                found = 0  # offsets of a daemon connection that has since been replaced
+            elif handle is not None and handle.lease_id:
+                self._step.leases.append(handle)
+            if found:
+                assert handle is not None
+                offsets.append(handle.offsets[:found])
+                block_ids.append(spec.block_ids[:found])
+            if found < len(spec.block_ids):
+                failed_reqs.add(spec.req_id)
+                failed_ids.update(spec.block_ids[found:].tolist())
+        if block_ids:
+            ids = np.concatenate(block_ids)
+            region = self._region()
+            ok = region is not None and self.session.region_is_current()
+            if region is not None and not ok:
+                self._remap()
+            if ok:
+                try:
+                    assert self.copier is not None and region is not None
+                    self.copier.load(region, np.concatenate(offsets), ids)
+                except Exception as exc:  # never fail the step: recompute instead
+                    logger.warning("kvstore: loading blocks failed (%s); vLLM recomputes them", exc)
+                    ok = False
+            if ok and _any_expired(self._step.leases):
+                # Read (some of) it after a lease ran out: those slots may have
+                # held another block by then. Recompute rather than trust it.
+                self._warn_once(
+                    "load-lease-expired",
+                    "kvstore: a load outlived its lease (lease_ttl_s); vLLM recomputes it",
+                )
+                ok = False
+            if self._step.leases:
+                # Copied out of the region (to the cache, or to pinned staging on
+                # a GPU): the pins are no longer needed; don't wait for the answers.
+                leases, self._step.leases = self._step.leases, []
+                self.session.call("release", lambda c: _release_all(c, leases), retry=False)
+            if ok:
+                self.counters.loaded_blocks += len(ids)
+            else:
+                failed_ids.update(ids.tolist())
+                failed_reqs.update(spec.req_id for spec in plan.loads)
+        self.counters.load_failed_blocks += len(failed_ids)
+        self._load_errors |= failed_ids
+        return failed_reqs, failed_ids
+
+    def _prepare_load(self, tenant: str, hashes: np.ndarray) -> tuple[int, LoadHandle | None]:
+        ttl = self.config.lease_ttl_s
+        handle = self.session.call_in(
+            "prepare load",
+            self.layout.spec(tenant),
+            lambda c, ns: c.prepare_load(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
+        )
+        if handle is None:
+            return 0, None
+        found = min(handle.found, len(hashes))
+        if self.config.verify_checksums and found:
+            found = self._verified_prefix(handle, found)
+        return found, handle
+
+    def _verified_prefix(self, handle: LoadHandle, found: int) -> int:
+        """Blocks of the prefix whose bytes match the daemon's checksum (where it has one)."""
+        sums = handle.checksums[:found]
+        to_check = np.flatnonzero(sums)
+        if not len(to_check):
+            return found
+        region = self._region()
+        if region is None:
+            return 0
+        block_bytes = handle.namespace.block_bytes
+        for i in to_check.tolist():
+            off = int(handle.offsets[i])
+            block = region[off : off + block_bytes]
+            if block.is_cuda:
+                block = block.cpu()  # rare: only blocks that crossed disk or network
+            if xxhash.xxh3_64_intdigest(block.numpy().data) != int(sums[i]):
+                self.counters.checksum_failures += 1
+                logger.warning(
+                    "kvstore: block %d of a load failed its checksum; recomputing from it", i
+                )
+                return i
+        return found
+
+    # ------------------------------------------------------------ saves
+
+    def _reserve_saves(self, plan: StepPlan, failed_reqs: set[str], failed_ids: set[int]) -> None:
+        """One PrepareStore per namespace for all of the step's new blocks."""
+        failed = np.fromiter(failed_ids, dtype=np.int64, count=len(failed_ids))
+        by_tenant: dict[str, list[SaveSpec]] = {}
+        for spec in plan.saves:
+            if spec.req_id in failed_reqs or (
+                len(failed) and np.isin(spec.block_ids, failed).any()
+            ):
+                # Blocks computed this step over KV that failed to load are wrong.
+                self.counters.save_dropped_blocks += len(spec.block_ids)
+                continue
+            by_tenant.setdefault(spec.tenant, []).append(spec)
+        bs = self.layout.block_size_tokens
+        for tenant, specs in by_tenant.items():
+            batch = _SaveBatch.of(tenant, specs, bs)
+            handle = self._prepare_store(tenant, batch.block_hashes)
+            if handle is None:
+                self.counters.save_dropped_blocks += len(batch.block_ids)
+                continue
+            batch.handle, batch.allocated = handle, handle.allocated
+            batch.generation = self.session.generation
+            self.counters.save_skipped_blocks += len(batch.block_ids) - len(batch.allocated)
+            if len(batch.allocated):
+                self._step.saves.append(batch)
+        stale = [b for b in self._step.saves if b.generation != self.session.generation]
+        if stale:
+            self._abort(stale)
+            self._step.saves = [
+                b for b in self._step.saves if b.generation == self.session.generation
+            ]
+        if not self._step.saves:
+            return
+        region = self._region()
+        if region is None:
+            self._warn_once(
+                "no-region",
+                "kvstore: the daemon's blocks are not mapped in this process "
+                f"(tier {self.config.tier}); blocks are not stored",
+            )
+            self._abort(self._step.saves)
+            self._step.saves = []
+            return
+        assert self.copier is not None
+        self.copier.begin_save(
+            region,
+            np.concatenate([b.handle.offsets[b.allocated] for b in self._step.saves]),  # type: ignore[union-attr,index]
+            np.concatenate([b.block_ids[b.allocated] for b in self._step.saves]),  # type: ignore[index]
+        )
+
+    def _prepare_store(self, tenant: str, hashes: np.ndarray) -> StoreHandle | None:
+        ttl = self.config.lease_ttl_s
+        return self.session.call_in(
+            "prepare store",
+            self.layout.spec(tenant),
+            lambda c, ns: c.prepare_store(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
+        )
+
+    def _commit(self, batch: _SaveBatch) -> None:
+        handle, idx = batch.handle, batch.allocated
+        assert handle is not None and idx is not None
+        # Every commit carries its blocks' tokens and parents, split into chains
+        # ordered parent first, so the daemon's BlockStored events are what
+        # vLLM's own are: one per sequence, tokens included (llm-d re-hashes them).
+        perm, chains = chain_order(
+            batch.block_hashes[idx], batch.parents[idx], batch.has_parent[idx]
+        )
+        sel = idx[perm]
+        hashes = batch.block_hashes[sel]
+        bs = self.layout.block_size_tokens
+        tokens = batch.token_ids.reshape(-1, bs)[sel].reshape(-1)
+        parent = chains[0][1] if len(chains) == 1 else None
+        # one chain: the plain fields, which daemons without chain support read too
+        multi = chains if len(chains) > 1 else None
+        # Sent without waiting for the answer (over the lean channel; gRPC waits):
+        # counted as saved now, corrected when the answer says otherwise. It is
+        # read by this client's next call, or at close (so it lands before exit).
+        expected = len(idx)
+        counters = self.counters
+
+        def done(result: int | Exception) -> None:
+            committed = 0 if isinstance(result, Exception) else int(result)
+            if committed != expected:
+                counters.saved_blocks -= expected - committed
+                counters.save_dropped_blocks += expected - committed
+                logger.debug(
+                    "kvstore: commit stored %d of %d blocks (%s)", committed, expected, result
+                )
+
+        def send(c: Client) -> bool:
+            c.commit_store_later(
+                handle,
+                hashes,
+                parent_block_hash=parent,
+                token_ids=tokens,
+                chains=multi,
+                on_done=done,
+            )
+            return True
+
+        if self.session.call("commit store", send, retry=False) is None:
+            self.counters.save_dropped_blocks += expected  # not sent, or refused at once
+        else:
+            self.counters.saved_blocks += expected
+
+    def _abort(self, saves: list[_SaveBatch]) -> None:
+        for batch in saves:
+            self.counters.save_dropped_blocks += (
+                len(batch.allocated) if batch.allocated is not None else 0
+            )
+        handles = [batch.handle for batch in saves if batch.handle is not None]
+        self.session.call("release", lambda c: _release_all(c, handles), retry=False)
+
+    # ------------------------------------------------------------ region
+
+    def _region(self) -> torch.Tensor | None:
+        """Where this connector's offsets point: the DRAM region, or the GPU pool."""
+        import torch
+
+        region = self.session.region if self.config.tier == "dram" else self.session.gpu_pool()
+        if region is None:
+            self._region_t = None
+            return None
+        if self._region_t is None or self._region_generation != self.session.generation:
+            self._region_t = (
+                region if isinstance(region, torch.Tensor) else torch.from_numpy(region)
+            )
+            self._region_generation = self.session.generation
+        return self._region_t
+
+    def _remap(self) -> None:
+        """Our mapping is not the daemon's region any more: reconnect on the next call."""
+        if self.session.connected and not self.session.region_is_current():
+            logger.warning("kvstore: the daemon's region file changed; mapping it again")
+            self.session.disconnect()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        """A silent loss of saves must leave one line in the engine's log."""
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def close(self) -> None:
+        self._region_t = None
+        self.session.close()
+
+
+def _any_expired(handles: Sequence[LoadHandle | StoreHandle]) -> bool:
+    """By the client's clock (time.monotonic, kvstore.client's default)."""
+    now = time.monotonic()
+    return any(now > h.deadline_s for h in handles)
+
+
+def _release_all(client: Client, handles: Sequence[LoadHandle | StoreHandle]) -> int:
+    """End leases without waiting for the answers (a lost one just expires): one message."""
+    client.release_all(handles, wait=False)
+    return len(handles)
