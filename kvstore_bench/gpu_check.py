@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     repo = Path(__file__).resolve().parent.parent
     out = Path(args.out or os.environ.get("OUT", "") or "results/gpu-check").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    os.chdir(repo)  # the steps name tests/gpu and run bench.* from the tree
+    os.chdir(repo)  # the steps name tests/gpu and run kvstore_bench.* from the tree
     missing = missing_modules()
     if missing:
         print(f"gpu_check: cannot start, missing or unusable: {'; '.join(missing)}")

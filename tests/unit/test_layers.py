@@ -177,3 +177,57 @@ def test_folders_are_layers():
         layer_of("kvstore.tiers.pool") > layer_of("kvstore.placement") > layer_of("kvstore.movers")
     )
     assert layer_of("kvstore.service") is None
+
+
+# -- the installed packages ---------------------------------------------------------
+# Which first-party package may import which (pip installs these four, and only
+# these, at the top level: tests/integration/test_installed_package.py). The
+# benchmarks sit on top; the product never imports them or the engine connectors.
+PACKAGES = ("kvstore", "kvstore_bench", "kvstore_connectors", "kvstore_router_client")
+PACKAGE_USES: dict[str, set[str]] = {
+    "kvstore": {"kvstore_router_client"},  # kvstore.router only: the proxy routes with it
+    "kvstore_router_client": {"kvstore"},
+    "kvstore_connectors": {"kvstore"},
+    "kvstore_bench": {"kvstore", "kvstore_connectors", "kvstore_router_client"},
+}
+# The names these packages had before they were renamed (never to come back).
+OLD_PACKAGES = ("bench", "connectors", "router_client")  # rename_packages: keep
+
+
+def _absolute_imports(path: Path) -> list[str]:
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.append(node.module)
+    return names
+
+
+def test_packages_import_only_the_packages_below_them():
+    wrong = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            for name in _absolute_imports(path):
+                top = name.split(".")[0]
+                if top in PACKAGES and top != package and top not in PACKAGE_USES[package]:
+                    wrong.append(f"{module} imports {name}")
+                router_only = package == "kvstore" and top == "kvstore_router_client"
+                if router_only and not module.startswith("kvstore.router."):
+                    wrong.append(f"{module} imports {name} (only kvstore.router may)")
+    assert not wrong, "; ".join(wrong)
+
+
+def test_no_code_imports_the_old_package_names():
+    """The three packages were renamed kvstore_*: an import of an old name (from a
+    branch written before the rename) would find nothing once installed, or
+    someone else's package of that name."""
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for top_dir in (*PACKAGES, "tests", "scripts")
+        for path in sorted((ROOT / top_dir).rglob("*.py"))
+        for name in _absolute_imports(path)
+        if name.split(".")[0] in OLD_PACKAGES
+    ]
+    assert not wrong, "; ".join(wrong)
