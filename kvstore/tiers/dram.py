@@ -10,17 +10,26 @@ Slots come from a slab allocator: the region is cut into equal chunks; a chunk
 serves one slot size (a namespace's block size rounded up to 64 bytes, so every
 slot is cache-line aligned); a chunk whose slots are all free goes back to the
 shared pool, so namespaces with different block sizes share the region.
+
+A region may be cut into *ranges* (``partitions``): the shared range at
+offset 0 in the file at ``path``, then one range per named partition, each
+its own 0600 file ``<path>.tenant-<name>`` (a tenant's own memory, which a
+client of that tenant alone is meant to map: docs/tenants.md). The daemon maps
+the files at adjacent addresses, so it still sees one contiguous array and one
+offset space: movers, NIXL registration and warm-restart views are unchanged.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +45,12 @@ PAGE_BYTES = 4096
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 HUGETLBFS_DIR = Path("/dev/hugepages")
 MAX_OPEN_ATTEMPTS = 8
+# Linux mmap flags the mmap module does not export (same value on x86_64 and aarch64).
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+# A partition's name becomes part of a file name.
+PARTITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+PARTITION_SUFFIX = ".tenant-"
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -79,6 +94,32 @@ def _free_huge_pages_bytes() -> int:
     return free * size_kib * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class RegionRange:
+    """One file of a region: bytes [offset, offset + nbytes) of the daemon's array."""
+
+    name: str  # "" = the shared range (the file at dram.path)
+    path: str
+    offset: int
+    nbytes: int
+    reused: bool  # the file existed and is trusted (a warm restart may adopt it)
+
+
+def _libc_mmap() -> Callable[..., int | None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn  # type: ignore[no-any-return]
+
+
 class Region:
     """A shared-memory file of fixed size, mapped MAP_SHARED and locked by one daemon.
 
@@ -98,6 +139,7 @@ class Region:
         prefault: bool,
         huge_pages: str,
         files: FilePolicy | None = None,
+        partitions: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.path = self._choose_path(path, capacity_bytes, huge_pages)
@@ -105,30 +147,37 @@ class Region:
         parent = Path(self.path).parent
         if not parent.is_dir():
             raise ConfigError(f"dram.path: directory {parent} does not exist")
-        fd, self.reused = self._open_locked()
+        layout = self._layout(partitions)
         # New at every start (warm restarts included), never 0: clients compare it
         # with the one in each PrepareStore/PrepareLoad answer (see kvstore/client.py).
         self.region_id = secrets.randbits(63) + 1
+        # Held open (and locked) until close(): each lock is the claim on its path.
+        self._fds: list[int] = []
+        self.ranges: list[RegionRange] = []
         try:
-            os.ftruncate(fd, capacity_bytes)
-            if prefault:
-                # Allocate the tmpfs pages now (and fail now, not mid-store, if
-                # /dev/shm is too small); MAP_POPULATE then maps them all.
-                try:
-                    os.posix_fallocate(fd, 0, capacity_bytes)
-                except OSError as exc:
-                    raise ConfigError(
-                        f"dram.path: cannot reserve {capacity_bytes} bytes in {self.path}: "
-                        f"{exc.strerror} (is the filesystem large enough?)"
-                    ) from None
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
+            for name, file_path, offset, nbytes in layout:
+                # The shared file keeps its mode (a configured group's clients map
+                # it); a partition's file is the daemon's alone: its clients get
+                # the descriptor, never the path.
+                mode = self.files.private_mode if name else self.files.shared_mode
+                fd, reused = self._open_locked(file_path, mode)
+                self._fds.append(fd)
+                self._size(fd, file_path, nbytes, prefault)
+                self.ranges.append(RegionRange(name, file_path, offset, nbytes, reused))
+            self.reused = all(r.reused for r in self.ranges)
+            populate = mmap.MAP_POPULATE if prefault else 0
+            if len(self.ranges) == 1:
+                self._mmap = mmap.mmap(
+                    self._fds[0], capacity_bytes, flags=mmap.MAP_SHARED | populate
+                )
+                self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+            else:
+                self._mmap, self.array = self._map_adjacent(populate)
         except BaseException:
-            os.close(fd)
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
             raise
-        # Held open (and locked) until close(): the lock is the claim on the path.
-        self._fd = fd
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base_address = self.array.ctypes.data
         # Run first thing in close(), while the bytes are still mapped (the
         # manager writes its warm-restart manifest there); one that sets
@@ -136,9 +185,104 @@ class Region:
         self.close_hooks: list[Callable[[], None]] = []
         self.keep_on_close = False
 
-    def _open_locked(self) -> tuple[int, bool]:
-        """The region's fd, flock()ed, and whether the file existed (and is trusted)."""
-        path, mode = self.path, self.files.shared_mode
+    def _layout(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, str, int, int]]:
+        """(name, path, offset, bytes) of each range: the shared one first."""
+        taken = sum(nbytes for _, nbytes in partitions)
+        shared = self.capacity_bytes - taken
+        align = HUGE_PAGE_BYTES if self.path.startswith(str(HUGETLBFS_DIR) + "/") else PAGE_BYTES
+        if shared <= 0:
+            raise ConfigError(
+                f"dram: the tenant regions take {taken} of dram.capacity_bytes="
+                f"{self.capacity_bytes}; the shared range needs some"
+            )
+        layout = [("", self.path, 0, shared)]
+        offset = shared
+        seen: set[str] = set()
+        for name, nbytes in partitions:
+            if not PARTITION_NAME.fullmatch(name) or name in seen:
+                raise ConfigError(f"dram: bad or repeated tenant region name {name!r}")
+            seen.add(name)
+            if nbytes <= 0 or nbytes % align:
+                raise ConfigError(
+                    f"dram: tenant region {name!r} of {nbytes} bytes is not a positive "
+                    f"multiple of {align}"
+                )
+            layout.append((name, self.path + PARTITION_SUFFIX + name, offset, nbytes))
+            offset += nbytes
+        if shared % align:
+            raise ConfigError(
+                f"dram: the shared range ({shared} bytes) is not a multiple of {align}"
+            )
+        return layout
+
+    def _size(self, fd: int, path: str, nbytes: int, prefault: bool) -> None:
+        os.ftruncate(fd, nbytes)
+        if prefault:
+            # Allocate the tmpfs pages now (and fail now, not mid-store, if
+            # /dev/shm is too small); MAP_POPULATE then maps them all.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise ConfigError(
+                    f"dram.path: cannot reserve {nbytes} bytes in {path}: "
+                    f"{exc.strerror} (is the filesystem large enough?)"
+                ) from None
+
+    def _map_adjacent(self, populate: int) -> tuple[mmap.mmap, np.ndarray]:
+        """Map every range's file at adjacent addresses: one array over all of them.
+
+        An anonymous reservation (no memory behind it, MAP_NORESERVE) holds the
+        addresses; each file is mapped over its part with MAP_FIXED. The
+        reservation is a Python mmap, so its close() (refused while a view is
+        exported, as for a single file) unmaps the files too. Aligned to huge
+        pages, which hugetlbfs files need and tmpfs does not mind.
+        """
+        total = self.capacity_bytes
+        reservation = mmap.mmap(
+            -1,
+            total + HUGE_PAGE_BYTES,
+            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+        )
+        probe = ctypes.c_char.from_buffer(reservation)
+        start = ctypes.addressof(probe)
+        del probe  # a live export would make the reservation impossible to close
+        skip = -start % HUGE_PAGE_BYTES
+        libc_mmap = _libc_mmap()
+        try:
+            for rng, fd in zip(self.ranges, self._fds, strict=True):
+                want = start + skip + rng.offset
+                got = libc_mmap(
+                    want,
+                    rng.nbytes,
+                    mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_SHARED | _MAP_FIXED | populate,
+                    fd,
+                    0,
+                )
+                if got != want:
+                    err = ctypes.get_errno()
+                    raise ConfigError(
+                        f"dram.path: cannot map {rng.path} at its place in the region: "
+                        f"{os.strerror(err)}"
+                    )
+        except BaseException:
+            reservation.close()
+            raise
+        return reservation, np.frombuffer(reservation, dtype=np.uint8, count=total, offset=skip)
+
+    def range_of(self, name: str) -> RegionRange:
+        """The range of a named partition ("" = the shared range); KeyError if none."""
+        for rng in self.ranges:
+            if rng.name == name:
+                return rng
+        raise KeyError(name)
+
+    def fd_of(self, name: str) -> int:
+        """The open descriptor of a range's file (what a client of it is handed)."""
+        return self._fds[self.ranges.index(self.range_of(name))]
+
+    def _open_locked(self, path: str, mode: int) -> tuple[int, bool]:
+        """The file's fd, flock()ed, and whether the file existed (and is trusted)."""
         # Bounded: each retry means another process unlinked the path meanwhile.
         for _ in range(MAX_OPEN_ATTEMPTS):
             existed = os.path.lexists(path)
@@ -235,14 +379,15 @@ class Region:
             # Someone still holds a view; the mapping dies with the process.
             pass
         if unlink and not self.keep_on_close:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        # Unlinked (or kept) while still locked; closing the fd drops the lock.
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            for rng in self.ranges:
+                try:
+                    os.unlink(rng.path)
+                except FileNotFoundError:
+                    pass
+        # Unlinked (or kept) while still locked; closing the fds drops the locks.
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass(slots=True)
