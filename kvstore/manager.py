@@ -66,9 +66,9 @@ from kvstore.events.sink import EventSink, NullSink
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.namespace import Block, Namespace, NamespaceSpec
 from kvstore.placement import Counters, Placement, StoredBatch
-from kvstore.quotas import QuotaTable, TenantStats
+from kvstore.quotas import QuotaTable, TenantStats, tenant_regions
 from kvstore.tiers import Tier, warm
-from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
+from kvstore.tiers.dram import PartitionedAllocator, Region, SlabAllocator, slot_bytes_for
 from kvstore.tiers.hierarchy import DiskLayer
 
 if TYPE_CHECKING:
@@ -164,7 +164,22 @@ class BlockManager:
         self.node_id = config.node_id
         self.region = region
         self.sink: EventSink = sink or NullSink()
-        self.allocator = SlabAllocator(config.dram.capacity_bytes, config.dram.chunk_bytes)
+        # Tenant regions (dram.tenant_regions): a capped tenant's slots come from its
+        # own range of the region, its own file; the other tenants share range 0.
+        self.tenant_parts: dict[str, int] = {}
+        self.allocator: SlabAllocator = SlabAllocator(
+            config.dram.capacity_bytes, config.dram.chunk_bytes
+        )
+        if own := tenant_regions(config):
+            try:
+                self.tenant_parts = {
+                    r.tenant: region.ranges.index(region.range_of(r.name)) for r in own
+                }
+            except KeyError as exc:
+                raise ConfigError(f"dram.tenant_regions: the region has no range {exc}") from None
+            self.allocator = PartitionedAllocator(
+                [(g.offset, g.nbytes) for g in region.ranges], config.dram.chunk_bytes
+            )
         self.namespaces: dict[str, Namespace] = {}
         self.leases = LeaseTable()
         # Where every block lives and what pins it: the one owner (kvstore.placement).
@@ -179,6 +194,7 @@ class BlockManager:
             copy_window=config.eviction.copy_window,
             copy_learn=config.eviction.copy_learn,
             quotas=QuotaTable(config.quotas),  # per-tenant caps (docs/tenants.md)
+            dram_parts=self.tenant_parts,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters

@@ -21,6 +21,7 @@ offset space: movers, NIXL registration and warm-restart views are unchanged.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import fcntl
 import logging
@@ -51,6 +52,9 @@ _MAP_NORESERVE = 0x4000
 # A partition's name becomes part of a file name.
 PARTITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PARTITION_SUFFIX = ".tenant-"
+# DRAM eviction orders are by slot size, and by range with tenant regions: the
+# key of range p's order of a size is size + p * PART_KEY_STRIDE (sizes < 2**40).
+PART_KEY_STRIDE = 1 << 40
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -419,8 +423,11 @@ class SlabAllocator:
         self._chunk_class: dict[int, int] = {}
         self.used_bytes = 0
 
-    def alloc(self, slot_bytes: int) -> int | None:
-        """A free slot's offset, or None when neither a slot nor a chunk is free."""
+    def alloc(self, slot_bytes: int, part: int = 0) -> int | None:
+        """A free slot's offset, or None when neither a slot nor a chunk is free.
+
+        ``part``: the range to take it from; one allocator has only range 0
+        (PartitionedAllocator has more)."""
         cls = self._classes.get(slot_bytes)
         if cls is None:
             if slot_bytes > self.chunk_bytes:
@@ -513,7 +520,10 @@ class SlabAllocator:
     def slot_bytes_at(self, offset: int) -> int:
         return self._chunk_class[offset // self.chunk_bytes]
 
-    def chunks_of(self, slot_bytes: int) -> list[int]:
+    def part_of(self, offset: int) -> int:
+        return 0
+
+    def chunks_of(self, slot_bytes: int, part: int = 0) -> list[int]:
         cls = self._classes.get(slot_bytes)
         return list(cls.used_by_chunk) if cls else []
 
@@ -523,13 +533,93 @@ class SlabAllocator:
         base = chunk * self.chunk_bytes
         return range(base, base + (self.chunk_bytes // slot_bytes) * slot_bytes, slot_bytes)
 
-    def size_classes(self) -> list[int]:
+    def size_classes(self, part: int = 0) -> list[int]:
         return [s for s, c in self._classes.items() if c.used_by_chunk]
 
     @property
     def free_chunks(self) -> int:
         return len(self._free_chunks)
 
-    def can_alloc_without_eviction(self, slot_bytes: int) -> bool:
+    def can_alloc_without_eviction(self, slot_bytes: int, part: int = 0) -> bool:
         cls = self._classes.get(slot_bytes)
         return bool(self._free_chunks) or bool(cls and cls.partial)
+
+
+class PartitionedAllocator(SlabAllocator):
+    """One SlabAllocator per range of a partitioned region, in one offset space.
+
+    Range 0 is the shared one; range i > 0 holds only the blocks of the tenant
+    it belongs to (the placement says which: ``TenantAccount.dram_part``), so a
+    slot is always in its tenant's file. Chunk indexes are global (a range
+    starts on a chunk boundary). Only a daemon with tenant regions uses it: the
+    one-range daemon keeps the plain SlabAllocator and its hot path.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> None:
+        offset = 0
+        for start, nbytes in ranges:
+            if start != offset or nbytes % chunk_bytes or nbytes < chunk_bytes:
+                raise ConfigError(
+                    f"dram: region range at {start} of {nbytes} bytes is not whole chunks "
+                    f"of dram.chunk_bytes={chunk_bytes} right after the previous one"
+                )
+            offset += nbytes
+        self.parts = [SlabAllocator(nbytes, chunk_bytes) for _, nbytes in ranges]
+        self.bases = [start for start, _ in ranges]
+        self._first_chunk = [start // chunk_bytes for start in self.bases]
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = offset // chunk_bytes
+        self.capacity_bytes = offset
+
+    @property
+    def used_bytes(self) -> int:  # type: ignore[override]
+        return sum(p.used_bytes for p in self.parts)
+
+    def part_of(self, offset: int) -> int:
+        return bisect.bisect_right(self.bases, offset) - 1
+
+    def alloc(self, slot_bytes: int, part: int = 0) -> int | None:
+        offset = self.parts[part].alloc(slot_bytes)
+        return None if offset is None else offset + self.bases[part]
+
+    def free(self, offset: int) -> None:
+        part = self.part_of(offset)
+        self.parts[part].free(offset - self.bases[part])
+
+    def rebuild(self, slots: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        by_part: list[list[tuple[int, int]]] = [[] for _ in self.parts]
+        rejected: list[tuple[int, int]] = []
+        for offset, slot_bytes in slots:
+            if 0 <= offset < self.capacity_bytes:
+                part = self.part_of(offset)
+                by_part[part].append((offset - self.bases[part], slot_bytes))
+            else:
+                rejected.append((offset, slot_bytes))
+        for part, pairs in enumerate(by_part):
+            base = self.bases[part]
+            rejected += [(o + base, s) for o, s in self.parts[part].rebuild(pairs)]
+        return rejected
+
+    def slot_bytes_at(self, offset: int) -> int:
+        part = self.part_of(offset)
+        return self.parts[part].slot_bytes_at(offset - self.bases[part])
+
+    def chunks_of(self, slot_bytes: int, part: int = 0) -> list[int]:
+        first = self._first_chunk[part]
+        return [first + c for c in self.parts[part].chunks_of(slot_bytes)]
+
+    def chunk_slots(self, chunk: int) -> range:
+        part = bisect.bisect_right(self._first_chunk, chunk) - 1
+        local = self.parts[part].chunk_slots(chunk - self._first_chunk[part])
+        base = self.bases[part]
+        return range(local.start + base, local.stop + base, local.step)
+
+    def size_classes(self, part: int = 0) -> list[int]:
+        return self.parts[part].size_classes()
+
+    @property
+    def free_chunks(self) -> int:
+        return sum(p.free_chunks for p in self.parts)
+
+    def can_alloc_without_eviction(self, slot_bytes: int, part: int = 0) -> bool:
+        return self.parts[part].can_alloc_without_eviction(slot_bytes)

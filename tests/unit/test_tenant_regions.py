@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from kvstore.errors import ConfigError
+from kvstore.manager import STORE_ALLOCATED
+from kvstore.tiers import Tier
 from kvstore.tiers.dram import HUGE_PAGE_BYTES, PARTITION_SUFFIX, Region
 
 KiB = 1024
@@ -158,3 +160,158 @@ def test_bad_layouts_are_refused_before_any_file_is_made(tmp_path, parts, messag
     with pytest.raises(ConfigError, match=message):
         Region(str(tmp_path / "r"), 8 * MiB, prefault=False, huge_pages="off", partitions=parts)
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------- the daemon's slots in the ranges
+
+SALT_A = "salt-of-tenant-a-7f3e"
+SALT_B = "salt-of-tenant-b-91c2"
+REGIONS = {
+    "dram.tenant_regions": "true",
+    "quotas.tenants.alpha.tenant": SALT_A,
+    "quotas.tenants.alpha.dram_bytes": "256KiB",  # one chunk
+}
+
+
+@pytest.fixture
+def make_manager(tmp_path):
+    from kvstore.config import load_config
+    from kvstore.manager import BlockManager
+    from kvstore.quotas import tenant_regions
+    from tests.sinks import RecordingSink
+
+    made = []
+
+    def make(settings=REGIONS, name="r"):
+        assignments = [
+            "dram.capacity_bytes=1MiB",
+            "dram.chunk_bytes=256KiB",
+            f"dram.path={tmp_path}/{name}",
+        ] + [f"{k}={v}" for k, v in settings.items()]
+        config = load_config(environ={}, assignments=assignments)
+        region = Region(
+            config.dram.path,
+            config.dram.capacity_bytes,
+            prefault=False,
+            huge_pages="off",
+            partitions=[(r.name, r.nbytes) for r in tenant_regions(config)],
+        )
+        made.append(region)
+        return BlockManager(config, region, RecordingSink())
+
+    yield make
+    for r in made:
+        r.close(unlink=True)
+
+
+def _store(m, ns, hashes, fill=None):
+    plan = m.prepare_store(ns.namespace_id, hashes)
+    if fill is not None:
+        for off in plan.offsets:
+            if off >= 0:
+                m.region.array[off : off + ns.block_bytes] = fill
+    if plan.lease_id:
+        m.commit_store(plan.lease_id)
+    return plan
+
+
+def _in_alpha(m, ns):
+    alpha = m.region.range_of("alpha")
+    return {alpha.offset <= b.offset < alpha.offset + alpha.nbytes for b in ns.blocks.values()}
+
+
+def test_a_tenants_blocks_live_in_its_own_file_only(make_manager):
+    from tests.conftest import make_spec
+
+    m = make_manager()
+    a = m.declare_namespace(make_spec(4096, tenant=SALT_A))
+    b = m.declare_namespace(make_spec(4096, tenant=SALT_B))
+    _store(m, a, range(10), fill=0xAA)
+    _store(m, b, range(10), fill=0xBB)
+    assert _in_alpha(m, a) == {True} and _in_alpha(m, b) == {False}
+    alpha = _read_file(m.region.range_of("alpha").path)
+    shared = _read_file(m.region.range_of("").path)
+    assert (alpha == 0xAA).sum() == 10 * 4096 and not (alpha == 0xBB).any()
+    assert (shared == 0xBB).sum() == 10 * 4096 and not (shared == 0xAA).any()
+
+
+def test_neither_side_evicts_the_others_blocks_to_make_room(make_manager):
+    from tests.conftest import make_spec
+
+    m = make_manager()
+    a = m.declare_namespace(make_spec(4096, tenant=SALT_A))
+    b = m.declare_namespace(make_spec(4096, tenant=SALT_B))
+    _store(m, a, range(64))  # alpha's one chunk, full
+    _store(m, b, range(1000, 1000 + 3 * 64))  # the shared three chunks, full
+    assert len(a.blocks) == 64 and len(b.blocks) == 192
+    # The shared tenant keeps storing: its own coldest go (LRU), none of alpha's,
+    # though alpha's are the coldest blocks of the whole tier.
+    _store(m, b, range(2000, 2010))
+    assert len(a.blocks) == 64 and 1000 not in b.blocks and 2009 in b.blocks
+    # Alpha past its range: its own coldest go, none of the shared ones.
+    _store(m, a, range(100, 110))
+    assert len(b.blocks) == 192 and 0 not in a.blocks and 109 in a.blocks
+    assert _in_alpha(m, a) == {True} and _in_alpha(m, b) == {False}
+    assert m.placement.accounts[SALT_A].used_bytes[Tier.DRAM] == 256 << 10
+
+
+def test_another_block_size_takes_a_chunk_of_the_tenants_own_range(make_manager):
+    from tests.conftest import make_spec
+
+    m = make_manager()
+    a = m.declare_namespace(make_spec(4096, tenant=SALT_A))
+    a_big = m.declare_namespace(make_spec(8192, tenant=SALT_A, model="big"))
+    b = m.declare_namespace(make_spec(8192, tenant=SALT_B))
+    _store(m, a, range(64))
+    _store(m, b, range(1000, 1010))
+    # Alpha's chunk is all 4 KiB slots: the 8 KiB store steals that chunk (its
+    # own blocks), not a chunk of the shared range, which has free room.
+    plan = _store(m, a_big, [1])
+    assert list(plan.statuses) == [STORE_ALLOCATED] and len(a.blocks) == 0
+    assert _in_alpha(m, a_big) == {True} and len(b.blocks) == 10
+
+
+def test_warm_restart_puts_every_block_back_in_its_tenants_file(make_manager):
+    from tests.conftest import make_spec
+
+    m = make_manager()
+    a = m.declare_namespace(make_spec(4096, tenant=SALT_A))
+    b = m.declare_namespace(make_spec(4096, tenant=SALT_B))
+    _store(m, a, range(5), fill=0xAA)
+    _store(m, b, range(5), fill=0xBB)
+    m.region.close(unlink=True)  # the drain: writes the manifest, keeps the files
+    m2 = make_manager()
+    a2 = m2.namespaces[a.namespace_id]
+    b2 = m2.namespaces[b.namespace_id]
+    assert sorted(a2.blocks) == list(range(5)) and sorted(b2.blocks) == list(range(5))
+    assert _in_alpha(m2, a2) == {True} and _in_alpha(m2, b2) == {False}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"dram.capacity_bytes": "1000KiB"}, "in whole chunks"),
+        ({"quotas.tenants.alpha.dram_bytes": "1MiB"}, "needs at least one chunk"),
+    ],
+)
+def test_tenant_regions_that_cannot_fit_are_refused(settings, message):
+    from kvstore.config import load_config
+    from kvstore.quotas import tenant_regions
+
+    assignments = ["dram.capacity_bytes=1MiB", "dram.chunk_bytes=256KiB"]
+    assignments += [f"{k}={v}" for k, v in {**REGIONS, **settings}.items()]
+    with pytest.raises(ConfigError, match=message):
+        tenant_regions(load_config(environ={}, assignments=assignments))
+
+
+def test_a_partial_chunk_cap_gets_its_range_in_whole_chunks():
+    from kvstore.config import load_config
+    from kvstore.quotas import tenant_regions
+
+    assignments = ["dram.capacity_bytes=1MiB", "dram.chunk_bytes=256KiB"]
+    assignments += [
+        f"{k}={v}" for k, v in {**REGIONS, "quotas.tenants.alpha.dram_bytes": "300KiB"}.items()
+    ]
+    assignments += ["quotas.tenants.nocap.tenant=x"]  # no DRAM cap: shares range 0
+    (only,) = tenant_regions(load_config(environ={}, assignments=assignments))
+    assert (only.name, only.tenant, only.nbytes) == ("alpha", SALT_A, 512 << 10)
