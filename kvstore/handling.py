@@ -120,6 +120,15 @@ class Chain:
     token_ids: bytes  # packed int32; b"" = none
 
 
+def may_use_tenant(principal: str, tenant: str) -> bool:
+    """Whether ``principal`` (the caller as its channel identified it, e.g.
+    "uid:1000" on the lean channel) may use tenant ``tenant``: its namespaces and
+    its own region file. The one place this is asked (docs/tenants.md). Every
+    caller a channel admitted may, today; mapping principals to tenants plugs in
+    here."""
+    return True
+
+
 class StoreRequests:
     """What each store call does, given its decoded fields and its caller's identity.
 
@@ -146,6 +155,20 @@ class StoreRequests:
         if peer_timeout_s < 0:
             raise errors.InvalidRequest("peer_timeout_s must be >= 0")
         await self.peer_fill(namespace_id, hashes, peer_hint, peer_timeout_s)
+
+    def map_tenant(self, namespace_id: str, principal: str) -> tuple[int, int, int | None]:
+        """(offset, bytes, descriptor) of the region range holding the namespace's
+        blocks: the descriptor of its tenant's own file (the daemon's; the caller
+        sends a copy), or (0, 0, None) when the tenant shares the region file."""
+        ns = self.manager.namespace(namespace_id)
+        if not may_use_tenant(principal, ns.tenant):
+            raise errors.PermissionDenied(
+                f"{principal} may not use the tenant of namespace {namespace_id}"
+            )
+        name, offset, nbytes = self.manager.tenant_range(namespace_id)
+        if not nbytes:
+            return 0, 0, None
+        return offset, nbytes, self.manager.region.fd_of(name)
 
     def declare_namespace(self, spec: NamespaceSpec) -> Declared:
         known = len(self.manager.namespaces)

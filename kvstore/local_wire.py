@@ -99,7 +99,27 @@ class Delete(_Message, frozen=True, tag="delete"):
     block_hashes: bytes
 
 
-Request = Hello | Declare | Lookup | PrepareStore | CommitStore | PrepareLoad | Release | Delete
+class MapTenant(_Message, frozen=True, tag="map_tenant"):
+    """Where the namespace's tenant keeps its DRAM blocks: the answer carries the
+    descriptor of the tenant's own region file (SCM_RIGHTS) when it has one
+    (dram.tenant_regions). Alone in its frame, on a connection with nothing else
+    in flight (the client opens one for it): the descriptor rides on the
+    answer's first byte."""
+
+    namespace_id: Id
+
+
+Request = (
+    Hello
+    | Declare
+    | Lookup
+    | PrepareStore
+    | CommitStore
+    | PrepareLoad
+    | Release
+    | Delete
+    | MapTenant
+)
 REQUEST_TAGS = (
     "hello",
     "declare",
@@ -109,6 +129,7 @@ REQUEST_TAGS = (
     "prepare_load",
     "release",
     "delete",
+    "map_tenant",
 )
 
 # ---------------------------------------------------------------- replies
@@ -163,6 +184,16 @@ class Deleted(_Message, frozen=True, tag="deleted"):
     busy: int
 
 
+class TenantRange(_Message, frozen=True, tag="map_tenant"):
+    """The tenant's range of the region's offsets: bytes 0 = none of its own (it
+    shares the region file at Hello's path); else the frame carries one descriptor
+    to map over [offset, offset + nbytes). ``region_id`` as in Hello."""
+
+    offset: int
+    nbytes: int
+    region_id: int
+
+
 class Error(_Message, frozen=True, tag="error"):
     """A refused request: ``reason`` is the kvstore.errors class's reason code.
     ``seq`` 0: the frame itself was refused (malformed, oversize), not one request."""
@@ -180,6 +211,7 @@ Reply = (
     | LoadPrepared
     | Released
     | Deleted
+    | TenantRange
     | Error
 )
 

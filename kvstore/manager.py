@@ -248,6 +248,16 @@ class BlockManager:
             self.disk.attach(ns)  # its recovered disk blocks, announced
         return ns
 
+    def tenant_range(self, ns_id: str) -> tuple[str, int, int]:
+        """(name, offset, bytes) of the region range the namespace's blocks live in:
+        its tenant's own with dram.tenant_regions, else ("", 0, 0) (the shared one)."""
+        ns = self.namespace(ns_id)
+        part = self.tenant_parts.get(ns.tenant, 0)
+        if not part:
+            return "", 0, 0
+        rng = self.region.ranges[part]
+        return rng.name, rng.offset, rng.nbytes
+
     def namespace(self, ns_id: str) -> Namespace:
         ns = self.namespaces.get(ns_id)
         if ns is None:

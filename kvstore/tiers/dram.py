@@ -124,6 +124,39 @@ def _libc_mmap() -> Callable[..., int | None]:
     return fn  # type: ignore[no-any-return]
 
 
+def reserve_addresses(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """``nbytes`` of addresses, huge-page aligned, with no memory behind them
+    (MAP_NORESERVE): the array to map files over with map_file_at. Closing the
+    returned mmap (refused while a view is exported) unmaps all of it."""
+    reservation = mmap.mmap(
+        -1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    )
+    probe = ctypes.c_char.from_buffer(reservation)
+    start = ctypes.addressof(probe)
+    del probe  # a live export would make the reservation impossible to close
+    skip = -start % HUGE_PAGE_BYTES
+    return reservation, np.frombuffer(reservation, dtype=np.uint8, count=nbytes, offset=skip)
+
+
+def map_file_at(array: np.ndarray, offset: int, fd: int, nbytes: int, *, populate: bool) -> None:
+    """Map the first ``nbytes`` of ``fd`` MAP_SHARED over ``array[offset:offset+nbytes]``
+    (an array from reserve_addresses); OSError if the kernel refuses."""
+    if offset < 0 or offset + nbytes > len(array) or offset % PAGE_BYTES:
+        raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit the reservation")
+    want = array.ctypes.data + offset
+    got = _libc_mmap()(
+        want,
+        nbytes,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0),
+        fd,
+        0,
+    )
+    if got != want:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 class Region:
     """A shared-memory file of fixed size, mapped MAP_SHARED and locked by one daemon.
 
@@ -241,38 +274,21 @@ class Region:
         exported, as for a single file) unmaps the files too. Aligned to huge
         pages, which hugetlbfs files need and tmpfs does not mind.
         """
-        total = self.capacity_bytes
-        reservation = mmap.mmap(
-            -1,
-            total + HUGE_PAGE_BYTES,
-            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-        )
-        probe = ctypes.c_char.from_buffer(reservation)
-        start = ctypes.addressof(probe)
-        del probe  # a live export would make the reservation impossible to close
-        skip = -start % HUGE_PAGE_BYTES
-        libc_mmap = _libc_mmap()
+        reservation, array = reserve_addresses(self.capacity_bytes)
         try:
             for rng, fd in zip(self.ranges, self._fds, strict=True):
-                want = start + skip + rng.offset
-                got = libc_mmap(
-                    want,
-                    rng.nbytes,
-                    mmap.PROT_READ | mmap.PROT_WRITE,
-                    mmap.MAP_SHARED | _MAP_FIXED | populate,
-                    fd,
-                    0,
-                )
-                if got != want:
-                    err = ctypes.get_errno()
+                try:
+                    map_file_at(array, rng.offset, fd, rng.nbytes, populate=bool(populate))
+                except OSError as exc:
                     raise ConfigError(
                         f"dram.path: cannot map {rng.path} at its place in the region: "
-                        f"{os.strerror(err)}"
-                    )
+                        f"{exc.strerror}"
+                    ) from None
         except BaseException:
+            del array
             reservation.close()
             raise
-        return reservation, np.frombuffer(reservation, dtype=np.uint8, count=total, offset=skip)
+        return reservation, array
 
     def range_of(self, name: str) -> RegionRange:
         """The range of a named partition ("" = the shared range); KeyError if none."""

@@ -1,0 +1,129 @@
+"""Tenant regions on a real daemon (dram.tenant_regions, docs/tenants.md): each capped
+tenant's DRAM blocks live in its own 0600 file, handed to a client over the lean
+socket (SCM_RIGHTS); a client maps only the files of the tenants it declared, so
+another tenant's bytes are never in its memory. Round trips through Client (lean
+channel and gRPC), and a warm restart that puts every file back."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+
+from kvstore.client import Client
+from tests.conftest import make_spec
+
+BLOCK = 64 << 10
+MiB = 1 << 20
+SALT_A = "a-secret-salt-3b9d"  # "alpha": its own region file
+SALT_B = "b-secret-salt-c471"  # "beta": its own region file
+SALT_C = "c-secret-salt-77aa"  # not configured: the shared region file
+SETTINGS = {
+    "dram.tenant_regions": True,
+    "quotas.tenants.alpha.tenant": SALT_A,
+    "quotas.tenants.alpha.dram_bytes": "1MiB",
+    "quotas.tenants.beta.tenant": SALT_B,
+    "quotas.tenants.beta.dram_bytes": "1MiB",
+}
+# The layout: the shared range (2 MiB) at 0, then alpha, then beta, by name.
+RANGES = {SALT_C: (0, 2 * MiB), SALT_A: (2 * MiB, 3 * MiB), SALT_B: (3 * MiB, 4 * MiB)}
+
+
+def blocks_for(hashes, salt: int):
+    return np.stack(
+        [
+            np.random.default_rng([int(h), salt]).integers(0, 256, BLOCK, dtype=np.uint8)
+            for h in hashes
+        ]
+    )
+
+
+def start(daemon_factory):
+    return daemon_factory(dram_bytes=4 * MiB, chunk_bytes=1 * MiB, settings=SETTINGS)
+
+
+def region_files(d):
+    base = str(d.settings["dram.path"])
+    return {SALT_C: base, SALT_A: base + ".tenant-alpha", SALT_B: base + ".tenant-beta"}
+
+
+def test_each_tenant_round_trips_and_reads_nothing_of_the_others(daemon_factory):
+    d = start(daemon_factory)
+    files = region_files(d)
+    for path in files.values():
+        st = os.stat(path)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    hashes = list(range(1, 9))
+    data = {salt: blocks_for(hashes, i) for i, salt in enumerate((SALT_A, SALT_B, SALT_C))}
+    clients = {salt: Client(d.address) for salt in data}
+    try:
+        spaces = {}
+        for salt, c in clients.items():
+            assert c.local is not None  # the lean channel carries the calls
+            ns = c.declare_namespace(make_spec(BLOCK, tenant=salt))
+            assert c.put(ns, hashes, data[salt]).stored == 8
+            spaces[salt] = ns
+        for salt, c in clients.items():
+            got = c.get(spaces[salt], hashes)
+            assert got.found == 8 and np.array_equal(got.data, data[salt])
+            # Straight through the mapping: the blocks are at offsets of its range.
+            handle = c.prepare_load(spaces[salt], hashes)
+            try:
+                lo, hi = RANGES[salt]
+                assert all(lo <= off < hi for off in handle.offsets)
+                assert np.array_equal(c.view(int(handle.offsets[0]), BLOCK), data[salt][0])
+            finally:
+                c.release(handle.lease_id)
+        # What a client maps of the other tenants' ranges is its own empty memory.
+        for salt, c in clients.items():
+            for other, (lo, hi) in RANGES.items():
+                if other in (salt, SALT_C):
+                    continue
+                assert not c.view(lo, hi - lo).any(), (salt, other)
+        # Each file holds its tenant's bytes and none of another's.
+        for salt, path in files.items():
+            with open(path, "rb") as f:
+                content = f.read()
+            for other, blocks in data.items():
+                present = blocks[0].tobytes() in content
+                assert present == (other == salt), (salt, other)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def test_a_grpc_only_client_still_maps_its_tenants_file(daemon_factory):
+    d = start(daemon_factory)
+    hashes = list(range(100, 104))
+    blocks = blocks_for(hashes, 9)
+    with Client(d.address, local_channel=False) as c:
+        assert c.local is None
+        ns = c.declare_namespace(make_spec(BLOCK, tenant=SALT_A))
+        assert c.put(ns, hashes, blocks).stored == 4
+        handle = c.prepare_load(ns, hashes)
+        try:
+            assert all(2 * MiB <= off < 3 * MiB for off in handle.offsets)
+            assert np.array_equal(c.view(int(handle.offsets[0]), BLOCK), blocks[0])
+        finally:
+            c.release(handle.lease_id)
+        got = c.get(ns, hashes)
+        assert got.found == 4 and np.array_equal(got.data, blocks)
+
+
+def test_a_warm_restart_serves_every_tenants_blocks_from_its_file(daemon_factory):
+    d = start(daemon_factory)
+    hashes = list(range(1, 5))
+    data = {SALT_A: blocks_for(hashes, 1), SALT_C: blocks_for(hashes, 3)}
+    with Client(d.address) as c:
+        for salt, blocks in data.items():
+            assert (
+                c.put(c.declare_namespace(make_spec(BLOCK, tenant=salt)), hashes, blocks).stored
+                == 4
+            )
+    assert d.stop(keep_region=True) == 0
+    d.start()
+    with Client(d.address) as c:
+        for salt, blocks in data.items():
+            got = c.get(c.declare_namespace(make_spec(BLOCK, tenant=salt)), hashes)
+            assert got.found == 4 and np.array_equal(got.data, blocks), salt
