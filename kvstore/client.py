@@ -340,6 +340,16 @@ class Client:
             known = tenants[tenant] = self._map_tenant(ns)
         return known
 
+    def _check_reach(self, ns: Namespace, tier: str) -> None:
+        """Two-phase calls hand out offsets the caller copies through this client's
+        mapping: refused when the namespace's tenant region is not mapped here
+        (its slots there would be this process's own empty memory)."""
+        if tier == "dram" and self._tenants is not None and not self._reaches(ns):
+            raise errors.StateConflict(
+                f"the tenant region of namespace {ns.namespace_id} is not mapped in this "
+                "process (the daemon did not hand it over); put/get go inline instead"
+            )
+
     def _map_tenant(self, ns: Namespace) -> bool:
         """Map the namespace's tenant range over its place in the reservation, with the
         descriptor the daemon hands over the lean socket (SCM_RIGHTS); False when it
@@ -700,6 +710,7 @@ class Client:
         tier: str = "dram",
     ) -> StoreHandle:
         """Reserve slots in `tier` ("dram", or "gpu": offsets into gpu_pool())."""
+        self._check_reach(ns, tier)
         packed = pack_hashes(hashes)
         tier_value = _tier_value(tier)
         sent_s = self._clock()
@@ -839,6 +850,7 @@ class Client:
     ) -> LoadHandle:
         """Pin the longest present prefix (after pulling it from peer_hint, if given),
         moved into `tier` first ("gpu": offsets into gpu_pool())."""
+        self._check_reach(ns, tier)
         packed = pack_hashes(hashes)
         tier_value = _tier_value(tier)
         sent_s = self._clock()

@@ -127,3 +127,60 @@ def test_a_warm_restart_serves_every_tenants_blocks_from_its_file(daemon_factory
         for salt, blocks in data.items():
             got = c.get(c.declare_namespace(make_spec(BLOCK, tenant=salt)), hashes)
             assert got.found == 4 and np.array_equal(got.data, blocks), salt
+
+
+def test_map_tenant_on_the_wire(daemon_factory):
+    """The raw lean-socket exchange: the descriptor only on a map_tenant alone in its
+    frame, only for a tenant with its own region, sized to that region."""
+    import mmap
+    import socket
+
+    from kvstore import local_wire as w
+    from kvstore.errors import InvalidRequest, NamespaceNotFound
+    from kvstore.local_client import LocalChannel
+    from kvstore.local_server import local_socket_path
+
+    d = start(daemon_factory)
+    path = local_socket_path(d.socket_path)
+    hashes = list(range(1, 3))
+    blocks = blocks_for(hashes, 5)
+    with Client(d.address) as c:
+        a = c.declare_namespace(make_spec(BLOCK, tenant=SALT_A))
+        shared = c.declare_namespace(make_spec(BLOCK, tenant=SALT_C))
+        assert c.put(a, hashes, blocks).stored == 2
+    ch = LocalChannel.open(path, "wire-test", 5.0)
+    try:
+        answer, fd = ch.map_tenant(a.namespace_id)
+        assert fd is not None and (answer.offset, answer.nbytes) == (2 * MiB, MiB)
+        try:
+            assert os.fstat(fd).st_size == MiB
+            with mmap.mmap(fd, 0) as m:
+                assert blocks[0].tobytes() in bytes(m)
+        finally:
+            os.close(fd)
+        answer, fd = ch.map_tenant(shared.namespace_id)
+        assert fd is None and answer.nbytes == 0  # the shared file, at Hello's path
+        try:
+            ch.map_tenant("0" * 32)
+            raise AssertionError("an unknown namespace was answered")
+        except NamespaceNotFound:
+            pass
+    finally:
+        ch.close()
+    # Beside another request in one frame: refused (the descriptor would ride on a
+    # frame that carries other answers), and the frame refused as a whole.
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5.0)
+    sock.connect(path)
+    try:
+        sock.sendall(w.frame([w.Hello(1, "wire-test")]))
+        hello = sock.recv(4096)
+        assert isinstance(w.reply_decoder.decode(hello[w.HEADER.size :])[0], w.HelloReply)
+        sock.sendall(w.frame([w.MapTenant(2, a.namespace_id), w.Lookup(3, a.namespace_id, b"")]))
+        msg, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+        assert fds == []
+        (reply,) = w.reply_decoder.decode(msg[w.HEADER.size :])
+        assert isinstance(reply, w.Error) and reply.reason == InvalidRequest.reason
+        assert "alone in its frame" in reply.message
+    finally:
+        sock.close()
