@@ -315,3 +315,27 @@ def test_a_partial_chunk_cap_gets_its_range_in_whole_chunks():
     assignments += ["quotas.tenants.nocap.tenant=x"]  # no DRAM cap: shares range 0
     (only,) = tenant_regions(load_config(environ={}, assignments=assignments))
     assert (only.name, only.tenant, only.nbytes) == ("alpha", SALT_A, 512 << 10)
+
+
+def test_partitioned_allocator_keeps_each_range_to_itself():
+    from kvstore.tiers.dram import PartitionedAllocator
+
+    chunk = 64 * KiB
+    a = PartitionedAllocator([(0, 2 * chunk), (2 * chunk, chunk)], chunk)
+    assert (a.capacity_bytes, a.num_chunks) == (3 * chunk, 3)
+    own = [a.alloc(4096, 1) for _ in range(16)]
+    assert all(2 * chunk <= o < 3 * chunk for o in own) and a.alloc(4096, 1) is None
+    assert a.alloc(4096, 0) == 0  # the shared range still has room
+    assert a.size_classes(1) == [4096] and a.chunks_of(4096, 1) == [2]
+    assert list(a.chunk_slots(2)) == sorted(own)
+    a.free(own[0])
+    assert a.alloc(4096, 1) == own[0] and a.used_bytes == 17 * 4096
+    # A rebuild (warm restart) puts each slot back in its own range; one that
+    # does not fit there (past the end, misaligned) is refused.
+    b = PartitionedAllocator([(0, 2 * chunk), (2 * chunk, chunk)], chunk)
+    rejected = b.rebuild([(0, 4096), (2 * chunk, 4096), (2 * chunk + 100, 4096), (3 * chunk, 64)])
+    assert sorted(rejected) == [(2 * chunk + 100, 4096), (3 * chunk, 64)]
+    assert b.part_of(2 * chunk) == 1 and b.slot_bytes_at(2 * chunk) == 4096
+    assert b.used_bytes == 2 * 4096 and b.free_chunks == 1
+    with pytest.raises(ConfigError, match="whole chunks"):
+        PartitionedAllocator([(0, chunk), (chunk, chunk // 2)], chunk)
