@@ -538,10 +538,12 @@ class Client:
         self._region_identity = ident
         _unmap(old)
 
-    def _follow_for(self, region_id: int, lease_id: int) -> None:
-        """_follow_region for a just-prepared lease: released if its space is unreachable."""
+    def _follow_for(self, region_id: int, lease_id: int, ns: Namespace, tier: str) -> None:
+        """_follow_region for a just-prepared lease: released if its space is unreachable
+        (with tenant regions: the new daemon's range of the lease's tenant too)."""
         try:
             self._follow_region(region_id)
+            self._check_reach(ns, tier)
         except BaseException:
             self.release(lease_id, wait=False)
             raise
@@ -732,7 +734,8 @@ class Client:
                 ),
                 ns=ns,
             )
-        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
+        # offsets are the answering daemon's
+        self._follow_for(reply.region_id, reply.lease_id, ns, tier)
         return StoreHandle(
             reply.lease_id,
             ns,
@@ -875,7 +878,8 @@ class Client:
                 timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
                 ns=ns,
             )
-        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
+        # offsets are the answering daemon's
+        self._follow_for(reply.region_id, reply.lease_id, ns, tier)
         return LoadHandle(
             reply.lease_id,
             ns,
@@ -1144,7 +1148,7 @@ class Client:
                     if i:  # earlier chunks were copied from another daemon's region
                         self.release(reply.lease_id, wait=False)
                         raise errors.Unavailable("the daemon restarted during a get; retry it")
-                    self._follow_for(reply.region_id, reply.lease_id)
+                    self._follow_for(reply.region_id, reply.lease_id, ns, tier)
                     space = self._space_of(reply.lease_id, tier)
                 complete = reply.found_blocks == e - s
                 if complete and i + 1 < len(chunks):

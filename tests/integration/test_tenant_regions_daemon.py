@@ -184,3 +184,28 @@ def test_map_tenant_on_the_wire(daemon_factory):
         assert "alone in its frame" in reply.message
     finally:
         sock.close()
+
+
+def test_a_client_that_outlives_a_restart_maps_the_new_daemons_tenant_file(daemon_factory):
+    d = daemon_factory(
+        dram_bytes=4 * MiB,
+        chunk_bytes=1 * MiB,
+        settings={**SETTINGS, "dram.warm_restart": False},
+    )
+    before, after = list(range(1, 5)), list(range(11, 15))
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK, tenant=SALT_A))
+        assert c.put(ns, before, blocks_for(before, 1)).stored == 4
+        assert d.stop(keep_region=True) == 0
+        d.start()  # a new region: new files, new region_id, nothing kept
+        new = blocks_for(after, 2)
+        assert c.put(ns, after, new).stored == 4  # re-declared, re-mapped, the new file
+        got = c.get(ns, after)
+        assert got.found == 4 and np.array_equal(got.data, new)
+        handle = c.prepare_load(ns, after)
+        try:
+            assert np.array_equal(c.view(int(handle.offsets[0]), BLOCK), new[0])
+        finally:
+            c.release(handle.lease_id)
+        with open(region_files(d)[SALT_A], "rb") as f:
+            assert new[0].tobytes() in f.read()
