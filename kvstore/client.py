@@ -52,6 +52,7 @@ from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.identity import client_token, token_metadata
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
+from kvstore.tiers.dram import PAGE_BYTES, map_file_at, reserve_addresses
 from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import store_pb2 as pb
 from kvstore.v1 import store_pb2_grpc as pb_grpc
@@ -190,13 +191,19 @@ FileIdentity = tuple[int, int]  # (st_dev, st_ino): unique among live files
 
 
 def _map_file(
-    path: str, nbytes: int, keep: FileIdentity | None = None
+    path: str, nbytes: int, keep: FileIdentity | None = None, *, shared_only: bool = False
 ) -> tuple[mmap.mmap | None, np.ndarray | None, FileIdentity | None]:
     """Map a daemon's shared-memory file; (None, None, None) when this process cannot
     (another host, no access): the client then uses the inline calls.
 
     When the file at ``path`` is the one already mapped (identity ``keep``:
     a warm restart kept it), nothing is mapped: (None, None, keep).
+
+    ``shared_only``: the region file may be shorter than ``nbytes`` (a daemon
+    with tenant regions: it holds the shared range only). Then ``nbytes`` of
+    addresses are reserved and the file mapped at their start; the tenants'
+    ranges this client may map go over the rest (Client._map_tenant), and what
+    stays unmapped is this process's own empty memory, never a tenant's bytes.
     """
     try:
         fd = os.open(path, os.O_RDWR)
@@ -208,11 +215,25 @@ def _map_file(
         if ident == keep:
             return None, None, keep
         if st.st_size < nbytes:
-            return None, None, None
+            if not shared_only or not st.st_size or st.st_size % PAGE_BYTES:
+                return None, None, None
+            reservation, array = reserve_addresses(nbytes)
+            try:
+                map_file_at(array, 0, fd, st.st_size, populate=True)
+            except OSError:
+                del array
+                reservation.close()
+                return None, None, None
+            return reservation, array, ident
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     finally:
         os.close(fd)
     return mapping, np.frombuffer(mapping, dtype=np.uint8), ident
+
+
+def _reserved(mapping: mmap.mmap | None, nbytes: int) -> bool:
+    """Whether _map_file mapped a shorter shared file into a reservation (tenant regions)."""
+    return mapping is not None and len(mapping) != nbytes
 
 
 def _unmap(mapping: mmap.mmap | None) -> None:
@@ -289,6 +310,11 @@ class Client:
         self._releaser: _Releaser | None = None
         self._map_region = map_region
         self._region_identity: FileIdentity | None = None
+        # Tenant regions (the daemon's dram.tenant_regions): the tenants whose
+        # blocks this client can reach in its mapping (True) or not (False: their
+        # calls go inline); None = the whole region file is mapped. Bounded by the
+        # tenants this client declares namespaces of.
+        self._tenants: dict[str, bool] | None = None
         self.info = self._call(self._stub.Hello, pb.HelloRequest())
         # The lean local channel (kvstore.local_client) for the hot path, when the
         # daemon serves one; None: every call goes over gRPC.
@@ -302,9 +328,75 @@ class Client:
             if self.local is None:
                 self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
         if map_region:
-            self._mmap, self.region, self._region_identity = _map_file(
-                self.info.region_path, self.info.region_bytes
+            self._map_whole_region()
+
+    def _map_whole_region(self) -> None:
+        """Map the region file of the daemon Hello answered (tenant ranges come later)."""
+        old = self._mmap
+        self._mmap, self.region, self._region_identity = _map_file(
+            self.info.region_path, self.info.region_bytes, shared_only=True
+        )
+        self._tenants = {} if _reserved(self._mmap, self.info.region_bytes) else None
+        _unmap(old)
+
+    def _reaches(self, ns: Namespace) -> bool:
+        """Whether this client's mapping holds the namespace's blocks (its tenant's range
+        mapped, or the whole region); asked of the daemon once per tenant."""
+        tenants = self._tenants
+        if tenants is None:
+            return self.region is not None
+        tenant = ns.spec.tenant
+        known = tenants.get(tenant)
+        if known is None:
+            known = tenants[tenant] = self._map_tenant(ns)
+        return known
+
+    def _check_reach(self, ns: Namespace, tier: str) -> None:
+        """Two-phase calls hand out offsets the caller copies through this client's
+        mapping: refused when the namespace's tenant region is not mapped here
+        (its slots there would be this process's own empty memory)."""
+        if tier == "dram" and self._tenants is not None and not self._reaches(ns):
+            raise errors.StateConflict(
+                f"the tenant region of namespace {ns.namespace_id} is not mapped in this "
+                "process (the daemon did not hand it over); put/get go inline instead"
             )
+
+    def _map_tenant(self, ns: Namespace) -> bool:
+        """Map the namespace's tenant range over its place in the reservation, with the
+        descriptor the daemon hands over the lean socket (SCM_RIGHTS); False when it
+        will not or cannot (the tenant's calls then go inline over gRPC)."""
+        from kvstore.local_server import local_socket_path
+
+        if self.region is None or not self.info.socket_path:
+            return False
+        try:
+            ch = LocalChannel.open(
+                local_socket_path(self.info.socket_path),
+                self.client_id,
+                self.timeout_s,
+                self._token,  # who asks decides which tenants' files it is handed
+            )
+            try:
+                answer, fd = ch.map_tenant(ns.namespace_id)
+            finally:
+                ch.close()
+        except (OSError, errors.KVStoreError) as exc:
+            log.debug("kvstore: tenant range of %s not mapped (%s)", ns.namespace_id, exc)
+            return False
+        if answer.region_id != self.info.region_id:
+            if fd is not None:
+                os.close(fd)
+            return False  # another daemon's: the next call follows the restart
+        if fd is None:
+            return True  # the tenant shares the region file: mapped already
+        try:
+            map_file_at(self.region, answer.offset, fd, answer.nbytes, populate=True)
+        except (OSError, ValueError) as exc:
+            log.debug("kvstore: cannot map the tenant range of %s: %s", ns.namespace_id, exc)
+            return False
+        finally:
+            os.close(fd)
+        return True
 
     # ------------------------------------------------------------ plumbing
 
@@ -473,20 +565,31 @@ class Client:
         self._gpu_mmap = None
         if not self._map_region:
             return
+        if self._tenants is not None or self.region is None:
+            # Tenant ranges: their files and layout are the new daemon's; all mapped anew.
+            self._map_whole_region()
+            return
         same_size = self.region is not None and len(self.region) == info.region_bytes
         mapping, region, ident = _map_file(
-            info.region_path, info.region_bytes, keep=self._region_identity if same_size else None
+            info.region_path,
+            info.region_bytes,
+            keep=self._region_identity if same_size else None,
+            shared_only=True,
         )
+        # The new daemon may have tenant regions: then its tenants are asked anew.
+        self._tenants = {} if _reserved(mapping, info.region_bytes) else None
         if ident is not None and ident == self._region_identity and region is None:
             return  # a warm restart kept the file this client maps
         old, self._mmap, self.region = self._mmap, mapping, region
         self._region_identity = ident
         _unmap(old)
 
-    def _follow_for(self, region_id: int, lease_id: int) -> None:
-        """_follow_region for a just-prepared lease: released if its space is unreachable."""
+    def _follow_for(self, region_id: int, lease_id: int, ns: Namespace, tier: str) -> None:
+        """_follow_region for a just-prepared lease: released if its space is unreachable
+        (with tenant regions: the new daemon's range of the lease's tenant too)."""
         try:
             self._follow_region(region_id)
+            self._check_reach(ns, tier)
         except BaseException:
             self.release(lease_id, wait=False)
             raise
@@ -655,6 +758,7 @@ class Client:
         tier: str = "dram",
     ) -> StoreHandle:
         """Reserve slots in `tier` ("dram", or "gpu": offsets into gpu_pool())."""
+        self._check_reach(ns, tier)
         packed = pack_hashes(hashes)
         tier_value = _tier_value(tier)
         sent_s = self._clock()
@@ -676,7 +780,8 @@ class Client:
                 ),
                 ns=ns,
             )
-        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
+        # offsets are the answering daemon's
+        self._follow_for(reply.region_id, reply.lease_id, ns, tier)
         return StoreHandle(
             reply.lease_id,
             ns,
@@ -794,6 +899,7 @@ class Client:
     ) -> LoadHandle:
         """Pin the longest present prefix (after pulling it from peer_hint, if given),
         moved into `tier` first ("gpu": offsets into gpu_pool())."""
+        self._check_reach(ns, tier)
         packed = pack_hashes(hashes)
         tier_value = _tier_value(tier)
         sent_s = self._clock()
@@ -818,7 +924,8 @@ class Client:
                 timeout_s=(peer_timeout_s or self.timeout_s) + (2.0 if peer_hint else 0.0),
                 ns=ns,
             )
-        self._follow_for(reply.region_id, reply.lease_id)  # offsets are the answering daemon's
+        # offsets are the answering daemon's
+        self._follow_for(reply.region_id, reply.lease_id, ns, tier)
         return LoadHandle(
             reply.lease_id,
             ns,
@@ -963,7 +1070,7 @@ class Client:
         CUDA tensor) when the node has a GPU tier.
         """
         n = len(hashes)
-        if tier == "dram" and self.region is None:
+        if tier == "dram" and not self._reaches(ns):
             data = _as_rows(blocks, n, ns.block_bytes)
             reply = self._call(
                 self._stub.PutInline,
@@ -1016,7 +1123,7 @@ class Client:
         tier="gpu" reads through the daemon's GPU pool (blocks are moved up first).
         """
         n = len(hashes)
-        space = self._space(tier) if tier != "dram" or self.region is not None else None
+        space = self._space(tier) if tier != "dram" or self._reaches(ns) else None
         if (out is not None and _is_cuda(out)) or _is_cuda(space):
             if space is None:
                 raise errors.Unavailable(
@@ -1109,7 +1216,7 @@ class Client:
                     if i:  # earlier chunks were copied from another daemon's region
                         self.release(reply.lease_id, wait=False)
                         raise errors.Unavailable("the daemon restarted during a get; retry it")
-                    self._follow_for(reply.region_id, reply.lease_id)
+                    self._follow_for(reply.region_id, reply.lease_id, ns, tier)
                     space = self._space_of(reply.lease_id, tier)
                 complete = reply.found_blocks == e - s
                 if complete and i + 1 < len(chunks):

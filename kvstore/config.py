@@ -76,6 +76,11 @@ class DramConfig(_Section):
     warm_restart: bool = True
     """On SIGTERM keep the region file and write <path>.manifest, so a restart with the
     same config serves its blocks again; false = unlink the region on exit."""
+    tenant_regions: bool = False
+    """Give each [quotas.tenants.<name>] with a dram_bytes cap its own region file
+    (<path>.tenant-<name>, 0600, sized by the cap in whole chunks), so a local client can
+    map only its tenant's blocks; the rest of capacity_bytes is the shared region of the
+    other tenants (docs/tenants.md). Needs capacity_bytes in whole chunks."""
 
 
 class EvictionConfig(_Section):

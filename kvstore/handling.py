@@ -225,6 +225,21 @@ class StoreRequests:
             raise errors.InvalidRequest("peer_timeout_s must be >= 0")
         await self.peer_fill(namespace_id, hashes, peer_hint, peer_timeout_s)
 
+    def map_tenant(
+        self, namespace_id: str, who: Caller | None = None
+    ) -> tuple[int, int, int | None]:
+        """(offset, bytes, descriptor) of the region range holding the namespace's
+        blocks: the descriptor of its tenant's own file (the daemon's; the caller
+        sends a copy), or (0, 0, None) when the tenant shares the region file."""
+        # Who may be handed which tenant's file: whoever may use its namespaces
+        # (auth.principals; without them, every caller the channel admitted).
+        self.allow_namespace(who, namespace_id, "MapTenant")
+        self.manager.namespace(namespace_id)  # NOT_FOUND for an id nobody declared
+        name, offset, nbytes = self.manager.tenant_range(namespace_id)
+        if not nbytes:
+            return 0, 0, None
+        return offset, nbytes, self.manager.region.fd_of(name)
+
     def declare_namespace(self, spec: NamespaceSpec, who: Caller | None = None) -> Declared:
         if self.auth is not None:
             principal = self._identified(who, "DeclareNamespace")

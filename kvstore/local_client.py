@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,16 @@ from typing import Any
 import msgspec
 
 from kvstore import errors
-from kvstore.local_wire import HEADER, Error, Hello, HelloReply, reply_decoder, request_encoder
+from kvstore.local_wire import (
+    HEADER,
+    Error,
+    Hello,
+    HelloReply,
+    MapTenant,
+    TenantRange,
+    reply_decoder,
+    request_encoder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +98,46 @@ class LocalChannel:
         ch.node_id = reply.node_id
         ch.ops = frozenset(reply.ops)
         return ch
+
+    def map_tenant(self, namespace_id: str) -> tuple[TenantRange, int | None]:
+        """The namespace's tenant range and, when it has its own, the descriptor of its
+        region file (the caller closes it). For a channel of its own that nothing
+        else uses (``open`` then this): the answer is read with recvmsg, past the
+        buffered reader, for the descriptor it carries."""
+        seq = self._next_seq()
+        self._send([MapTenant(seq, namespace_id)])
+        data = b""
+        fds: list[int] = []
+        try:
+            while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
+                want = HEADER.size if len(data) < HEADER.size else HEADER.unpack_from(data)[0]
+                chunk, got, _, _ = socket.recv_fds(self._sock, max(want, 1), 1)
+                fds += got
+                if not chunk:
+                    raise self._break("the daemon closed the connection mid-answer")
+                data += chunk
+            (reply,) = reply_decoder.decode(data[HEADER.size :])
+            if isinstance(reply, Error):
+                raise error_of(reply)
+            if not isinstance(reply, TenantRange) or reply.seq != seq:
+                raise self._break("bad answer to map_tenant")
+            if reply.nbytes and len(fds) != 1:
+                raise errors.Unavailable("the daemon sent no region descriptor")
+        except TimeoutError:
+            raise self._break(f"no answer within {self.timeout_s}s", deadline=True) from None
+        except (OSError, ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            for fd in fds:
+                os.close(fd)
+            raise self._break(f"map_tenant failed: {exc}") from None
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if not reply.nbytes:
+            for fd in fds:
+                os.close(fd)
+            return reply, None
+        return reply, fds[0]
 
     # ------------------------------------------------------------ sending
 

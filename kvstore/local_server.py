@@ -26,6 +26,7 @@ the problem, and the connection goes on.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import logging
@@ -61,11 +62,13 @@ from kvstore.local_wire import (
     LoadPrepared,
     Looked,
     Lookup,
+    MapTenant,
     PrepareLoad,
     PrepareStore,
     Release,
     Released,
     StorePrepared,
+    TenantRange,
     raw_decoder,
     request_decoder,
 )
@@ -83,6 +86,7 @@ _RPC_NAMES: dict[type, str] = {
     Release: "Release",
     Delete: "Delete",
     FetchFromPeer: "FetchFromPeer",
+    MapTenant: "MapTenant",
 }
 LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
 SUFFIX = ".lean"
@@ -159,6 +163,8 @@ class _Connection(asyncio.Protocol):
         self.busy: asyncio.Task[Any] | None = None  # a load that may wait (moves between tiers)
         self.paused = False  # the client is not reading its answers: read no more
         self.closed = False
+        # A tenant region's descriptor for the answer being built (map_tenant).
+        self.fd_out: int | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -202,6 +208,44 @@ class _Connection(asyncio.Protocol):
     def _reply(self, replies: list[Any]) -> None:
         assert self.transport is not None
         body = msgspec.msgpack.encode(replies)
+        if self.fd_out is not None:
+            fd, self.fd_out = self.fd_out, None
+            self._reply_with_fd(replies, HEADER.pack(len(body)) + body, fd)
+            return
+        self.transport.write(HEADER.pack(len(body)) + body)
+
+    def _reply_with_fd(self, replies: list[Any], data: bytes, fd: int) -> None:
+        """Send a map_tenant answer with the descriptor on its first byte (SCM_RIGHTS).
+
+        Written past the transport, so only when its buffer is empty (nothing
+        queued could then come after the answer); the map_tenant was alone in
+        its frame and the client waits for it, so that is the normal case."""
+        assert self.transport is not None
+        sent = 0
+        if not self.transport.get_write_buffer_size():
+            sock = self.transport.get_extra_info("socket")
+            # A socket object of our own over a copy of the descriptor (the
+            # transport's stays untouched); sendmsg on a non-blocking socket.
+            own = socket.socket(fileno=os.dup(sock.fileno()))
+            try:
+                sent = own.sendmsg(
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                )
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                log.debug("lean channel: map_tenant answer not sent: %s", exc)
+                self.close()
+                return
+            finally:
+                own.close()
+        if sent:
+            if sent < len(data):
+                self.transport.write(data[sent:])
+            return
+        seq = replies[0].seq
+        retry = Error(seq, errors.Unavailable.reason, "map_tenant: the connection is busy; retry")
+        body = msgspec.msgpack.encode([retry])
         self.transport.write(HEADER.pack(len(body)) + body)
 
     def _process(self) -> None:
@@ -238,6 +282,16 @@ class _Connection(asyncio.Protocol):
                     else f"malformed frame: {exc}"
                 )
                 self._reply([Error(0, errors.InvalidRequest.reason, text[:1024])])
+                continue
+            if len(messages) > 1 and any(isinstance(m, MapTenant) for m in messages):
+                # Its descriptor rides on the answer frame's first byte: alone, or not at all.
+                self._reply(
+                    [
+                        Error(
+                            0, errors.InvalidRequest.reason, "map_tenant must be alone in its frame"
+                        )
+                    ]
+                )
                 continue
             self._run(messages, 0, [])
 
@@ -387,6 +441,8 @@ class LocalServer:
             # A pull waits for the peer: a task, the connection's later requests
             # wait for it, in order (as a load that promotes from disk).
             return False, asyncio.ensure_future(self._fetch_from_peer(m, conn))
+        if isinstance(m, MapTenant):
+            return True, self._map_tenant(conn, m)
         if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
             # Moves between tiers first (disk promotion): a task; the connection's
             # later requests wait for it, in order.
@@ -460,6 +516,15 @@ class LocalServer:
             r.verify_s,
             r.pieces,
         )
+
+    def _map_tenant(self, conn: _Connection, m: MapTenant) -> Any:
+        try:
+            offset, nbytes, fd = self.requests.map_tenant(m.namespace_id, conn.who)
+        except errors.KVStoreError as exc:  # refusals are audited where they are decided
+            return Error(m.seq, exc.reason, errors.details_of(exc))
+        if fd is not None and m.seq:
+            conn.fd_out = fd
+        return TenantRange(m.seq, offset, nbytes, self._region_id())
 
     async def _load(self, m: PrepareLoad, conn: _Connection) -> Any:
         try:

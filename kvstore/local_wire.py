@@ -118,6 +118,16 @@ class FetchFromPeer(_Message, frozen=True, tag="fetch_from_peer"):
     timeout_s: float = 0.0
 
 
+class MapTenant(_Message, frozen=True, tag="map_tenant"):
+    """Where the namespace's tenant keeps its DRAM blocks: the answer carries the
+    descriptor of the tenant's own region file (SCM_RIGHTS) when it has one
+    (dram.tenant_regions). Alone in its frame, on a connection with nothing else
+    in flight (the client opens one for it): the descriptor rides on the
+    answer's first byte."""
+
+    namespace_id: Id
+
+
 Request = (
     Hello
     | Declare
@@ -128,6 +138,7 @@ Request = (
     | Release
     | Delete
     | FetchFromPeer
+    | MapTenant
 )
 REQUEST_TAGS = (
     "hello",
@@ -139,6 +150,7 @@ REQUEST_TAGS = (
     "release",
     "delete",
     "fetch_from_peer",
+    "map_tenant",
 )
 # Ops a daemon serves only when configured so (peers); HelloReply.ops lists them.
 OPTIONAL_OPS = ("fetch_from_peer",)
@@ -212,6 +224,16 @@ class Fetched(_Message, frozen=True, tag="fetched"):
     pieces: int
 
 
+class TenantRange(_Message, frozen=True, tag="map_tenant"):
+    """The tenant's range of the region's offsets: bytes 0 = none of its own (it
+    shares the region file at Hello's path); else the frame carries one descriptor
+    to map over [offset, offset + nbytes). ``region_id`` as in Hello."""
+
+    offset: int
+    nbytes: int
+    region_id: int
+
+
 class Error(_Message, frozen=True, tag="error"):
     """A refused request: ``reason`` is the kvstore.errors class's reason code.
     ``seq`` 0: the frame itself was refused (malformed, oversize), not one request."""
@@ -230,6 +252,7 @@ Reply = (
     | Released
     | Deleted
     | Fetched
+    | TenantRange
     | Error
 )
 

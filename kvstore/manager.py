@@ -68,9 +68,9 @@ from kvstore.movers import warm
 from kvstore.movers.disk import DiskLayer
 from kvstore.namespace import Block, Namespace, NamespaceSpec
 from kvstore.placement import Counters, Placement, StoredBatch
-from kvstore.quotas import QuotaTable, TenantStats
+from kvstore.quotas import QuotaTable, TenantStats, tenant_regions
 from kvstore.tiers import Tier
-from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
+from kvstore.tiers.dram import PartitionedAllocator, Region, SlabAllocator, slot_bytes_for
 
 if TYPE_CHECKING:
     from kvstore.movers.gpu import GpuLayer
@@ -166,7 +166,22 @@ class BlockManager:
         self.node_id = config.node_id
         self.region = region
         self.sink: EventSink = sink or NullSink()
-        self.allocator = SlabAllocator(config.dram.capacity_bytes, config.dram.chunk_bytes)
+        # Tenant regions (dram.tenant_regions): a capped tenant's slots come from its
+        # own range of the region, its own file; the other tenants share range 0.
+        self.tenant_parts: dict[str, int] = {}
+        self.allocator: SlabAllocator = SlabAllocator(
+            config.dram.capacity_bytes, config.dram.chunk_bytes
+        )
+        if own := tenant_regions(config):
+            try:
+                self.tenant_parts = {
+                    r.tenant: region.ranges.index(region.range_of(r.name)) for r in own
+                }
+            except KeyError as exc:
+                raise ConfigError(f"dram.tenant_regions: the region has no range {exc}") from None
+            self.allocator = PartitionedAllocator(
+                [(g.offset, g.nbytes) for g in region.ranges], config.dram.chunk_bytes
+            )
         self.namespaces: dict[str, Namespace] = {}
         self.leases = LeaseTable()
         # Where every block lives and what pins it: the one owner (kvstore.placement).
@@ -184,6 +199,7 @@ class BlockManager:
             copy_order=config.eviction.copy_order,
             pulled_admission=config.eviction.pulled_admission,
             replica_promote_loads=config.eviction.replica_promote_loads,
+            dram_parts=self.tenant_parts,
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
@@ -236,6 +252,16 @@ class BlockManager:
         if self.disk is not None:
             self.disk.attach(ns)  # its recovered disk blocks, announced
         return ns
+
+    def tenant_range(self, ns_id: str) -> tuple[str, int, int]:
+        """(name, offset, bytes) of the region range the namespace's blocks live in:
+        its tenant's own with dram.tenant_regions, else ("", 0, 0) (the shared one)."""
+        ns = self.namespace(ns_id)
+        part = self.tenant_parts.get(ns.tenant, 0)
+        if not part:
+            return "", 0, 0
+        rng = self.region.ranges[part]
+        return rng.name, rng.offset, rng.nbytes
 
     def namespace(self, ns_id: str) -> Namespace:
         ns = self.namespaces.get(ns_id)

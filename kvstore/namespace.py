@@ -175,6 +175,9 @@ class TenantAccount:
     # walking the other tenants' blocks. None for a tier without a cap.
     order: list[dict[Block, None] | None] = field(default_factory=lambda: [None] * 4)
     namespaces: int = 0  # declared namespaces of this tenant the placement has seen
+    # The DRAM range its slots come from: 0 = the shared one, i > 0 = the tenant's
+    # own region file (dram.tenant_regions; kvstore.tiers.dram.PartitionedAllocator).
+    dram_part: int = 0
 
     def over(self, tier: Tier, extra_bytes: int) -> bool:
         """True when ``extra_bytes`` more in ``tier`` would pass its cap."""
@@ -196,6 +199,14 @@ class Namespace:
     used_bytes: int = 0
     # Its tenant's usage and caps (set by kvstore.placement on first use).
     account: TenantAccount | None = None
+    # The key of its DRAM eviction order: its slot size, plus its tenant's range
+    # times kvstore.tiers.dram.PART_KEY_STRIDE with tenant regions (set with
+    # ``account``), so a range's victims are never searched among another's.
+    dram_key: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dram_key:
+            self.dram_key = self.slot_bytes
 
     # EventSink's NamespaceRef view
     @property

@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -44,7 +44,7 @@ from kvstore.eviction.base import EvictionPolicy
 from kvstore.namespace import Block, BlockState, Namespace, TenantAccount, Tier
 from kvstore.quotas import QuotaTable, TenantStats
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
-from kvstore.tiers.dram import SlabAllocator
+from kvstore.tiers.dram import PART_KEY_STRIDE, SlabAllocator
 from kvstore.tiers.pool import DiskEvictionOrders, GpuSlabPool, SlabPool
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ class Placement:
         copy_order: str = "window",
         pulled_admission: str = "replica",
         replica_promote_loads: int = 2,
+        dram_parts: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not copy_ttl_s > 0:
@@ -157,6 +158,10 @@ class Placement:
         # (forget_namespace drops an account with none).
         self.quotas = quotas or QuotaTable()
         self.accounts: dict[str, TenantAccount] = {}
+        # Tenant regions (dram.tenant_regions): tenant -> its range of the DRAM
+        # region (a PartitionedAllocator's part); the others share range 0. With
+        # none, nothing changes: every namespace's dram_key is its slot size.
+        self.dram_parts = dict(dram_parts or {})
         self.eviction_policy = eviction_policy
         self.dram = SlabPool(dram_allocator, eviction_policy)
         self.gpu: GpuSlabPool | None = None
@@ -205,8 +210,10 @@ class Placement:
             account = self.accounts.get(ns.tenant)
             if account is None:
                 account = self.accounts[ns.tenant] = self.quotas.account(ns.tenant)
+                account.dram_part = self.dram_parts.get(ns.tenant, 0)
             account.namespaces += 1
             ns.account = account
+            ns.dram_key = ns.slot_bytes + account.dram_part * PART_KEY_STRIDE
         return account
 
     def forget_namespace(self, ns: Namespace) -> None:
@@ -294,7 +301,7 @@ class Placement:
                 if block.replica_loads >= self.replica_promote_loads:
                     self._promote_replica(block)
             return
-        self.dram.policy(block.namespace.slot_bytes).touch(block)
+        self.dram.policy(block.namespace.dram_key).touch(block)
         self._touch_tenant(block)
 
     def _touch_tenant(self, block: Block) -> None:
@@ -306,7 +313,7 @@ class Placement:
 
     def _promote_replica(self, block: Block) -> None:
         block.replica_loads = -1
-        self.dram.policy(block.namespace.slot_bytes).promote(block)
+        self.dram.policy(block.namespace.dram_key).promote(block)
         self._touch_tenant(block)
         self.counters.promoted_replicas += 1
         if self.disk is not None and block.disk_slot < 0 and block not in self.dirty:
@@ -362,7 +369,7 @@ class Placement:
                     # makes it a normal block again: it is wanted here.
                     if block.replica_loads < 0:
                         block.replica_loads = self.replica_promote_loads - 1
-                    self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
+                    self.dram.policy(block.namespace.dram_key).insert_cold(block)
         return marked
 
     def _expire_cold(self, slot_bytes: int, now_s: float) -> None:
@@ -392,7 +399,7 @@ class Placement:
         for block in blocks:
             if block.state is BlockState.COMMITTED and not block.doomed and block.offset >= 0:
                 block.replica_loads = 0
-                self.dram.policy(block.namespace.slot_bytes).insert_cold(block)
+                self.dram.policy(block.namespace.dram_key).insert_cold(block)
                 self.counters.admitted_replicas += 1
                 # Not for the demoter: a copy the source keeps is not worth a disk
                 # write (it came first in the demoter's cold-end walk, ahead of the
@@ -430,7 +437,7 @@ class Placement:
         ):
             offset = None
         else:
-            offset = self.dram.allocator.alloc(ns.slot_bytes)  # free room only
+            offset = self.dram.allocator.alloc(ns.slot_bytes, account.dram_part)  # free room only
         if offset is None:
             return None
         self.dram.owner[offset] = block
@@ -481,8 +488,8 @@ class Placement:
             return
         ns = blocks[0].namespace
         chosen = set(map(id, committed))
-        policy = self.pool(tier).policy(ns.slot_bytes)
         order = (ns.account or self.account(ns)).order[tier]  # the tenant's, if capped there
+        policy = self.pool(tier).policy(ns.dram_key if tier is Tier.DRAM else ns.slot_bytes)
         for block in blocks:
             del ns.pending[block.block_hash]
             if id(block) in chosen:
@@ -593,7 +600,7 @@ class Placement:
                     order.pop(block, None)
                 media.append(Tier.DISK.medium)
         if block.offset >= 0:
-            self.dram.policy(ns.slot_bytes).remove(block)
+            self.dram.policy(ns.dram_key).remove(block)
             if (order := orders[_DRAM]) is not None:
                 order.pop(block, None)
             media.append(Tier.DRAM.medium)
@@ -636,7 +643,7 @@ class Placement:
         if (
             quota
             and ns.used_bytes + ns.slot_bytes > quota
-            and not self._evict_one(ns.slot_bytes, only=ns, clean_only=keep_dirty)
+            and not self._evict_one(ns.dram_key, only=ns, clean_only=keep_dirty)
         ):
             return None
         # A tenant at its DRAM cap makes room from its own blocks only (never
@@ -649,12 +656,15 @@ class Placement:
             and not self._evict_own(account, Tier.DRAM, ns.slot_bytes, clean_only=keep_dirty)
         ):
             return None
+        if account.dram_part:
+            return self._allocate_own(ns, account, keep_dirty=keep_dirty)
         alloc = self.dram.allocator
         offset = alloc.alloc(ns.slot_bytes)
         if offset is not None:
             return offset
         # With a disk tier a dirty block is dropped only as a last resort: first
-        # a clean one of this size, then a chunk of another size.
+        # a clean one of this size, then a chunk of another size. With tenant
+        # regions, victims come from the shared range only (its own orders).
         if self.disk is not None and (
             self._evict_one(ns.slot_bytes, clean_only=True)
             or self._steal_chunk(ns.slot_bytes, clean_only=keep_dirty)
@@ -666,14 +676,39 @@ class Placement:
             return alloc.alloc(ns.slot_bytes)
         return None
 
+    def _allocate_own(
+        self, ns: Namespace, account: TenantAccount, *, keep_dirty: bool
+    ) -> int | None:
+        """A slot in the tenant's own DRAM range (tenant regions): room there comes
+        from its own blocks only, which all live in that range; None if it cannot
+        be made (all pinned or in flight: the answer of a full tier)."""
+        alloc, part, slot_bytes = self.dram.allocator, account.dram_part, ns.slot_bytes
+        offset = alloc.alloc(slot_bytes, part)
+        if offset is not None:
+            return offset
+        victim = self._own_victim(account, Tier.DRAM, slot_bytes, clean_only=keep_dirty)
+        if victim is not None and victim.namespace.slot_bytes == slot_bytes:
+            self._evict(victim)  # frees a slot of this size in this range
+            return alloc.alloc(slot_bytes, part)
+        if self._steal_chunk(slot_bytes, clean_only=keep_dirty, part=part):
+            return alloc.alloc(slot_bytes, part)
+        return None
+
     @staticmethod
     def _clean(block: Block) -> bool:
         return block.disk_slot >= 0
 
     def _evict_one(
-        self, slot_bytes: int, only: Namespace | None = None, *, clean_only: bool = False
+        self,
+        slot_bytes: int,
+        only: Namespace | None = None,
+        *,
+        clean_only: bool = False,
     ) -> bool:
-        """Evict the coldest unpinned block of this slot size (of one namespace if given)."""
+        """Evict the coldest unpinned block of this slot size (of one namespace if given).
+
+        ``slot_bytes`` is the key of the DRAM order (Namespace.dram_key): with
+        tenant regions, a shared tenant's size is the shared range's order."""
         # With a disk tier, prefer a clean victim (its DRAM copy goes, the block
         # stays on disk) among the coldest few before dropping a dirty one.
         # Copy-aware, a redundant copy (another node keeps the block: a pull, not
@@ -765,9 +800,10 @@ class Placement:
             self._evict(victim)
         return True
 
-    def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False) -> bool:
-        """Free a whole chunk held by another slot size whose blocks are all evictable."""
-        victims = self.dram.chunk_victims(slot_bytes, self._clean if clean_only else None)
+    def _steal_chunk(self, slot_bytes: int, *, clean_only: bool = False, part: int = 0) -> bool:
+        """Free a whole chunk held by another slot size whose blocks are all evictable
+        (in range ``part`` of a partitioned region)."""
+        victims = self.dram.chunk_victims(slot_bytes, self._clean if clean_only else None, part)
         if victims is None:
             return False
         for block in victims:
@@ -815,7 +851,7 @@ class Placement:
     def vacate_dram(self, block: Block) -> None:
         """DRAM eviction of a clean block: it stays, on disk only."""
         ns = block.namespace
-        self.dram.policy(ns.slot_bytes).remove(block)
+        self.dram.policy(ns.dram_key).remove(block)
         self._gone(block, Tier.DRAM)
         block.replica_loads = -1  # its next DRAM copy (a promotion) is a normal one
         self._free_dram_slot(block)
@@ -947,7 +983,7 @@ class Placement:
                 continue
             block.offset = offset
             self.clean_bytes += ns.slot_bytes
-            self.dram.policy(ns.slot_bytes).insert(block)
+            self.dram.policy(ns.dram_key).insert(block)
             self._resident(block, Tier.DRAM)
             promoted.append(block)
         for block, offset, corrupt in missed:
@@ -1033,7 +1069,7 @@ class Placement:
         DRAM (a disk copy stays) and enters the pool."""
         assert self.gpu is not None
         ns = block.namespace
-        self.dram.policy(ns.slot_bytes).remove(block)
+        self.dram.policy(ns.dram_key).remove(block)
         self._gone(block, Tier.DRAM)
         block.replica_loads = -1
         self._free_dram_slot(block)
@@ -1054,7 +1090,7 @@ class Placement:
     def _into_dram(self, block: Block, offset: int) -> None:
         ns = block.namespace
         block.offset = offset
-        self.dram.policy(ns.slot_bytes).insert(block)
+        self.dram.policy(ns.dram_key).insert(block)
         self._resident(block, Tier.DRAM)
         if self.disk is not None:
             if block.disk_slot >= 0:
@@ -1071,9 +1107,20 @@ class Placement:
         offset, checksum)``, on an empty pool. Returns the blocks restored (no
         events: the caller announces each namespace's) and how many were refused."""
         alloc = self.dram.allocator
+        given = len(blocks)
+        if self.dram_parts:
+            # A slot outside its tenant's range (the tenant regions changed since
+            # the manifest was written) would put its bytes in another tenant's
+            # file: refused, like any slot that does not fit.
+            misplaced = {
+                (offset, ns.slot_bytes)
+                for ns, _, offset, _ in blocks
+                if alloc.part_of(offset) != self.dram_parts.get(ns.tenant, 0)
+            }
+            blocks = [b for b in blocks if (b[2], b[0].slot_bytes) not in misplaced]
         rejected = set(alloc.rebuild((offset, ns.slot_bytes) for ns, _, offset, _ in blocks))
         restored: list[Block] = []
-        dropped = 0
+        dropped = given - len(blocks)
         for ns, block_hash, offset, checksum in blocks:
             if (offset, ns.slot_bytes) in rejected or block_hash in ns.blocks:
                 dropped += 1
@@ -1085,7 +1132,7 @@ class Placement:
             ns.blocks[block_hash] = block
             ns.used_bytes += ns.slot_bytes
             self._charge(ns, Tier.DRAM, ns.slot_bytes)
-            self.dram.policy(ns.slot_bytes).insert(block)
+            self.dram.policy(ns.dram_key).insert(block)
             self._resident(block, Tier.DRAM)
             restored.append(block)
             if self.disk is not None:

@@ -10,6 +10,7 @@ line on stdout (bound ports included, so port 0 works). Waits are bounded.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -79,7 +80,8 @@ class DaemonProcess:
     def remove_region(self) -> None:
         """Delete the region file and its warm-restart manifest (after the daemon stopped)."""
         region = str(self.settings["dram.path"])
-        for path in (region, region + ".manifest", region + ".gpu"):
+        tenant_files = glob.glob(glob.escape(region) + ".tenant-*")  # dram.tenant_regions
+        for path in (region, region + ".manifest", region + ".gpu", *tenant_files):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

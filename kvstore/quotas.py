@@ -19,7 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvstore.config import QuotasConfig
+from kvstore.config import Config, QuotasConfig
+from kvstore.errors import ConfigError
 from kvstore.namespace import TenantAccount, Tier
 
 # The label of every tenant not in quotas.tenants, summed (a configured name
@@ -38,6 +39,43 @@ class TenantStats:
     used_bytes: dict[Tier, int]
     quota_bytes: dict[Tier, int]
     tenants: int = 1  # tenants summed in this row (OTHER_TENANTS: those seen)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRegion:
+    """A tenant's own range of the DRAM region (dram.tenant_regions)."""
+
+    name: str  # the configured name: part of the file name, never the salt
+    tenant: str
+    nbytes: int
+
+
+def tenant_regions(config: Config) -> list[TenantRegion]:
+    """The tenant regions the config asks for: one per configured tenant with a DRAM
+    cap, by name, each its cap rounded up to whole chunks (the slab allocator's
+    unit); [] when dram.tenant_regions is off."""
+    dram = config.dram
+    if not dram.tenant_regions:
+        return []
+    chunk = dram.chunk_bytes
+    if dram.capacity_bytes % chunk:
+        raise ConfigError(
+            f"dram.tenant_regions needs dram.capacity_bytes ({dram.capacity_bytes}) in whole "
+            f"chunks of dram.chunk_bytes ({chunk})"
+        )
+    regions = [
+        TenantRegion(name, entry.tenant, -(-entry.dram_bytes // chunk) * chunk)
+        for name, entry in sorted(config.quotas.tenants.items())
+        if entry.dram_bytes
+    ]
+    taken = sum(r.nbytes for r in regions)
+    if taken >= dram.capacity_bytes:
+        raise ConfigError(
+            f"dram.tenant_regions: the tenants' DRAM caps take {taken} bytes in whole chunks, "
+            f"not less than dram.capacity_bytes ({dram.capacity_bytes}); the shared region "
+            "of the other tenants needs at least one chunk"
+        )
+    return regions
 
 
 class QuotaTable:

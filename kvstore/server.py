@@ -38,6 +38,7 @@ from kvstore.metrics import (
     RpcMetrics,
     serve_metrics,
 )
+from kvstore.quotas import tenant_regions
 from kvstore.rpc_guard import ParseGuardInterceptor
 from kvstore.sdnotify import SdNotifier
 from kvstore.service import StoreService
@@ -92,6 +93,8 @@ class Daemon:
             prefault=cfg.dram.prefault,
             huge_pages=cfg.dram.huge_pages,
             files=FilePolicy.from_group(cfg.server.file_group),
+            # dram.tenant_regions: one file per capped tenant (docs/tenants.md)
+            partitions=[(r.name, r.nbytes) for r in tenant_regions(cfg)],
         )
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()

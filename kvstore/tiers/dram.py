@@ -10,17 +10,27 @@ Slots come from a slab allocator: the region is cut into equal chunks; a chunk
 serves one slot size (a namespace's block size rounded up to 64 bytes, so every
 slot is cache-line aligned); a chunk whose slots are all free goes back to the
 shared pool, so namespaces with different block sizes share the region.
+
+A region may be cut into *ranges* (``partitions``): the shared range at
+offset 0 in the file at ``path``, then one range per named partition, each
+its own 0600 file ``<path>.tenant-<name>`` (a tenant's own memory, which a
+client of that tenant alone is meant to map: docs/tenants.md). The daemon maps
+the files at adjacent addresses, so it still sees one contiguous array and one
+offset space: movers, NIXL registration and warm-restart views are unchanged.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +46,15 @@ PAGE_BYTES = 4096
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 HUGETLBFS_DIR = Path("/dev/hugepages")
 MAX_OPEN_ATTEMPTS = 8
+# Linux mmap flags the mmap module does not export (same value on x86_64 and aarch64).
+_MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+# A partition's name becomes part of a file name.
+PARTITION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+PARTITION_SUFFIX = ".tenant-"
+# DRAM eviction orders are by slot size, and by range with tenant regions: the
+# key of range p's order of a size is size + p * PART_KEY_STRIDE (sizes < 2**40).
+PART_KEY_STRIDE = 1 << 40
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -79,6 +98,65 @@ def _free_huge_pages_bytes() -> int:
     return free * size_kib * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class RegionRange:
+    """One file of a region: bytes [offset, offset + nbytes) of the daemon's array."""
+
+    name: str  # "" = the shared range (the file at dram.path)
+    path: str
+    offset: int
+    nbytes: int
+    reused: bool  # the file existed and is trusted (a warm restart may adopt it)
+
+
+def _libc_mmap() -> Callable[..., int | None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn  # type: ignore[no-any-return]
+
+
+def reserve_addresses(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
+    """``nbytes`` of addresses, huge-page aligned, with no memory behind them
+    (MAP_NORESERVE): the array to map files over with map_file_at. Closing the
+    returned mmap (refused while a view is exported) unmaps all of it."""
+    reservation = mmap.mmap(
+        -1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    )
+    probe = ctypes.c_char.from_buffer(reservation)
+    start = ctypes.addressof(probe)
+    del probe  # a live export would make the reservation impossible to close
+    skip = -start % HUGE_PAGE_BYTES
+    return reservation, np.frombuffer(reservation, dtype=np.uint8, count=nbytes, offset=skip)
+
+
+def map_file_at(array: np.ndarray, offset: int, fd: int, nbytes: int, *, populate: bool) -> None:
+    """Map the first ``nbytes`` of ``fd`` MAP_SHARED over ``array[offset:offset+nbytes]``
+    (an array from reserve_addresses); OSError if the kernel refuses."""
+    if offset < 0 or offset + nbytes > len(array) or offset % PAGE_BYTES:
+        raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit the reservation")
+    want = array.ctypes.data + offset
+    got = _libc_mmap()(
+        want,
+        nbytes,
+        mmap.PROT_READ | mmap.PROT_WRITE,
+        mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if populate else 0),
+        fd,
+        0,
+    )
+    if got != want:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 class Region:
     """A shared-memory file of fixed size, mapped MAP_SHARED and locked by one daemon.
 
@@ -98,6 +176,7 @@ class Region:
         prefault: bool,
         huge_pages: str,
         files: FilePolicy | None = None,
+        partitions: Sequence[tuple[str, int]] = (),
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.path = self._choose_path(path, capacity_bytes, huge_pages)
@@ -105,30 +184,37 @@ class Region:
         parent = Path(self.path).parent
         if not parent.is_dir():
             raise ConfigError(f"dram.path: directory {parent} does not exist")
-        fd, self.reused = self._open_locked()
+        layout = self._layout(partitions)
         # New at every start (warm restarts included), never 0: clients compare it
         # with the one in each PrepareStore/PrepareLoad answer (see kvstore/client.py).
         self.region_id = secrets.randbits(63) + 1
+        # Held open (and locked) until close(): each lock is the claim on its path.
+        self._fds: list[int] = []
+        self.ranges: list[RegionRange] = []
         try:
-            os.ftruncate(fd, capacity_bytes)
-            if prefault:
-                # Allocate the tmpfs pages now (and fail now, not mid-store, if
-                # /dev/shm is too small); MAP_POPULATE then maps them all.
-                try:
-                    os.posix_fallocate(fd, 0, capacity_bytes)
-                except OSError as exc:
-                    raise ConfigError(
-                        f"dram.path: cannot reserve {capacity_bytes} bytes in {self.path}: "
-                        f"{exc.strerror} (is the filesystem large enough?)"
-                    ) from None
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
-            self._mmap = mmap.mmap(fd, capacity_bytes, flags=flags)
+            for name, file_path, offset, nbytes in layout:
+                # The shared file keeps its mode (a configured group's clients map
+                # it); a partition's file is the daemon's alone: its clients get
+                # the descriptor, never the path.
+                mode = self.files.private_mode if name else self.files.shared_mode
+                fd, reused = self._open_locked(file_path, mode)
+                self._fds.append(fd)
+                self._size(fd, file_path, nbytes, prefault)
+                self.ranges.append(RegionRange(name, file_path, offset, nbytes, reused))
+            self.reused = all(r.reused for r in self.ranges)
+            populate = mmap.MAP_POPULATE if prefault else 0
+            if len(self.ranges) == 1:
+                self._mmap = mmap.mmap(
+                    self._fds[0], capacity_bytes, flags=mmap.MAP_SHARED | populate
+                )
+                self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+            else:
+                self._mmap, self.array = self._map_adjacent(populate)
         except BaseException:
-            os.close(fd)
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
             raise
-        # Held open (and locked) until close(): the lock is the claim on the path.
-        self._fd = fd
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.base_address = self.array.ctypes.data
         # Run first thing in close(), while the bytes are still mapped (the
         # manager writes its warm-restart manifest there); one that sets
@@ -136,9 +222,87 @@ class Region:
         self.close_hooks: list[Callable[[], None]] = []
         self.keep_on_close = False
 
-    def _open_locked(self) -> tuple[int, bool]:
-        """The region's fd, flock()ed, and whether the file existed (and is trusted)."""
-        path, mode = self.path, self.files.shared_mode
+    def _layout(self, partitions: Sequence[tuple[str, int]]) -> list[tuple[str, str, int, int]]:
+        """(name, path, offset, bytes) of each range: the shared one first."""
+        taken = sum(nbytes for _, nbytes in partitions)
+        shared = self.capacity_bytes - taken
+        align = HUGE_PAGE_BYTES if self.path.startswith(str(HUGETLBFS_DIR) + "/") else PAGE_BYTES
+        if shared <= 0:
+            raise ConfigError(
+                f"dram: the tenant regions take {taken} of dram.capacity_bytes="
+                f"{self.capacity_bytes}; the shared range needs some"
+            )
+        layout = [("", self.path, 0, shared)]
+        offset = shared
+        seen: set[str] = set()
+        for name, nbytes in partitions:
+            if not PARTITION_NAME.fullmatch(name) or name in seen:
+                raise ConfigError(f"dram: bad or repeated tenant region name {name!r}")
+            seen.add(name)
+            if nbytes <= 0 or nbytes % align:
+                raise ConfigError(
+                    f"dram: tenant region {name!r} of {nbytes} bytes is not a positive "
+                    f"multiple of {align}"
+                )
+            layout.append((name, self.path + PARTITION_SUFFIX + name, offset, nbytes))
+            offset += nbytes
+        if shared % align:
+            raise ConfigError(
+                f"dram: the shared range ({shared} bytes) is not a multiple of {align}"
+            )
+        return layout
+
+    def _size(self, fd: int, path: str, nbytes: int, prefault: bool) -> None:
+        os.ftruncate(fd, nbytes)
+        if prefault:
+            # Allocate the tmpfs pages now (and fail now, not mid-store, if
+            # /dev/shm is too small); MAP_POPULATE then maps them all.
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise ConfigError(
+                    f"dram.path: cannot reserve {nbytes} bytes in {path}: "
+                    f"{exc.strerror} (is the filesystem large enough?)"
+                ) from None
+
+    def _map_adjacent(self, populate: int) -> tuple[mmap.mmap, np.ndarray]:
+        """Map every range's file at adjacent addresses: one array over all of them.
+
+        An anonymous reservation (no memory behind it, MAP_NORESERVE) holds the
+        addresses; each file is mapped over its part with MAP_FIXED. The
+        reservation is a Python mmap, so its close() (refused while a view is
+        exported, as for a single file) unmaps the files too. Aligned to huge
+        pages, which hugetlbfs files need and tmpfs does not mind.
+        """
+        reservation, array = reserve_addresses(self.capacity_bytes)
+        try:
+            for rng, fd in zip(self.ranges, self._fds, strict=True):
+                try:
+                    map_file_at(array, rng.offset, fd, rng.nbytes, populate=bool(populate))
+                except OSError as exc:
+                    raise ConfigError(
+                        f"dram.path: cannot map {rng.path} at its place in the region: "
+                        f"{exc.strerror}"
+                    ) from None
+        except BaseException:
+            del array
+            reservation.close()
+            raise
+        return reservation, array
+
+    def range_of(self, name: str) -> RegionRange:
+        """The range of a named partition ("" = the shared range); KeyError if none."""
+        for rng in self.ranges:
+            if rng.name == name:
+                return rng
+        raise KeyError(name)
+
+    def fd_of(self, name: str) -> int:
+        """The open descriptor of a range's file (what a client of it is handed)."""
+        return self._fds[self.ranges.index(self.range_of(name))]
+
+    def _open_locked(self, path: str, mode: int) -> tuple[int, bool]:
+        """The file's fd, flock()ed, and whether the file existed (and is trusted)."""
         # Bounded: each retry means another process unlinked the path meanwhile.
         for _ in range(MAX_OPEN_ATTEMPTS):
             existed = os.path.lexists(path)
@@ -235,14 +399,15 @@ class Region:
             # Someone still holds a view; the mapping dies with the process.
             pass
         if unlink and not self.keep_on_close:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-        # Unlinked (or kept) while still locked; closing the fd drops the lock.
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            for rng in self.ranges:
+                try:
+                    os.unlink(rng.path)
+                except FileNotFoundError:
+                    pass
+        # Unlinked (or kept) while still locked; closing the fds drops the locks.
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
 
 
 @dataclass(slots=True)
@@ -274,8 +439,11 @@ class SlabAllocator:
         self._chunk_class: dict[int, int] = {}
         self.used_bytes = 0
 
-    def alloc(self, slot_bytes: int) -> int | None:
-        """A free slot's offset, or None when neither a slot nor a chunk is free."""
+    def alloc(self, slot_bytes: int, part: int = 0) -> int | None:
+        """A free slot's offset, or None when neither a slot nor a chunk is free.
+
+        ``part``: the range to take it from; one allocator has only range 0
+        (PartitionedAllocator has more)."""
         cls = self._classes.get(slot_bytes)
         if cls is None:
             if slot_bytes > self.chunk_bytes:
@@ -368,7 +536,10 @@ class SlabAllocator:
     def slot_bytes_at(self, offset: int) -> int:
         return self._chunk_class[offset // self.chunk_bytes]
 
-    def chunks_of(self, slot_bytes: int) -> list[int]:
+    def part_of(self, offset: int) -> int:
+        return 0
+
+    def chunks_of(self, slot_bytes: int, part: int = 0) -> list[int]:
         cls = self._classes.get(slot_bytes)
         return list(cls.used_by_chunk) if cls else []
 
@@ -378,13 +549,93 @@ class SlabAllocator:
         base = chunk * self.chunk_bytes
         return range(base, base + (self.chunk_bytes // slot_bytes) * slot_bytes, slot_bytes)
 
-    def size_classes(self) -> list[int]:
+    def size_classes(self, part: int = 0) -> list[int]:
         return [s for s, c in self._classes.items() if c.used_by_chunk]
 
     @property
     def free_chunks(self) -> int:
         return len(self._free_chunks)
 
-    def can_alloc_without_eviction(self, slot_bytes: int) -> bool:
+    def can_alloc_without_eviction(self, slot_bytes: int, part: int = 0) -> bool:
         cls = self._classes.get(slot_bytes)
         return bool(self._free_chunks) or bool(cls and cls.partial)
+
+
+class PartitionedAllocator(SlabAllocator):
+    """One SlabAllocator per range of a partitioned region, in one offset space.
+
+    Range 0 is the shared one; range i > 0 holds only the blocks of the tenant
+    it belongs to (the placement says which: ``TenantAccount.dram_part``), so a
+    slot is always in its tenant's file. Chunk indexes are global (a range
+    starts on a chunk boundary). Only a daemon with tenant regions uses it: the
+    one-range daemon keeps the plain SlabAllocator and its hot path.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], chunk_bytes: int) -> None:
+        offset = 0
+        for start, nbytes in ranges:
+            if start != offset or nbytes % chunk_bytes or nbytes < chunk_bytes:
+                raise ConfigError(
+                    f"dram: region range at {start} of {nbytes} bytes is not whole chunks "
+                    f"of dram.chunk_bytes={chunk_bytes} right after the previous one"
+                )
+            offset += nbytes
+        self.parts = [SlabAllocator(nbytes, chunk_bytes) for _, nbytes in ranges]
+        self.bases = [start for start, _ in ranges]
+        self._first_chunk = [start // chunk_bytes for start in self.bases]
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = offset // chunk_bytes
+        self.capacity_bytes = offset
+
+    @property
+    def used_bytes(self) -> int:  # type: ignore[override]
+        return sum(p.used_bytes for p in self.parts)
+
+    def part_of(self, offset: int) -> int:
+        return bisect.bisect_right(self.bases, offset) - 1
+
+    def alloc(self, slot_bytes: int, part: int = 0) -> int | None:
+        offset = self.parts[part].alloc(slot_bytes)
+        return None if offset is None else offset + self.bases[part]
+
+    def free(self, offset: int) -> None:
+        part = self.part_of(offset)
+        self.parts[part].free(offset - self.bases[part])
+
+    def rebuild(self, slots: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        by_part: list[list[tuple[int, int]]] = [[] for _ in self.parts]
+        rejected: list[tuple[int, int]] = []
+        for offset, slot_bytes in slots:
+            if 0 <= offset < self.capacity_bytes:
+                part = self.part_of(offset)
+                by_part[part].append((offset - self.bases[part], slot_bytes))
+            else:
+                rejected.append((offset, slot_bytes))
+        for part, pairs in enumerate(by_part):
+            base = self.bases[part]
+            rejected += [(o + base, s) for o, s in self.parts[part].rebuild(pairs)]
+        return rejected
+
+    def slot_bytes_at(self, offset: int) -> int:
+        part = self.part_of(offset)
+        return self.parts[part].slot_bytes_at(offset - self.bases[part])
+
+    def chunks_of(self, slot_bytes: int, part: int = 0) -> list[int]:
+        first = self._first_chunk[part]
+        return [first + c for c in self.parts[part].chunks_of(slot_bytes)]
+
+    def chunk_slots(self, chunk: int) -> range:
+        part = bisect.bisect_right(self._first_chunk, chunk) - 1
+        local = self.parts[part].chunk_slots(chunk - self._first_chunk[part])
+        base = self.bases[part]
+        return range(local.start + base, local.stop + base, local.step)
+
+    def size_classes(self, part: int = 0) -> list[int]:
+        return self.parts[part].size_classes()
+
+    @property
+    def free_chunks(self) -> int:
+        return sum(p.free_chunks for p in self.parts)
+
+    def can_alloc_without_eviction(self, slot_bytes: int, part: int = 0) -> bool:
+        return self.parts[part].can_alloc_without_eviction(slot_bytes)

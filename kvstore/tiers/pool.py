@@ -30,7 +30,7 @@ from kvstore.eviction import make_policy
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.namespace import Block, BlockState, Namespace
 from kvstore.tiers.disk import align_up
-from kvstore.tiers.dram import SlabAllocator
+from kvstore.tiers.dram import PART_KEY_STRIDE, SlabAllocator
 
 
 class EvictionOrders:
@@ -81,7 +81,8 @@ class EvictionOrders:
 
         ``only``: a namespace, to look at its blocks only. ``prefer``: take the
         coldest block it accepts among the first ``window`` unpinned ones, else
-        the coldest unpinned one (None with ``prefer_only``).
+        the coldest unpinned one (None with ``prefer_only``). ``slot_bytes`` is
+        the order's key: with tenant regions, a range's own (PART_KEY_STRIDE).
         """
         fallback = None
         for block in itertools.islice(self.policy(slot_bytes).victims(), scan):
@@ -146,10 +147,11 @@ class SlabPool(EvictionOrders):
     # --------------------------------------------------------- eviction
 
     def chunk_victims(
-        self, slot_bytes: int, accept: Callable[[Block], bool] | None = None
+        self, slot_bytes: int, accept: Callable[[Block], bool] | None = None, part: int = 0
     ) -> list[Block] | None:
         """The blocks of the coldest whole chunk held by another slot size whose
         blocks can all go (committed, unpinned, and ``accept``-ed); None if none.
+        Chunks of range ``part`` only (a one-range allocator has only range 0).
 
         Taken when a size has nothing to evict: the coldest chunk is judged by
         its size class's eviction order, so the chunk whose blocks come first in
@@ -157,12 +159,12 @@ class SlabPool(EvictionOrders):
         """
         alloc = self.allocator
         best: tuple[int, int] | None = None  # (rank of first victim, chunk)
-        for other in alloc.size_classes():
+        for other in alloc.size_classes(part):
             if other == slot_bytes:
                 continue
             evictable_chunks = {
                 chunk
-                for chunk in alloc.chunks_of(other)
+                for chunk in alloc.chunks_of(other, part)
                 if all(
                     (b := self.owner.get(off)) is None
                     or (
@@ -175,7 +177,7 @@ class SlabPool(EvictionOrders):
             }
             if not evictable_chunks:
                 continue
-            for rank, block in enumerate(self.policy(other).victims()):
+            for rank, block in enumerate(self.policy(other + part * PART_KEY_STRIDE).victims()):
                 assert isinstance(block, Block)
                 chunk = self.offset_of(block) // alloc.chunk_bytes
                 if chunk in evictable_chunks:
