@@ -229,8 +229,9 @@ class StoreRequests:
         self, namespace_id: str, who: Caller | None = None
     ) -> tuple[int, int, int | None]:
         """(offset, bytes, descriptor) of the region range holding the namespace's
-        blocks: the descriptor of its tenant's own file (the daemon's; the caller
-        sends a copy), or (0, 0, None) when the tenant shares the region file."""
+        blocks: the descriptor of its tenant's own file (the daemon's, locked; the lean
+        server hands a new open of that file, which shares no lock), or (0, 0, None)
+        when the tenant shares the region file."""
         # Who may be handed which tenant's file: whoever may use its namespaces
         # (auth.principals; without them, every caller the channel admitted).
         self.allow_namespace(who, namespace_id, "MapTenant")

@@ -227,9 +227,16 @@ class _Connection(asyncio.Protocol):
             # A socket object of our own over a copy of the descriptor (the
             # transport's stays untouched); sendmsg on a non-blocking socket.
             own = socket.socket(fileno=os.dup(sock.fileno()))
+            handed: int | None = None
             try:
+                # Not the daemon's own descriptor: that open file holds the region's
+                # flock(), and a client's mapping keeps its open file alive, so a
+                # client that outlives this daemon would keep the lock and the next
+                # daemon on these files could not start (and the client could
+                # unlock it). A new open of the same file shares no lock.
+                handed = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
                 sent = own.sendmsg(
-                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                    [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [handed]))]
                 )
             except (BlockingIOError, InterruptedError):
                 sent = 0
@@ -239,6 +246,8 @@ class _Connection(asyncio.Protocol):
                 return
             finally:
                 own.close()
+                if handed is not None:
+                    os.close(handed)
         if sent:
             if sent < len(data):
                 self.transport.write(data[sent:])

@@ -133,6 +133,7 @@ def test_a_warm_restart_serves_every_tenants_blocks_from_its_file(daemon_factory
 def test_map_tenant_on_the_wire(daemon_factory):
     """The raw lean-socket exchange: the descriptor only on a map_tenant alone in its
     frame, only for a tenant with its own region, sized to that region."""
+    import fcntl
     import mmap
     import socket
 
@@ -155,6 +156,10 @@ def test_map_tenant_on_the_wire(daemon_factory):
         assert fd is not None and (answer.offset, answer.nbytes) == (2 * MiB, MiB)
         try:
             assert os.fstat(fd).st_size == MiB
+            # A new open of the file, not the daemon's locked one: a client keeping it
+            # (or its mapping) cannot hold or drop the daemon's lock.
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with mmap.mmap(fd, 0) as m:
                 assert blocks[0].tobytes() in bytes(m)
         finally:
