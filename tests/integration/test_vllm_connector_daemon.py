@@ -77,7 +77,12 @@ class Engine:
             block_bytes=BLOCK_BYTES,
             page_layout="vllm-cpu-LBHNC",
         )
-        session = dict(timeout_s=self.config.timeout_s, retry_initial_s=0.2, retry_max_s=0.4)
+        session = dict(
+            timeout_s=self.config.timeout_s,
+            retry_initial_s=0.2,
+            retry_max_s=0.4,
+            token=self.config.token,  # as the connector passes it (client_token)
+        )
         self.scheduler = SchedulerSide(
             self.config,
             self.layout,
@@ -538,3 +543,185 @@ def test_llmd_consumer_gets_one_chain_per_request_with_tokens_parent_first(daemo
     r2_own = r2.int_hashes()[2:]
     assert [c for c in chains if c[0] == r2_own[0]] == [r2_own]
     assert stored[[c[0] for c in chains].index(r2_own[0])].parent_block_hash == r1.int_hashes()[1]
+
+
+# ------------------------------------------------------------ tenant regions
+
+MiB = 1 << 20
+SALT_A = "alpha-salt-6c1f0e"  # capped: its own region file
+SALT_B = "beta-salt-92d4aa"  # capped: its own region file
+TENANT_REGIONS = {
+    "dram.tenant_regions": True,
+    "quotas.tenants.alpha.tenant": SALT_A,
+    "quotas.tenants.alpha.dram_bytes": "1MiB",
+    "quotas.tenants.beta.tenant": SALT_B,
+    "quotas.tenants.beta.dram_bytes": "1MiB",
+}
+# docs/tenants.md: the shared file's range first, then the tenants' by name.
+RANGES = {"": (0, 2 * MiB), SALT_A: (2 * MiB, 3 * MiB), SALT_B: (3 * MiB, 4 * MiB)}
+
+
+def _tenant_daemon(daemon_factory, **settings):
+    return daemon_factory(
+        dram_bytes=4 * MiB, chunk_bytes=MiB, settings={**TENANT_REGIONS, **settings}
+    )
+
+
+def _file_of(daemon, salt: str) -> bytes:
+    base = str(daemon.settings["dram.path"])
+    path = {"": base, SALT_A: base + ".tenant-alpha", SALT_B: base + ".tenant-beta"}[salt]
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _offsets(address: str, engine: Engine, req: Req, token: str = "") -> list[int]:
+    """Where the daemon holds the request's blocks (a load lease, released at once)."""
+    with Client(address, token=token or None) as c:
+        ns = c.declare_namespace(engine.layout.spec(req.cache_salt))
+        handle = c.prepare_load(ns, req.int_hashes())
+        try:
+            assert handle.found == len(req.int_hashes())
+            return [int(off) for off in handle.offsets]
+        finally:
+            c.release(handle.lease_id)
+
+
+def test_tenant_regions_store_and_load_through_the_tenants_own_file(daemon_factory):
+    """dram.tenant_regions on: a request with a capped tenant's cache_salt is stored
+    by one engine and loaded by another through the connector's two-phase path; its
+    blocks sit in the tenant's range (its own file), nowhere else, and each worker's
+    mapping of that range is the tenant's file (mapped over the Client's reservation)."""
+    daemon = _tenant_daemon(daemon_factory)
+    a, b = Engine(daemon.address, seed=41), Engine(daemon.address, seed=42)
+    req = Req("ta", _tokens(41, 5 * BS + 3), cache_salt=SALT_A)
+    ids_a = [7, 3, 9, 1, 12, 20]
+    ext, _ = a.prefill(req, ids_a)
+    assert ext == 0 and a.worker.counters.saved_blocks == 5
+    want = [a.block_bytes(i) for i in ids_a[:5]]
+    assert _stored(daemon.address, a, req) == want
+    lo, hi = RANGES[SALT_A]
+    offsets = _offsets(daemon.address, a, req)
+    assert all(lo <= off and off + BLOCK_BYTES <= hi for off in offsets), offsets
+    # The bytes went through the tenant's own file, and only there.
+    for salt in RANGES:
+        content = _file_of(daemon, salt)
+        assert all((block in content) == (salt == SALT_A) for block in want), salt
+
+    req_b = Req("ta", list(req.all_token_ids), cache_salt=SALT_A)
+    ids_b = [30, 31, 2, 5, 8, 11]
+    ext, plan = b.prefill(req_b, ids_b)
+    assert ext == 5 * BS and [s.block_ids.tolist() for s in plan.loads] == [ids_b[:5]]
+    assert b.worker.take_load_errors() == set()
+    assert [b.block_bytes(i) for i in ids_b[:5]] == want
+    assert b.worker.counters.loaded_blocks == 5 and b.worker.counters.load_failed_blocks == 0
+    for eng in (a, b):
+        region = eng.worker.session.region
+        assert region is not None and eng.worker.session.region_is_current()
+        assert [bytes(region[off : off + BLOCK_BYTES]) for off in offsets] == want
+        # beta's range was never asked for: this process's own empty memory
+        assert not region[RANGES[SALT_B][0] : RANGES[SALT_B][1]].any()
+
+
+def test_tenant_regions_a_tenant_the_token_may_not_use_is_recomputed(daemon_factory, caplog):
+    """With auth.principals, an engine whose token is bob's (tenant beta) serving a
+    request with alpha's cache_salt: no hit, its blocks computed by vLLM, nothing
+    stored under alpha, one warning per session, no exception; none of alpha's
+    bytes in its mapping; and its own tenant's requests still use the cache."""
+    from kvstore.identity import hash_token
+
+    alice, bob = "alice-token-2f7d0b9c41", "bob-token-8a3e51c6d0"
+    daemon = _tenant_daemon(
+        daemon_factory,
+        **{
+            "auth.principals.alice.token_sha256": hash_token(alice),
+            "auth.principals.alice.tenants": SALT_A,
+            "auth.principals.bob.token_sha256": hash_token(bob),
+            "auth.principals.bob.tenants": SALT_B,
+        },
+    )
+    a = Engine(daemon.address, seed=43, token=alice)
+    b = Engine(daemon.address, seed=44, token=bob)
+    req = Req("ta", _tokens(43, 4 * BS + 1), cache_salt=SALT_A)
+    a.prefill(req, [0, 1, 2, 3, 4])
+    assert a.worker.counters.saved_blocks == 4
+    alpha_blocks = [a.block_bytes(i) for i in range(4)]
+    stored = _offsets(daemon.address, a, req, token=alice)
+
+    caplog.set_level(logging.WARNING, logger="kvstore_connectors.vllm")
+    ids = [20, 21, 22, 23, 24]
+    before = [b.block_bytes(i) for i in ids]
+    for i in range(3):  # several requests: still no exception and no more warnings
+        denied = Req(f"d{i}", list(req.all_token_ids), cache_salt=SALT_A)
+        ext, plan = b.prefill(denied, ids)
+        assert ext == 0 and not plan.loads  # vLLM computes every block
+        assert b.worker.take_load_errors() == set()
+    assert [b.block_bytes(i) for i in ids] == before  # nothing was copied in
+    assert b.worker.counters.loaded_blocks == 0 and b.worker.counters.saved_blocks == 0
+    assert b.worker.counters.save_dropped_blocks == 3 * 4
+    denials = [r for r in caplog.records if "denied" in r.getMessage()]
+    assert len(denials) == 2, [r.getMessage() for r in caplog.records]  # one per session
+    assert all(r.levelno == logging.WARNING for r in denials)
+    # The daemon holds alpha's blocks as alice stored them, where she stored them.
+    assert _stored_as(daemon.address, a, req, alice) == alpha_blocks
+    assert _offsets(daemon.address, a, req, token=alice) == stored
+    # Bob's worker maps none of alpha's bytes: that range is its own empty memory.
+    region = b.worker.session.region
+    assert region is not None
+    lo, hi = RANGES[SALT_A]
+    assert not region[lo:hi].any()
+    # Denied is not down: bob's own tenant round-trips through its own file.
+    own = Req("tb", _tokens(44, 3 * BS + 1), cache_salt=SALT_B)
+    b.prefill(own, [5, 6, 7, 8])
+    assert b.worker.counters.saved_blocks == 3
+    assert _stored_as(daemon.address, b, own, bob) == [b.block_bytes(i) for i in (5, 6, 7)]
+    lo_b, hi_b = RANGES[SALT_B]
+    assert all(lo_b <= off < hi_b for off in _offsets(daemon.address, b, own, token=bob))
+    assert not region[lo:hi].any()
+    assert b.worker.session.connected and b.scheduler.session.connected
+
+
+def _stored_as(address: str, engine: Engine, req: Req, token: str) -> list[bytes]:
+    with Client(address, token=token) as c:
+        ns = c.declare_namespace(engine.layout.spec(req.cache_salt))
+        got = c.get(ns, req.int_hashes())
+        return [bytes(row) for row in got.data]
+
+
+def test_tenant_regions_a_warm_restart_that_moves_the_tenants_range(daemon_factory):
+    """The daemon comes back (warm: every file kept) with another layout: beta gone,
+    "aardvark" before alpha, so alpha's range moves from 2-3 MiB to 3-4 MiB, where
+    the old layout had beta's file. The connector must notice and map the new
+    layout before it copies: through its old mapping alpha's new slots would be
+    beta's file."""
+    daemon = _tenant_daemon(daemon_factory)
+    eng = Engine(daemon.address, seed=45)
+    first = Req("w", _tokens(45, 2 * BS + 1), cache_salt=SALT_A)
+    eng.prefill(first, [0, 1, 2])  # connected, alpha's file mapped at 2-3 MiB
+    beta = Req("b", _tokens(46, 2 * BS + 1), cache_salt=SALT_B)
+    eng.prefill(beta, [3, 4, 5])
+    beta_blocks = [eng.block_bytes(i) for i in (3, 4)]
+    assert daemon.stop(keep_region=True) == 0
+    for key in ("quotas.tenants.beta.tenant", "quotas.tenants.beta.dram_bytes"):
+        del daemon.settings[key]
+    daemon.settings["quotas.tenants.aardvark.tenant"] = "aardvark-salt-07"
+    daemon.settings["quotas.tenants.aardvark.dram_bytes"] = "1MiB"
+    base = str(daemon.settings["dram.path"])
+    with open(base + ".tenant-beta", "rb") as f:
+        beta_file = f.read()
+    assert all(block in beta_file for block in beta_blocks)
+    daemon.start()
+    req = Req("r", _tokens(47, 3 * BS + 1), cache_salt=SALT_A)
+    eng.prefill(req, [6, 7, 8, 9])
+    want = [eng.block_bytes(i) for i in (6, 7, 8)]
+    assert eng.worker.counters.saved_blocks == 2 + 2 + 3
+    assert _stored(daemon.address, eng, req) == want
+    offsets = _offsets(daemon.address, eng, req)
+    assert all(3 * MiB <= off < 4 * MiB for off in offsets), offsets
+    with open(base + ".tenant-alpha", "rb") as f:
+        alpha_file = f.read()
+    assert all(block in alpha_file for block in want)
+    with open(base + ".tenant-beta", "rb") as f:
+        assert f.read() == beta_file  # the old layout's beta file: not one byte written
+    region = eng.worker.session.region
+    assert region is not None
+    assert [bytes(region[off : off + BLOCK_BYTES]) for off in offsets] == want
