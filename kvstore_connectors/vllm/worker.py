@@ -166,6 +166,7 @@ class WorkerSide:
         self.copier: Copier | None = None
         self._region_t: torch.Tensor | None = None
         self._region_generation = -1
+        self._region_src: object = None  # the mapping _region_t was built on
         self._load_errors: set[int] = set()
         self._warned: set[str] = set()
         self._step = _Step()
@@ -509,11 +510,20 @@ class WorkerSide:
         if region is None:
             self._region_t = None
             return None
-        if self._region_t is None or self._region_generation != self.session.generation:
+        # Rebuilt when the mapping object changed too, not only the connection: the
+        # Client maps anew when it follows a restarted daemon inside one call (the
+        # session's generation then stays), and the old tensor would still point
+        # at the old mapping (another layout: another tenant's bytes).
+        if (
+            self._region_t is None
+            or self._region_generation != self.session.generation
+            or region is not self._region_src
+        ):
             self._region_t = (
                 region if isinstance(region, torch.Tensor) else torch.from_numpy(region)
             )
             self._region_generation = self.session.generation
+            self._region_src = region
         return self._region_t
 
     def _remap(self) -> None:
@@ -529,7 +539,7 @@ class WorkerSide:
             logger.warning(message)
 
     def close(self) -> None:
-        self._region_t = None
+        self._region_t = self._region_src = None
         self.session.close()
 
 

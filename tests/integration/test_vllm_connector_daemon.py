@@ -725,3 +725,30 @@ def test_tenant_regions_a_warm_restart_that_moves_the_tenants_range(daemon_facto
     region = eng.worker.session.region
     assert region is not None
     assert [bytes(region[off : off + BLOCK_BYTES]) for off in offsets] == want
+
+
+def test_the_workers_region_tensor_follows_a_new_mapping_in_the_same_connection(
+    daemon_factory,
+):
+    """The Client maps the region anew when it follows a restarted daemon inside one
+    call (with tenant regions it always re-maps), and the session's generation stays
+    the same then: the worker's tensor must follow the new mapping object, or its
+    copies go through the old mapping (after a layout change, another tenant's
+    bytes)."""
+    daemon = _tenant_daemon(daemon_factory)
+    eng = Engine(daemon.address, seed=47)
+    req = Req("tf", _tokens(47, 2 * BS), cache_salt=SALT_A)
+    eng.prefill(req, [1, 2, 3])
+    session = eng.worker.session
+    client = session.client()
+    assert client is not None and client.region is not None
+    generation = session.generation
+    first = eng.worker._region()
+    assert first is not None and first.data_ptr() == client.region.ctypes.data
+    # What following a restart in one call leaves behind: another mapping object on
+    # the same connection (here a copy of the old one, at another address).
+    client.region = client.region.copy()
+    assert session.generation == generation
+    again = eng.worker._region()
+    assert again is not None and again.data_ptr() == client.region.ctypes.data
+    assert again.data_ptr() != first.data_ptr()
