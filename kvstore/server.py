@@ -69,6 +69,27 @@ class Daemon:
         self._socket_bound = False
         self.local: LocalServer | None = None  # the lean local channel (kvstore.local_server)
 
+    def _warn_if_tenants_share_memory(self) -> None:
+        """Principals make tenants separate trust domains, but a tenant without its own
+        DRAM region shares the one file every admitted local client maps: say so
+        once at start, naming principals (never a cache_salt)."""
+        cfg = self.config
+        separated = {r.tenant for r in tenant_regions(cfg)}
+        sharing = sorted(
+            name
+            for name, p in cfg.auth.principals.items()
+            if any(t != "*" and t not in separated for t in p.tenants)
+        )
+        if sharing:
+            log.warning(
+                "auth.principals maps callers to tenants, but the tenants of %s share the "
+                "one DRAM region that every admitted local client maps: their blocks are "
+                "separated by the API, not by memory. Give each tenant a "
+                "quotas.tenants.<name>.dram_bytes cap and set dram.tenant_regions = true "
+                "(docs/tenants.md)",
+                ", ".join(sharing),
+            )
+
     def _make_sink(self) -> EventSink | None:
         if not self.config.events.enabled:
             return None
@@ -84,6 +105,8 @@ class Daemon:
         server_credentials = tls.server_credentials() if tls.enabled else None
         # Principals mapped to tenants; None (none configured): one trust domain.
         auth = Authorizer.from_config(cfg.auth.principals, "auth.principals")
+        if auth is not None:
+            self._warn_if_tenants_share_memory()
         if cfg.server.socket_path:
             # Before anything is allocated: a second daemon on one socket stops here.
             claim_socket_path(cfg.server.socket_path)

@@ -367,3 +367,14 @@ def test_the_vllm_connector_session_presents_its_token(daemon, stored, tmp_path)
                 assert session.client().using_local_channel
         finally:
             session.close()
+
+
+def test_tenants_that_share_the_region_are_named_at_start(daemon):
+    """Principals make tenants trust domains; tenants without a region of their own
+    (dram.tenant_regions) still share the one mapped region: one warning at start,
+    naming the principals, never a cache_salt."""
+    lines = [line for line in daemon.log_tail(500_000).splitlines() if "share the one DRAM" in line]
+    assert len(lines) == 1, lines
+    for name in ("alice", "bob", "engine-b", "local"):
+        assert name in lines[0]
+    assert "ops" not in lines[0].split("tenants of", 1)[1].split("share", 1)[0]  # "*" only

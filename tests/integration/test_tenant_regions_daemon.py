@@ -259,3 +259,5 @@ def test_a_principal_is_handed_only_its_own_tenants_file(daemon_factory):
         lo, hi = RANGES[SALT_A]
         assert b.region is not None
         assert not b.view(lo, hi - lo).any()  # alpha's range: empty memory here
+    # Both principals' tenants have their own files: no "memory is shared" warning.
+    assert "share the one DRAM" not in d.log_tail(200_000)
