@@ -207,7 +207,9 @@ def test_an_event_stream_down_falls_back_to_the_indexer_and_memory_is_bounded(
     client = Client(daemons["node-a"].address)
     r, tiny = routers["local"], routers["tiny"]
     try:
-        wait_for(lambda: in_step(r, 2), 60, "in step")
+        # Both in step before the store: a router that subscribes after it would see
+        # no table to outgrow (under load the tiny one could still be connecting).
+        wait_for(lambda: in_step(r, 2) and in_step(tiny, 2), 60, "in step")
         rng = np.random.default_rng(5)
         tokens = [int(t) for t in rng.integers(0, 30_000, 12 * BS)]
         hashes = BlockHasher(BS).hash_tokens_int(np.array(tokens))
