@@ -235,8 +235,7 @@ class StoreRequests:
         # Who may be handed which tenant's file: whoever may use its namespaces
         # (auth.principals; without them, every caller the channel admitted).
         self.allow_namespace(who, namespace_id, "MapTenant")
-        self.manager.namespace(namespace_id)  # NOT_FOUND for an id nobody declared
-        name, offset, nbytes = self.manager.tenant_range(namespace_id)
+        name, offset, nbytes = self.manager.tenant_range(namespace_id)  # NOT_FOUND if unknown
         if not nbytes:
             return 0, 0, None
         return offset, nbytes, self.manager.region.fd_of(name)

@@ -33,6 +33,7 @@ Primitives:
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -45,6 +46,25 @@ import numpy as np
 from kvstore import errors
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def libc_mmap() -> Callable[..., int | None]:
+    """libc's mmap(2), typed (the address it returns, or None / MAP_FAILED): what
+    Python's mmap module cannot do (an executable page here, MAP_FIXED over a
+    reservation in kvstore.tiers.dram)."""
+    fn = ctypes.CDLL(None, use_errno=True).mmap
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    return fn  # type: ignore[no-any-return]
+
 
 NT_MIN_BYTES = 64 << 10
 """Copies of at least this many bytes use non-temporal stores. Measured here
@@ -96,18 +116,9 @@ def _load() -> tuple[_Copy, _Copy] | None:
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
         libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        page = libc.mmap(None, _PAGE_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        page = libc_mmap()(None, _PAGE_BYTES, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
         if page in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap")
         ctypes.memmove(page, _CODE, len(_CODE))

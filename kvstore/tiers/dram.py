@@ -38,6 +38,7 @@ import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.files import FilePolicy
+from kvstore.memcopy import libc_mmap
 
 log = logging.getLogger(__name__)
 
@@ -109,21 +110,6 @@ class RegionRange:
     reused: bool  # the file existed and is trusted (a warm restart may adopt it)
 
 
-def _libc_mmap() -> Callable[..., int | None]:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.mmap
-    fn.restype = ctypes.c_void_p
-    fn.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    return fn  # type: ignore[no-any-return]
-
-
 def reserve_addresses(nbytes: int) -> tuple[mmap.mmap, np.ndarray]:
     """``nbytes`` of addresses, huge-page aligned, with no memory behind them
     (MAP_NORESERVE): the array to map files over with map_file_at. Closing the
@@ -144,7 +130,7 @@ def map_file_at(array: np.ndarray, offset: int, fd: int, nbytes: int, *, populat
     if offset < 0 or offset + nbytes > len(array) or offset % PAGE_BYTES:
         raise ValueError(f"range [{offset}, {offset + nbytes}) does not fit the reservation")
     want = array.ctypes.data + offset
-    got = _libc_mmap()(
+    got = libc_mmap()(
         want,
         nbytes,
         mmap.PROT_READ | mmap.PROT_WRITE,
