@@ -59,6 +59,39 @@ def check_owned(st: os.stat_result, path: str, what: str) -> None:
         )
 
 
+def read_small_file(
+    path: str, what: str, max_bytes: int, *, private: bool, owned: bool = False
+) -> bytes:
+    """A small file's bytes (a token, a key), opened without following a link and
+    checked regular. ``private``: readable by its owner only; ``owned``: ours.
+    Anything else is refused with an error naming ``what`` and the path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ConfigError(f"{what}: {path} is a symbolic link; refusing to follow it") from None
+        raise ConfigError(f"{what}: cannot read {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if owned:
+            check_owned(st, path, what)  # a regular file too; audits a foreign owner itself
+        elif not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what}: {path} is not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if private and mode & 0o077:
+            raise ConfigError(
+                f"{what}: {path} has mode {mode:04o}: others could read it; make it 0600 "
+                f"(chmod 600 {path})"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what}: {path} is larger than {max_bytes} bytes")
+    return data
+
+
 @dataclass(frozen=True, slots=True)
 class FilePolicy:
     """Modes and group of the files the daemon creates."""

@@ -31,7 +31,6 @@ import contextvars
 import hashlib
 import hmac
 import os
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,6 +38,7 @@ from typing import Any, Literal
 import msgspec
 
 from kvstore.errors import ConfigError
+from kvstore.files import read_small_file
 
 TOKEN_METADATA_KEY = "x-kvstore-token"
 ENV_TOKEN = "KVSTORE_TOKEN"
@@ -232,22 +232,7 @@ def hash_token(token: str) -> str:
 
 def read_token_file(path: str) -> str:
     """A token file's first line; refused when others may read or write it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise ConfigError(f"token file {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"token file {path}: not a regular file")
-        if st.st_mode & 0o077:
-            raise ConfigError(
-                f"token file {path} is mode {stat.S_IMODE(st.st_mode):04o}: "
-                "make it 0600 (others could read the token)"
-            )
-        data = os.read(fd, MAX_TOKEN_BYTES + 1)
-    finally:
-        os.close(fd)
+    data = read_small_file(path, "token file", MAX_TOKEN_BYTES, private=True)
     token = data.decode(errors="replace").strip().split("\n", 1)[0].strip()
     if not token or len(token) > MAX_TOKEN_BYTES:
         raise ConfigError(f"token file {path}: empty, or longer than {MAX_TOKEN_BYTES} bytes")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,7 @@ from zmq.utils import z85
 
 from kvstore import audit
 from kvstore.errors import ConfigError
-from kvstore.files import check_owned
+from kvstore.files import read_small_file
 
 log = logging.getLogger(__name__)
 
@@ -128,30 +127,7 @@ def is_z85_key(text: str) -> bool:
 
 
 def _read_key_file(path: str, what: str, *, secret: bool) -> dict[str, bytes]:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise ConfigError(f"{what}: {path} is a symbolic link; refusing to follow it") from None
-        raise ConfigError(f"{what}: cannot read {path}: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if secret:
-            check_owned(st, path, what)  # audits a foreign owner itself
-            mode = stat.S_IMODE(st.st_mode)
-            if mode & 0o077:
-                raise ConfigError(
-                    f"{what}: {path} has mode {mode:04o}: a CURVE secret key must be readable "
-                    f"by its owner only (chmod 600 {path})"
-                )
-        elif not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{what}: {path} is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(_MAX_KEY_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"{what}: {path} is larger than {_MAX_KEY_FILE_BYTES} bytes")
+    data = read_small_file(path, what, _MAX_KEY_FILE_BYTES, private=secret, owned=secret)
     keys: dict[str, bytes] = {}
     for line in data.splitlines():
         m = _KEY_LINE.match(line)
