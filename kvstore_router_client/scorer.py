@@ -142,6 +142,15 @@ class AsyncIndexClient:
             raise score_error(e) from None
         return score_result(resp)
 
+    async def connect(self, timeout_s: float) -> bool:
+        """Open the connection now (True once it is ready within ``timeout_s``), so
+        the first decision does not pay the TCP and HTTP/2 set-up inside its deadline."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def engines(self, deadline_s: float) -> dict[str, str]:
         """Node -> engine URL of the indexer's sources that name one (ListNodes).
 

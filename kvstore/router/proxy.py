@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -62,6 +63,7 @@ PEER_HINT = "kvstore_peer"  # kv_transfer_params key the KVStore connector reads
 # own balancer picks one.
 DP_RANK_HEADER = "X-data-parallel-rank"
 CHAT = "/v1/chat/completions"
+SCORE_WARN_EVERY_S = 30.0
 # Chat fields /tokenize needs to apply the template as the chat endpoint does.
 CHAT_TOKENIZE_FIELDS = (
     "add_generation_prompt",
@@ -152,6 +154,8 @@ class Router:
         self._hashes: PrefixHashCache | None = None
         self._prompts = PromptBytesCache(config.hash_cache_tokens)
         self._inflight = 0
+        self._score_warned_at = -math.inf
+        """When an indexer failure was last logged (one line per SCORE_WARN_EVERY_S)."""
         self.flow = FlowControl(
             classes=config.priority_classes,
             slots=max(1, int(len(config.backends) * config.backend_capacity)),
@@ -203,6 +207,12 @@ class Router:
         else:
             await self.fleet.start()
         self._ensure_hasher()
+        if self._index is not None and not await self._index.connect(c.connect_timeout_s):
+            log.warning(
+                "indexer %s not reachable within %.1fs: decisions route by load until it is",
+                c.indexer,
+                c.connect_timeout_s,
+            )
 
     async def _follow_loop(self) -> None:
         """Keep the local index following the indexer's sources."""
@@ -587,7 +597,12 @@ class Router:
         try:
             return await self._index.scores(index_model, hashed.hashes, names)
         except KVStoreError as e:
-            log.debug("indexer: %s", e)
+            # Every such decision is counted (decisions{reason="fallback"}); the cause
+            # is logged, at most once per SCORE_WARN_EVERY_S so an outage is one line.
+            now = time.monotonic()
+            if now - self._score_warned_at >= SCORE_WARN_EVERY_S:
+                self._score_warned_at = now
+                log.warning("indexer Score failed, routing by load: %s: %s", type(e).__name__, e)
             return None
         finally:
             self.metrics.score_s.observe(time.perf_counter() - t0)
