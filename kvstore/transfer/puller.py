@@ -46,6 +46,7 @@ from kvstore.transfer.base import (
     Transport,
 )
 from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
+from kvstore.transfer.pin_channel import PinClient
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,10 @@ MAX_PENDING_RELEASES = 256
 # slices of HASH_SLICE_BYTES (~1-2 ms) between which other calls run.
 THREAD_HASH_MIN_BLOCK_BYTES = 1 << 20
 HASH_SLICE_BYTES = 8 << 20
+# A one-piece pull of at most this many bytes is hashed on the loop whatever its
+# block size: the thread hand-off (~0.1-0.3 ms on a busy 2-core machine) costs
+# more than hashing it (2 MiB: ~0.3 ms), and it is on the first byte's path.
+INLINE_HASH_MAX_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -82,6 +87,8 @@ class PeerInfo:
     key: str
     region_base: int
     region_bytes: int
+    pin_port: int = 0
+    """The owner's pin channel (0: none, or not reachable from here: pins over gRPC)."""
 
 
 @dataclass(slots=True)
@@ -145,6 +152,7 @@ class Puller:
         known_peers: Sequence[str] = (),
         piece_bytes: int = PIECE_MIN_BYTES,
         credentials: ClientCredentials | None = None,
+        pin_channel: bool = True,
     ) -> None:
         if piece_bytes <= 0:
             raise InvalidRequest(f"piece_bytes must be > 0, not {piece_bytes}")
@@ -156,6 +164,13 @@ class Puller:
         self.stream = stream
         self.transfer_timeout_s = transfer_timeout_s
         self._metadata = ((SECRET_METADATA_KEY, secret),)
+        self._secret = secret
+        self._max_message_bytes = max_message_bytes
+        # Pins over the owners' pin channels (kvstore.transfer.pin_channel): one
+        # connection per peer address, kept while its PeerInfo is (so bounded alike).
+        self.pin_channel = pin_channel
+        self._pin_clients: dict[str, PinClient] = {}
+        self._closing_pins: set[asyncio.Task[None]] = set()
         self._channels = PeerChannels(max_message_bytes, known=known_peers, credentials=credentials)
         # By address, oldest first; peers that are not configured are bounded like
         # their channels (MAX_HINT_CHANNELS), configured ones are always kept.
@@ -227,6 +242,7 @@ class Puller:
             key=key,
             region_base=reply.region_base,
             region_bytes=reply.region_bytes,
+            pin_port=reply.pin_port if self.pin_channel else 0,
         )
         self._peers[address] = info
         hinted = [a for a in self._peers if a not in self._channels.known]
@@ -241,8 +257,58 @@ class Puller:
 
     def _forget(self, info: PeerInfo) -> None:
         self._peers.pop(info.address, None)
+        self._drop_pin_client(info.address)
         if info.key and self.nixl is not None:
             self.nixl.forget_peer(info.key)
+
+    def _drop_pin_client(self, address: str) -> None:
+        client = self._pin_clients.pop(address, None)
+        if client is not None:
+            task = asyncio.get_running_loop().create_task(client.aclose())
+            self._closing_pins.add(task)
+            task.add_done_callback(self._closing_pins.discard)
+
+    @property
+    def pin_channels(self) -> int:
+        """Open pin channel connections (bounded like the peers; for tests and status)."""
+        return len(self._pin_clients)
+
+    async def _pin_client(self, info: PeerInfo) -> PinClient | None:
+        """The connection to ``info``'s pin channel, opened on first use; None when the
+        owner serves none or it cannot be reached (then pins go over gRPC for this
+        incarnation: a port a firewall drops must not cost every pull a timeout)."""
+        if not info.pin_port:
+            return None
+        client = self._pin_clients.get(info.address)
+        if client is not None:
+            if client.broken is None:
+                return client
+            # The connection was lost: the owner died or restarted (a restarted one
+            # listens on a new port, with a new agent and region). Forget it all;
+            # the pull's retry starts from fresh metadata.
+            self._forget(info)
+            raise client.broken
+        host = info.address.rpartition(":")[0]
+        try:
+            client = await PinClient.open(
+                host,
+                info.pin_port,
+                self._secret,
+                name=info.node_id,
+                timeout_s=CONTROL_TIMEOUT_S,
+                max_frame_bytes=self._max_message_bytes,
+            )
+        except Unavailable as exc:
+            log.warning(
+                "peer %s: pin channel unreachable (%s); pinning over gRPC", info.node_id, exc
+            )
+            info.pin_port = 0
+            return None
+        if self._peers.get(info.address) is not info:
+            await client.aclose()  # forgotten while we connected
+            return None
+        self._pin_clients[info.address] = client
+        return client
 
     # ------------------------------------------------------------------ pull
 
@@ -308,6 +374,16 @@ class Puller:
             requester_node_id=self.node_id,
             transport=self._transport_for(info).kind,
         )
+        client = await self._pin_client(info)
+        if client is not None:
+            try:
+                return await client.pin(request, CONTROL_TIMEOUT_S)
+            except Unavailable:
+                # The owner went away (or restarted: its channel is new): forget it,
+                # so the caller's retry starts from fresh metadata. DeadlineExceeded
+                # (an owner that stalled) counts as that too.
+                self._forget(info)
+                raise
         try:
             return await self._stub(info.address).PinForPull(
                 request, metadata=self._metadata, timeout=CONTROL_TIMEOUT_S
@@ -387,7 +463,10 @@ class Puller:
             offsets = batch.local_offsets[lo:hi].tolist()
             if len(pieces) == 1:
                 # Nothing to overlap with: hash on the loop (no thread hand-off).
-                landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
+                if (hi - lo) * block_bytes <= INLINE_HASH_MAX_BYTES:
+                    landed[lo:hi] = checksums_of(self.region, offsets, block_bytes)
+                else:
+                    landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
                 return
             async with hashing:
                 hashing_now[0] = True
@@ -470,6 +549,11 @@ class Puller:
     def _schedule_release(self, info: PeerInfo, lease_id: int) -> None:
         """Release the owner's pin off the reply path: the caller need not wait a round
         trip for it, and a lost release only means the pin expires a bit later."""
+        if not lease_id:
+            return
+        client = self._pin_clients.get(info.address)
+        if client is not None and client.release_nowait([lease_id]):
+            return  # one frame, no answer awaited, no task
         if len(self._releases) >= MAX_PENDING_RELEASES:
             log.warning(
                 "%d pin releases pending; letting pin %d expire", len(self._releases), lease_id
@@ -495,6 +579,10 @@ class Puller:
     async def aclose(self) -> None:
         if self._releases:
             await asyncio.wait(list(self._releases), timeout=CONTROL_TIMEOUT_S)
+        for address in list(self._pin_clients):
+            self._drop_pin_client(address)
+        if self._closing_pins:
+            await asyncio.wait(list(self._closing_pins), timeout=CONTROL_TIMEOUT_S)
         await self._channels.aclose()
         for info in list(self._peers.values()):
             self._forget(info)
