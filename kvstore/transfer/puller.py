@@ -481,15 +481,16 @@ class Puller:
 
         try:
             try:
-                try:
-                    async with asyncio.TaskGroup() as group:
-                        for lo, hi in pieces:
-                            group.create_task(piece(lo, hi))
-                except BaseException:
-                    if hasher is not None:
+                if hasher is None:  # one piece: no task, no group (on the first byte's path)
+                    await piece(*pieces[0])
+                else:
+                    try:
+                        async with asyncio.TaskGroup() as group:
+                            for lo, hi in pieces:
+                                group.create_task(piece(lo, hi))
+                    except BaseException:
                         await hasher.finish(stop=True)  # the thread ends at its current piece
-                    raise
-                if hasher is not None:
+                        raise
                     await hasher.finish()  # every piece hashed
             except BaseExceptionGroup as eg:
                 # Report the peer's failure, not the cancellations it caused.
