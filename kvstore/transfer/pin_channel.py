@@ -281,7 +281,11 @@ class PinClient:
             if op != WELCOME or not hmac.compare_digest(
                 body, _mac(key, b"server", nonce_c, nonce_s)
             ):
-                raise errors.PermissionDenied(f"{name} did not prove the cluster secret")
+                # The peer's failing, as its refusal over gRPC would be (status set:
+                # PeerNode.fill then skips the hint instead of failing the lookup).
+                impostor = errors.PermissionDenied(f"{name} did not prove the cluster secret")
+                impostor.status_code = errors.PermissionDenied.status
+                raise impostor
         except asyncio.IncompleteReadError as exc:
             writer.close()
             raise errors.Unavailable(f"pin channel to {name}: closed during the handshake") from exc
@@ -322,6 +326,8 @@ class PinClient:
 
     async def call(self, op: int, message: Any, timeout_s: float) -> bytes:
         """Send one request, wait for its answer; the answer's bytes or its error."""
+        if self.broken is None and self._writer.is_closing():
+            self._break(errors.Unavailable(f"pin channel to {self.name} closed"))
         if self.broken is not None:
             raise self.broken
         async with self._in_flight:
@@ -334,9 +340,11 @@ class PinClient:
                 got_op, body = await asyncio.wait_for(waiter, timeout_s)
             except TimeoutError:
                 self._waiting.pop(seq, None)
-                raise errors.DeadlineExceeded(
+                late = errors.DeadlineExceeded(
                     f"pin channel to {self.name}: no answer in {timeout_s:.3g} s"
-                ) from None
+                )
+                late.status_code = errors.DeadlineExceeded.status  # as the gRPC call's
+                raise late from None
         if got_op == ERROR:
             raise _error_of(body, f"pin on peer {self.name}")
         if got_op != op | 0x80:

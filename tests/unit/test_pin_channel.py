@@ -67,8 +67,12 @@ async def test_both_sides_must_prove_the_secret() -> None:
 
     fake = await asyncio.start_server(impostor, "127.0.0.1", 0)
     try:
-        with pytest.raises(errors.PermissionDenied, match="did not prove the cluster secret"):
+        with pytest.raises(
+            errors.PermissionDenied, match="did not prove the cluster secret"
+        ) as err:
             await open_client(fake.sockets[0].getsockname()[1])
+        # the peer's failing, like a refusal it sent: a peer hint is skipped, not fatal
+        assert err.value.status_code == errors.PermissionDenied.status
     finally:
         fake.close()
 
