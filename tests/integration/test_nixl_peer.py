@@ -1011,3 +1011,32 @@ def test_pin_channel_refuses_a_wrong_secret_and_bad_frames(peer_daemon) -> None:
     b = peer_daemon("node-b")
     ns_b = put(b, [], block)
     assert fetch(b, ns_b.namespace_id, [1, 2], a).fetched_blocks == 2
+
+
+def test_pin_channel_survives_arbitrary_frames(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Random ops and bodies after a good handshake: each gets an error or a
+    well-formed answer, nothing stays pinned, and the owner keeps serving pulls."""
+    a = peer_daemon("node-a")
+    block = 4096
+    put(a, [1, 2], block)
+    rng = np.random.default_rng(12)
+    sock, _ = _pin_socket(a, SECRET)
+    for seq in range(1, 61):
+        op = int(rng.choice([1, 2, 3, 0x81, 0xFF, int(rng.integers(0, 256))]))
+        body = rng.integers(0, 256, int(rng.integers(0, 64)), dtype=np.uint8).tobytes()
+        sock.sendall(frame(op, seq, body))
+        got = read_frame(sock)
+        assert int.from_bytes(got[1:5], "little") == seq
+        if got[0] == 0xFF:
+            reason, _message = msgspec.msgpack.decode(got[5:])
+            assert reason == "invalid_request", reason
+        elif got[0] == 0x81:  # random bytes that parse as a pin: no spec, so refused above
+            raise AssertionError("a pin without a spec was granted")
+        else:
+            assert got[0] == 0x82  # a release of whatever ids parsed: nothing of ours
+            peer_pb2.ReleasePullResponse.FromString(got[5:])
+    sock.close()
+    assert leases_and_used(a)[0] == 0
+    b = peer_daemon("node-b")
+    ns_b = put(b, [], block)
+    assert fetch(b, ns_b.namespace_id, [1, 2], a).fetched_blocks == 2
