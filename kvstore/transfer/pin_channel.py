@@ -153,7 +153,10 @@ class PinServer:
         task = asyncio.current_task()
         assert task is not None
         peer = writer.get_extra_info("peername")
-        who = f"ipv4:{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        if isinstance(peer, tuple):  # as gRPC names TCP peers (audit keys by host)
+            who = f"{'ipv6' if ':' in peer[0] else 'ipv4'}:{peer[0]}:{peer[1]}"
+        else:
+            who = str(peer)
         if len(self._connections) >= MAX_CONNECTIONS:
             writer.write(
                 _frame(
