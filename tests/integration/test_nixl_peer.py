@@ -826,6 +826,20 @@ def rpc_calls(d: DaemonProcess, method: str) -> float:
     )
 
 
+def denied(d: DaemonProcess, reason: str) -> float:
+    """d's kvstore_denied_requests_total for ``reason``, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvstore_denied_requests_total" and s.labels.get("reason") == reason
+    )
+
+
 def agent_metadata(d: DaemonProcess, secret: str = SECRET) -> peer_pb2.GetAgentMetadataResponse:
     with grpc.insecure_channel(d.tcp_address) as channel:
         return peer_pb2_grpc.PeerServiceStub(channel).GetAgentMetadata(
@@ -949,7 +963,7 @@ def frame(op: int, seq: int, body: bytes) -> bytes:
 
 
 def test_pin_channel_refuses_a_wrong_secret_and_bad_frames(peer_daemon) -> None:  # type: ignore[no-untyped-def]
-    a = peer_daemon("node-a")
+    a = peer_daemon("node-a", extra={"metrics.address": "127.0.0.1:0"})
     block = 4096
     put(a, [1, 2], block)
     # A wrong proof: refused (permission_denied), closed, nothing pinned.
@@ -960,6 +974,7 @@ def test_pin_channel_refuses_a_wrong_secret_and_bad_frames(peer_daemon) -> None:
         sock.sendall(frame(1, 1, b""))
         read_frame(sock)
     sock.close()
+    assert denied(a, "peer_wrong_secret") == 1  # audited like a wrong secret over gRPC
     # The right one: A proves the secret back, then bad input gets precise errors
     # and the connection goes on.
     sock, answer = _pin_socket(a, SECRET)
