@@ -312,6 +312,10 @@ class Puller:
         if self._peers.get(info.address) is not info:
             await client.aclose()  # forgotten while we connected
             return None
+        other = self._pin_clients.get(info.address)
+        if other is not None and other.broken is None:
+            await client.aclose()  # a concurrent pull connected first: one connection
+            return other
         self._pin_clients[info.address] = client
         return client
 
