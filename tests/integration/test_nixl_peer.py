@@ -1055,3 +1055,43 @@ def test_pin_channel_survives_arbitrary_frames(peer_daemon) -> None:  # type: ig
     b = peer_daemon("node-b")
     ns_b = put(b, [], block)
     assert fetch(b, ns_b.namespace_id, [1, 2], a).fetched_blocks == 2
+
+
+def established_to(port: int) -> int:
+    """TCP connections in ESTABLISHED state whose local port is ``port`` (IPv4, this host)."""
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            local, state = line.split()[1], line.split()[3]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":
+                count += 1
+    return count
+
+
+def test_concurrent_first_pulls_share_one_pin_channel_connection(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a, b = peer_daemon("node-a"), peer_daemon("node-b")
+    block = 4096
+    hashes = list(range(1, 33))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    replies: list[object] = []
+    threads = [
+        threading.Thread(
+            target=lambda part=part: replies.append(fetch(b, ns_b.namespace_id, part, a))
+        )
+        for part in (hashes[i : i + 8] for i in range(0, 32, 8))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(replies) == 4 and all(r.fetched_blocks == 8 for r in replies)  # type: ignore[attr-defined]
+    assert_holds(b, hashes, block)
+    # Every surplus connection is closed at once; what stays is B's one.
+    deadline = time.monotonic() + 5
+    port = agent_metadata(a).pin_port
+    while established_to(port) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert established_to(port) == 1
+    assert no_leases_soon(a)
