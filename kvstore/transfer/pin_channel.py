@@ -201,6 +201,9 @@ class PinServer:
         running: set[asyncio.Task[None]] = set()
         try:
             while True:
+                # Answers not read by the peer stop us reading its requests (the
+                # transport's write buffer bounds what is queued for it).
+                await writer.drain()
                 op, seq, body = await _read_frame(reader, self.max_frame_bytes)
                 if len(running) >= MAX_IN_FLIGHT:
                     busy = errors.CapacityExhausted(
@@ -212,7 +215,7 @@ class PinServer:
                 running.add(job)
                 job.add_done_callback(running.discard)
         finally:
-            for job in running:
+            for job in list(running):
                 job.cancel()
 
     async def _one(self, op: int, seq: int, body: bytes, writer: asyncio.StreamWriter) -> None:
