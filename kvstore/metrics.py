@@ -309,10 +309,20 @@ class InstrumentedPeerService:
         return await self.inner.GetAgentMetadata(request, context)
 
     async def PinForPull(self, request: Any, context: Any) -> Any:
+        return await self._counted(request, self.inner.PinForPull(request, context))
+
+    async def pin(self, request: Any) -> Any:
+        """The same pin asked over the pin channel (kvstore.transfer.pin_channel)."""
+        return await self._counted(request, self.inner.pin(request))
+
+    async def release(self, request: Any) -> Any:
+        return await self.inner.release(request)
+
+    async def _counted(self, request: Any, call: Any) -> Any:
         started = time.perf_counter()
         c = self.metrics.counters.of(request.transport)
         try:
-            reply = await self.inner.PinForPull(request, context)
+            reply = await call
         except BaseException:  # aborts (refusals) raise out of the handler
             c.serve_failures += 1
             raise

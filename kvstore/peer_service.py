@@ -41,6 +41,7 @@ from kvstore.transfer.grpc_stream import (
     GrpcStreamTransport,
     iter_chunks,
 )
+from kvstore.transfer.pin_channel import PinServer
 from kvstore.transfer.puller import (
     MAX_PIN_TTL_S,
     PIECE_MIN_BYTES,
@@ -90,6 +91,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self.agent_name = agent_name
         self._on_pin = on_pin or (lambda lease_id, ttl_s: None)
         self._on_unpin = on_unpin or (lambda lease_id: None)
+        self.pin_port = 0  # of the pin channel once it listens (PeerNode.start); 0 = none
 
     async def _auth(self, context: grpc.aio.ServicerContext, method: str) -> None:
         if not secret_matches(context.invocation_metadata(), self._secret):
@@ -117,33 +119,34 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             agent_metadata=nixl.local_info() if nixl is not None else b"",
             region_base=int(region.array.ctypes.data),
             region_bytes=region.capacity_bytes,
+            pin_port=self.pin_port,
         )
 
     async def PinForPull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context, "PinForPull")
+        return await call_async(context, lambda: self.pin(request))
+
+    async def pin(self, request: Any) -> Any:
+        """One pin (PinForPullRequest -> PinForPullResponse), whichever channel asked
+        (gRPC above, or the pin channel, kvstore.transfer.pin_channel, which proved
+        the secret on its connection); refusals raise KVStoreError."""
         if self.manager.leases.held_by(PEER_OWNER) >= MAX_PEER_PINS:
-            await errors.abort(context, errors.CapacityExhausted("too many outstanding peer pins"))
+            raise errors.CapacityExhausted("too many outstanding peer pins")
         if not request.HasField("spec"):
-            await errors.abort(context, errors.InvalidRequest("spec is required"))
+            raise errors.InvalidRequest("spec is required")
         ttl_s = request.lease_ttl_s or DEFAULT_PIN_TTL_S
         if not 0 < ttl_s <= MAX_PIN_TTL_S:
-            await errors.abort(
-                context, errors.InvalidRequest(f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]")
+            raise errors.InvalidRequest(f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]")
+        ns_id = spec_from_pb(request.spec).namespace_id()
+        hashes = unpack_u64(request.block_hashes)
+        try:
+            # Disk-tier blocks of the prefix are promoted to DRAM first: peers
+            # read only DRAM.
+            plan = await self.manager.prepare_load_async(
+                ns_id, hashes, ttl_s, owner=PEER_OWNER, client=PEER_OWNER
             )
-
-        async def pin() -> Any:
-            ns_id = spec_from_pb(request.spec).namespace_id()
-            hashes = unpack_u64(request.block_hashes)
-            try:
-                # Disk-tier blocks of the prefix are promoted to DRAM first: peers
-                # read only DRAM.
-                return await self.manager.prepare_load_async(
-                    ns_id, hashes, ttl_s, owner=PEER_OWNER, client=PEER_OWNER
-                )
-            except errors.NamespaceNotFound:
-                return None  # never declared here: nothing to offer
-
-        plan = await call_async(context, pin)
+        except errors.NamespaceNotFound:
+            plan = None  # never declared here: nothing to offer
         reply = peer_pb2.PinForPullResponse(incarnation=self.incarnation, lease_ttl_s=ttl_s)
         if plan is None or not plan.lease_id:
             return reply
@@ -169,6 +172,10 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     async def ReleasePull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context, "ReleasePull")
+        return await self.release(request)
+
+    async def release(self, request: Any) -> Any:
+        """ReleasePullRequest -> ReleasePullResponse (either channel)."""
         released = 0
         for lease_id in request.lease_ids:
             try:
@@ -322,6 +329,8 @@ class PeerNode:
         metrics: PeerMetrics | None = None,
         pull_piece_bytes: int = PIECE_MIN_BYTES,
         tls: TlsFiles | None = None,
+        pin_channel: bool = True,
+        pin_port: int = 0,
     ) -> None:
         if pull_piece_bytes < 4096:
             raise errors.ConfigError(
@@ -336,6 +345,12 @@ class PeerNode:
                 f"peer.transfer_timeout_s must be in (0, {MAX_PIN_TTL_S - PIN_TTL_MARGIN_S}]"
             )
         self.manager = manager
+        self._secret = secret
+        # The pin channel is plaintext: under TLS, pins stay on the (mutual TLS) gRPC.
+        self.pin_channel = pin_channel and not (tls is not None and tls.enabled)
+        self._pin_port = pin_port
+        self._pin_server: PinServer | None = None
+        self._max_message_bytes = max_message_bytes
         self.incarnation = secrets.token_hex(8)
         self.agent_name = f"kvstore-{manager.node_id}-{self.incarnation}"
         region = manager.region
@@ -371,7 +386,9 @@ class PeerNode:
             known_peers=known_peers,
             piece_bytes=pull_piece_bytes,
             credentials=credentials,
+            pin_channel=self.pin_channel,
         )
+        self._peer_service = service
         if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
             self.puller = metrics.wrap_puller(self.puller)
             self.service = metrics.wrap_service(self.service)
@@ -396,6 +413,28 @@ class PeerNode:
             # refused our secret (a misconfigured peer: loud, but the hint is advice).
             log.warning("peer hint %s: pull failed, answering from local blocks: %s", hint, exc)
 
+    async def start(self, host: str) -> None:
+        """Listen for the pin channel on ``host`` (server.tcp_address's), if it is on;
+        a port that cannot be bound leaves pins on gRPC (logged)."""
+        if not self.pin_channel:
+            return
+        server = PinServer(
+            self._secret,
+            self.service.pin,  # through the metrics wrapper: counted like PinForPull
+            self.service.release,
+            max_frame_bytes=self._max_message_bytes,
+        )
+        try:
+            port = await server.start(host, self._pin_port)
+        except OSError as exc:
+            log.warning(
+                "pin channel not served (%s:%d: %s); peers pin over gRPC", host, self._pin_port, exc
+            )
+            return
+        self._pin_server = server
+        self._peer_service.pin_port = port
+        log.info("pin channel on %s:%d", host, port)
+
     @property
     def transport_kind(self) -> str:
         return KIND_NIXL if self.nixl is not None else KIND_GRPC_STREAM
@@ -409,6 +448,9 @@ class PeerNode:
 
     async def close(self) -> None:
         """Close channels, stop the progress pump, deregister NIXL memory."""
+        if self._pin_server is not None:
+            self._peer_service.pin_port = 0
+            await self._pin_server.close()
         try:
             await asyncio.wait_for(self.puller.aclose(), 2.0)
             await asyncio.wait_for(self.stream.aclose(), 2.0)

@@ -137,6 +137,8 @@ class Daemon:
                 metrics=peer_metrics,
                 pull_piece_bytes=cfg.peer.pull_piece_bytes,
                 tls=tls,
+                pin_channel=cfg.peer.pin_channel,
+                pin_port=cfg.peer.pin_port,
             )
 
         options = [
@@ -194,6 +196,9 @@ class Daemon:
                     f"server.tcp_address: cannot bind {cfg.server.tcp_address}: {exc}"
                 ) from None
         await self.server.start()
+        if self.peer is not None and self.tcp_port is not None:
+            # pins between daemons without gRPC (kvstore/transfer/pin_channel.py)
+            await self.peer.start(cfg.server.tcp_address.rpartition(":")[0] or "127.0.0.1")
         if cfg.server.socket_path:
             os.chmod(cfg.server.socket_path, 0o660)
         if cfg.server.socket_path and cfg.server.local_channel:

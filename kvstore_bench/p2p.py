@@ -54,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--results", default="results", help="folder for the JSON report")
     p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats (CI smoke)")
+    p.add_argument(
+        "--pin-channel",
+        choices=["true", "false"],
+        default="true",
+        help="peer.pin_channel of both daemons (false: pins over gRPC, as before it)",
+    )
 
 
 # ------------------------------------------------------------- bare NIXL child
@@ -213,6 +219,7 @@ def _one_size(
                     "peer.secret": SECRET,
                     "peer.transfer_timeout_s": 60,
                     "leases.default_ttl_s": 120,
+                    "peer.pin_channel": args.pin_channel,
                 },
                 env=env,
                 start_timeout_s=120,
@@ -257,7 +264,7 @@ def _one_size(
             )
 
         def pull_grpc(hs: bytes) -> Any:
-            # The same pull asked over gRPC (FetchFromPeer, then A's pin: two calls).
+            # The same pull asked over gRPC FetchFromPeer (one call more before the pin).
             return stub.FetchFromPeer(
                 peer_pb2.FetchFromPeerRequest(
                     namespace_id=ns_b.namespace_id,
@@ -402,7 +409,8 @@ def run(args: argparse.Namespace) -> int:
     total = args.total_mib * MiB
     results = []
     print(
-        f"p2p: {args.total_mib} MiB per pull, {args.repeats} repeats, UCX_TLS={args.ucx_tls or 'default'}"
+        f"p2p: {args.total_mib} MiB per pull, {args.repeats} repeats, UCX_TLS={args.ucx_tls or 'default'}, "
+        f"pins over {'the pin channel' if args.pin_channel == 'true' else 'gRPC'}"
     )
     for kib in args.block_kib:
         r = _one_size(args, kib * 1024, total, env)
@@ -424,9 +432,10 @@ def run(args: argparse.Namespace) -> int:
         )
         g = r["ttfb_daemon_grpc"]
         print(
-            f"  first byte after: {'the lean channel + ' if r['ttfb_lean_channel'] else ''}"
-            f"one gRPC call (A's pin, {r['ttfb_pin_median_s'] * 1e3:.2f} ms); the same pull "
-            f"asked over gRPC FetchFromPeer (two calls): {g.median_s * 1e3:.2f} ms "
+            f"  first byte after: {'the lean local channel + ' if r['ttfb_lean_channel'] else ''}"
+            f"A's pin ({r['ttfb_pin_median_s'] * 1e3:.2f} ms, over "
+            f"{'the pin channel' if args.pin_channel == 'true' else 'gRPC'}); the same pull "
+            f"asked over gRPC FetchFromPeer (one call more): {g.median_s * 1e3:.2f} ms "
             f"[p10 {g.p10_s * 1e3:.2f}, p90 {g.p90_s * 1e3:.2f}]"
         )
         p = r["daemon_parts_median_s"]

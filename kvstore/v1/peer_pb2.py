@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvstore.v1 import store_pb2 as kvstore_dot_v1_dot_store__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\x1a\x16kvstore/v1/store.proto\"4\n\x17GetAgentMetadataRequest\x12\x19\n\x11requester_node_id\x18\x01 \x01(\t\"\xaa\x01\n\x18GetAgentMetadataResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x13\n\x0bregion_base\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\"\x95\x01\n\x11PinForPullRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x19\n\x11requester_node_id\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x9f\x01\n\x12PinForPullResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66ound_blocks\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tchecksums\x18\x05 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"\'\n\x12ReleasePullRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"\'\n\x13ReleasePullResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"M\n\x13StreamBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\"\x1a\n\nBlockChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x81\x01\n\x14\x46\x65tchFromPeerRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x14\n\x0cpeer_node_id\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xcc\x01\n\x15\x46\x65tchFromPeerResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\x16\n\x0e\x66\x65tched_blocks\x18\x02 \x01(\r\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x16\n\x0e\x63orrupt_blocks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\r\n\x05pin_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x0e\n\x06pieces\x18\t \x01(\r2\xd4\x02\n\x0bPeerService\x12]\n\x10GetAgentMetadata\x12#.kvstore.v1.GetAgentMetadataRequest\x1a$.kvstore.v1.GetAgentMetadataResponse\x12K\n\nPinForPull\x12\x1d.kvstore.v1.PinForPullRequest\x1a\x1e.kvstore.v1.PinForPullResponse\x12N\n\x0bReleasePull\x12\x1e.kvstore.v1.ReleasePullRequest\x1a\x1f.kvstore.v1.ReleasePullResponse\x12I\n\x0cStreamBlocks\x12\x1f.kvstore.v1.StreamBlocksRequest\x1a\x16.kvstore.v1.BlockChunk0\x01\x32h\n\x10PeerFetchService\x12T\n\rFetchFromPeer\x12 .kvstore.v1.FetchFromPeerRequest\x1a!.kvstore.v1.FetchFromPeerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvstore/v1/peer.proto\x12\nkvstore.v1\x1a\x16kvstore/v1/store.proto\"4\n\x17GetAgentMetadataRequest\x12\x19\n\x11requester_node_id\x18\x01 \x01(\t\"\xbc\x01\n\x18GetAgentMetadataResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x12\n\nagent_name\x18\x04 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x05 \x01(\x0c\x12\x13\n\x0bregion_base\x18\x06 \x01(\x04\x12\x14\n\x0cregion_bytes\x18\x07 \x01(\x04\x12\x10\n\x08pin_port\x18\x08 \x01(\r\"\x95\x01\n\x11PinForPullRequest\x12\'\n\x04spec\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\x12\x19\n\x11requester_node_id\x18\x04 \x01(\t\x12\x11\n\ttransport\x18\x05 \x01(\t\"\x9f\x01\n\x12PinForPullResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x66ound_blocks\x18\x02 \x01(\r\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x11\n\tchecksums\x18\x05 \x01(\x0c\x12\x13\n\x0bincarnation\x18\x06 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x07 \x01(\x01\"\'\n\x12ReleasePullRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\"\'\n\x13ReleasePullResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"M\n\x13StreamBlocksRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\x0f\n\x07offsets\x18\x02 \x01(\x0c\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\"\x1a\n\nBlockChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\x81\x01\n\x14\x46\x65tchFromPeerRequest\x12\x14\n\x0cnamespace_id\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x01(\x0c\x12\x14\n\x0cpeer_node_id\x18\x03 \x01(\t\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"\xcc\x01\n\x15\x46\x65tchFromPeerResponse\x12\x15\n\rprefix_blocks\x18\x01 \x01(\r\x12\x16\n\x0e\x66\x65tched_blocks\x18\x02 \x01(\r\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x16\n\x0e\x63orrupt_blocks\x18\x04 \x01(\r\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\r\n\x05pin_s\x18\x06 \x01(\x01\x12\x12\n\ntransfer_s\x18\x07 \x01(\x01\x12\x10\n\x08verify_s\x18\x08 \x01(\x01\x12\x0e\n\x06pieces\x18\t \x01(\r2\xd4\x02\n\x0bPeerService\x12]\n\x10GetAgentMetadata\x12#.kvstore.v1.GetAgentMetadataRequest\x1a$.kvstore.v1.GetAgentMetadataResponse\x12K\n\nPinForPull\x12\x1d.kvstore.v1.PinForPullRequest\x1a\x1e.kvstore.v1.PinForPullResponse\x12N\n\x0bReleasePull\x12\x1e.kvstore.v1.ReleasePullRequest\x1a\x1f.kvstore.v1.ReleasePullResponse\x12I\n\x0cStreamBlocks\x12\x1f.kvstore.v1.StreamBlocksRequest\x1a\x16.kvstore.v1.BlockChunk0\x01\x32h\n\x10PeerFetchService\x12T\n\rFetchFromPeer\x12 .kvstore.v1.FetchFromPeerRequest\x1a!.kvstore.v1.FetchFromPeerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,25 +35,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETAGENTMETADATAREQUEST']._serialized_start=61
   _globals['_GETAGENTMETADATAREQUEST']._serialized_end=113
   _globals['_GETAGENTMETADATARESPONSE']._serialized_start=116
-  _globals['_GETAGENTMETADATARESPONSE']._serialized_end=286
-  _globals['_PINFORPULLREQUEST']._serialized_start=289
-  _globals['_PINFORPULLREQUEST']._serialized_end=438
-  _globals['_PINFORPULLRESPONSE']._serialized_start=441
-  _globals['_PINFORPULLRESPONSE']._serialized_end=600
-  _globals['_RELEASEPULLREQUEST']._serialized_start=602
-  _globals['_RELEASEPULLREQUEST']._serialized_end=641
-  _globals['_RELEASEPULLRESPONSE']._serialized_start=643
-  _globals['_RELEASEPULLRESPONSE']._serialized_end=682
-  _globals['_STREAMBLOCKSREQUEST']._serialized_start=684
-  _globals['_STREAMBLOCKSREQUEST']._serialized_end=761
-  _globals['_BLOCKCHUNK']._serialized_start=763
-  _globals['_BLOCKCHUNK']._serialized_end=789
-  _globals['_FETCHFROMPEERREQUEST']._serialized_start=792
-  _globals['_FETCHFROMPEERREQUEST']._serialized_end=921
-  _globals['_FETCHFROMPEERRESPONSE']._serialized_start=924
-  _globals['_FETCHFROMPEERRESPONSE']._serialized_end=1128
-  _globals['_PEERSERVICE']._serialized_start=1131
-  _globals['_PEERSERVICE']._serialized_end=1471
-  _globals['_PEERFETCHSERVICE']._serialized_start=1473
-  _globals['_PEERFETCHSERVICE']._serialized_end=1577
+  _globals['_GETAGENTMETADATARESPONSE']._serialized_end=304
+  _globals['_PINFORPULLREQUEST']._serialized_start=307
+  _globals['_PINFORPULLREQUEST']._serialized_end=456
+  _globals['_PINFORPULLRESPONSE']._serialized_start=459
+  _globals['_PINFORPULLRESPONSE']._serialized_end=618
+  _globals['_RELEASEPULLREQUEST']._serialized_start=620
+  _globals['_RELEASEPULLREQUEST']._serialized_end=659
+  _globals['_RELEASEPULLRESPONSE']._serialized_start=661
+  _globals['_RELEASEPULLRESPONSE']._serialized_end=700
+  _globals['_STREAMBLOCKSREQUEST']._serialized_start=702
+  _globals['_STREAMBLOCKSREQUEST']._serialized_end=779
+  _globals['_BLOCKCHUNK']._serialized_start=781
+  _globals['_BLOCKCHUNK']._serialized_end=807
+  _globals['_FETCHFROMPEERREQUEST']._serialized_start=810
+  _globals['_FETCHFROMPEERREQUEST']._serialized_end=939
+  _globals['_FETCHFROMPEERRESPONSE']._serialized_start=942
+  _globals['_FETCHFROMPEERRESPONSE']._serialized_end=1146
+  _globals['_PEERSERVICE']._serialized_start=1149
+  _globals['_PEERSERVICE']._serialized_end=1489
+  _globals['_PEERFETCHSERVICE']._serialized_start=1491
+  _globals['_PEERFETCHSERVICE']._serialized_end=1595
 # @@protoc_insertion_point(module_scope)

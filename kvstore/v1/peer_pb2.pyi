@@ -14,7 +14,7 @@ class GetAgentMetadataRequest(_message.Message):
     def __init__(self, requester_node_id: _Optional[str] = ...) -> None: ...
 
 class GetAgentMetadataResponse(_message.Message):
-    __slots__ = ("node_id", "incarnation", "transport", "agent_name", "agent_metadata", "region_base", "region_bytes")
+    __slots__ = ("node_id", "incarnation", "transport", "agent_name", "agent_metadata", "region_base", "region_bytes", "pin_port")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class GetAgentMetadataResponse(_message.Message):
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGION_BASE_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIN_PORT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     incarnation: str
     transport: str
@@ -29,7 +30,8 @@ class GetAgentMetadataResponse(_message.Message):
     agent_metadata: bytes
     region_base: int
     region_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region_base: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+    pin_port: int
+    def __init__(self, node_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., transport: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., region_base: _Optional[int] = ..., region_bytes: _Optional[int] = ..., pin_port: _Optional[int] = ...) -> None: ...
 
 class PinForPullRequest(_message.Message):
     __slots__ = ("spec", "block_hashes", "lease_ttl_s", "requester_node_id", "transport")

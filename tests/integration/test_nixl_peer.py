@@ -6,6 +6,8 @@ test checks bytes through each daemon's shared-memory region with the client.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import importlib.util
 import os
 import signal
@@ -17,6 +19,7 @@ import time
 import urllib.request
 
 import grpc
+import msgspec
 import numpy as np
 import pytest
 
@@ -29,7 +32,7 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.process import DaemonProcess
-from kvstore.v1 import peer_pb2, peer_pb2_grpc
+from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 from tests.conftest import make_spec
 
 HAVE_NIXL = (
@@ -804,3 +807,291 @@ def test_client_fetch_from_peer_rides_the_lean_channel(peer_daemon, daemon_facto
         with pytest.raises(KVStoreError):
             c.fetch_from_peer(ns, [31], peer_address=a.tcp_address)
         assert c.local.frames_sent == frames
+
+
+# ------------------------------------------------------------------ pin channel
+
+
+def rpc_calls(d: DaemonProcess, method: str) -> float:
+    """gRPC calls of ``method`` (e.g. "PinForPull") d served, any status, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvstore_rpc_requests_total" and s.labels["method"] == method
+    )
+
+
+def denied(d: DaemonProcess, reason: str) -> float:
+    """d's kvstore_denied_requests_total for ``reason``, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "kvstore_denied_requests_total" and s.labels.get("reason") == reason
+    )
+
+
+def agent_metadata(d: DaemonProcess, secret: str = SECRET) -> peer_pb2.GetAgentMetadataResponse:
+    with grpc.insecure_channel(d.tcp_address) as channel:
+        return peer_pb2_grpc.PeerServiceStub(channel).GetAgentMetadata(
+            peer_pb2.GetAgentMetadataRequest(),
+            metadata=(("x-kvstore-cluster-secret", secret),),
+            timeout=5,
+        )
+
+
+@pytest.mark.parametrize("pin_channel", ["true", "false"])
+def test_pins_ride_the_pin_channel_unless_turned_off(peer_daemon, pin_channel: str) -> None:  # type: ignore[no-untyped-def]
+    """With the pin channel on both sides a pull's pin and release are no gRPC call
+    (counted all the same); turned off, the owner advertises no port and pins go
+    over gRPC as before."""
+    extra = {"metrics.address": "127.0.0.1:0", "peer.pin_channel": pin_channel}
+    a, b = peer_daemon("node-a", extra=extra), peer_daemon("node-b", extra=extra)
+    assert (agent_metadata(a).pin_port != 0) == (pin_channel == "true")
+    block = 64 << 10
+    hashes = list(range(1, 17))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    for part in (hashes[:8], hashes):
+        r = fetch(b, ns_b.namespace_id, part, a)
+        assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (8, len(part), 0)
+    assert_holds(b, hashes, block)
+    assert no_leases_soon(a)  # released, not left to expire, either way
+    grpc_pins = 0 if pin_channel == "true" else 2
+    assert rpc_calls(a, "PinForPull") == grpc_pins
+    assert rpc_calls(a, "ReleasePull") == grpc_pins
+    assert peer_stats(a)["nixl"]["serve_pins"] == 2
+    assert scrape(a)[("kvstore_peer_serve_pin_duration_seconds_count", "nixl")] == 2
+
+
+def test_stale_pin_channel_after_the_owner_restarts_never_serves_wrong_bytes(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """B keeps a pin channel and A's agent metadata cached; A is killed -9 and comes
+    back on the same address, as a new incarnation with a new region, pin port and
+    agent, holding the same hashes at other offsets (and one under other bytes).
+    B's next pull must learn all that and land exactly A's current bytes: nothing
+    read with stale descriptors, nothing verified against stale checksums."""
+    port = free_port()
+    extra = {"metrics.address": "127.0.0.1:0"}
+    a = peer_daemon("node-a", port=port, extra=extra)
+    b = peer_daemon("node-b", extra=extra)
+    block = 64 << 10
+    hashes = list(range(700, 716))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    old_port = agent_metadata(a).pin_port
+    assert fetch(b, ns_b.namespace_id, hashes[:8], a).fetched_blocks == 8  # channel + cache warm
+    a.kill()
+    a2 = peer_daemon("node-a", port=port, extra=extra)
+    assert a2.tcp_address == a.tcp_address
+    # Filler first, so every block of the run sits elsewhere than it did on A.
+    put(a2, list(range(9000, 9016)), block)
+    other = np.random.default_rng(5).integers(0, 256, (1, block), dtype=np.uint8)
+    with Client(a2.address) as c:
+        ns2 = c.declare_namespace(make_spec(block))
+        c.put(ns2, hashes[8:], blocks_for(hashes[8:], block))
+        h = c.prepare_load(ns2, hashes[8:])
+        new_offsets = list(h.offsets)
+        c.release(h)
+    assert agent_metadata(a2).incarnation != "" and agent_metadata(a2).pin_port != 0
+    r = fetch(b, ns_b.namespace_id, hashes, a2)
+    assert (r.local_blocks, r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (8, 8, 16, 0)
+    assert_holds(b, hashes, block)
+    assert rpc_calls(a2, "PinForPull") == 0  # the new A's pin channel, found anew
+    # The blocks moved: the old A had them at other offsets (the filler took those).
+    with Client(b.address) as cb:
+        nsb = cb.declare_namespace(make_spec(block))
+        assert cb.delete(nsb, hashes[8:]) == (8, 0)
+    # A2 holds other bytes under one hash now (a block stored anew): B gets those.
+    with Client(a2.address) as c:
+        ns2 = c.declare_namespace(make_spec(block))
+        assert c.delete(ns2, hashes[15:]) == (1, 0)
+        assert c.put(ns2, hashes[15:], other).stored == 1
+    r = fetch(b, ns_b.namespace_id, hashes, a2)
+    assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (8, 16, 0)
+    with Client(b.address) as cb:
+        nsb = cb.declare_namespace(make_spec(block))
+        got = cb.get(nsb, hashes[8:])
+        np.testing.assert_array_equal(got.data[:7], blocks_for(hashes[8:15], block))
+        np.testing.assert_array_equal(got.data[7], other[0])
+    assert old_port != 0 and new_offsets
+    assert no_leases_soon(a2) and leases_and_used(b)[0] == 0
+
+
+def _pin_socket(d: DaemonProcess, secret: str) -> tuple[socket.socket, bytes]:
+    """A raw connection to d's pin channel after the handshake with ``secret``: the
+    socket, and the first frame the owner sent back (its proof, or its refusal)."""
+    port = agent_metadata(d).pin_port
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    hello = recv_exactly(sock, 6 + 32)
+    assert hello[:6] == b"KVPIN1"
+    nonce_c = os.urandom(32)
+    mac = hmac.new(
+        secret.encode(),
+        b"kvstore-pin-channel-v1 client" + hello[6:] + nonce_c,
+        hashlib.sha256,
+    ).digest()
+    sock.sendall(nonce_c + mac)
+    return sock, read_frame(sock)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def read_frame(sock: socket.socket) -> bytes:
+    size = int.from_bytes(recv_exactly(sock, 4), "little")
+    return recv_exactly(sock, size)
+
+
+def frame(op: int, seq: int, body: bytes) -> bytes:
+    return (5 + len(body)).to_bytes(4, "little") + bytes([op]) + seq.to_bytes(4, "little") + body
+
+
+def test_pin_channel_refuses_a_wrong_secret_and_bad_frames(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a = peer_daemon("node-a", extra={"metrics.address": "127.0.0.1:0"})
+    block = 4096
+    put(a, [1, 2], block)
+    # A wrong proof: refused (permission_denied), closed, nothing pinned.
+    sock, answer = _pin_socket(a, SECRET + "x")
+    assert answer[0] == 0xFF
+    assert msgspec.msgpack.decode(answer[5:])[0] == "permission_denied"
+    with pytest.raises(ConnectionError):
+        sock.sendall(frame(1, 1, b""))
+        read_frame(sock)
+    sock.close()
+    assert denied(a, "peer_wrong_secret") == 1  # audited like a wrong secret over gRPC
+    # The right one: A proves the secret back, then bad input gets precise errors
+    # and the connection goes on.
+    sock, answer = _pin_socket(a, SECRET)
+    assert answer[0] == 0x10 and len(answer) == 5 + 32
+    spec = peer_pb2.PinForPullRequest(
+        spec=store_pb2.NamespaceSpec(**msgspec.structs.asdict(make_spec(block))),
+        block_hashes=np.asarray([1, 2], dtype="<u8").tobytes(),
+        lease_ttl_s=5.0,
+    )
+    for op, body, reason, words in (
+        (9, b"", "invalid_request", "unknown pin channel op 9"),
+        (1, b"\xff\xff\xff", "invalid_request", "bad message"),
+        (
+            1,
+            peer_pb2.PinForPullRequest().SerializeToString(),
+            "invalid_request",
+            "spec is required",
+        ),
+        (
+            1,
+            peer_pb2.PinForPullRequest(spec=spec.spec, lease_ttl_s=1e9).SerializeToString(),
+            "invalid_request",
+            "lease_ttl_s",
+        ),
+    ):
+        sock.sendall(frame(op, 7, body))
+        got = read_frame(sock)
+        assert (got[0], int.from_bytes(got[1:5], "little")) == (0xFF, 7)
+        reason_got, message = msgspec.msgpack.decode(got[5:])
+        assert reason_got == reason and words in message, message
+    sock.sendall(frame(1, 8, spec.SerializeToString()))
+    got = read_frame(sock)
+    assert got[0] == 0x81
+    pinned = peer_pb2.PinForPullResponse.FromString(got[5:])
+    assert pinned.found_blocks == 2 and pinned.lease_id
+    assert leases_and_used(a)[0] == 1
+    sock.sendall(
+        frame(2, 9, peer_pb2.ReleasePullRequest(lease_ids=[pinned.lease_id]).SerializeToString())
+    )
+    got = read_frame(sock)
+    assert got[0] == 0x82 and peer_pb2.ReleasePullResponse.FromString(got[5:]).released == 1
+    assert leases_and_used(a)[0] == 0
+    # A frame past the bound: the connection is closed, its bytes never read.
+    sock.sendall((1 << 30).to_bytes(4, "little"))
+    with pytest.raises(ConnectionError):
+        read_frame(sock)
+    sock.close()
+    # A still serves pulls.
+    b = peer_daemon("node-b")
+    ns_b = put(b, [], block)
+    assert fetch(b, ns_b.namespace_id, [1, 2], a).fetched_blocks == 2
+
+
+def test_pin_channel_survives_arbitrary_frames(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Random ops and bodies after a good handshake: each gets an error or a
+    well-formed answer, nothing stays pinned, and the owner keeps serving pulls."""
+    a = peer_daemon("node-a")
+    block = 4096
+    put(a, [1, 2], block)
+    rng = np.random.default_rng(12)
+    sock, _ = _pin_socket(a, SECRET)
+    for seq in range(1, 61):
+        op = int(rng.choice([1, 2, 3, 0x81, 0xFF, int(rng.integers(0, 256))]))
+        body = rng.integers(0, 256, int(rng.integers(0, 64)), dtype=np.uint8).tobytes()
+        sock.sendall(frame(op, seq, body))
+        got = read_frame(sock)
+        assert int.from_bytes(got[1:5], "little") == seq
+        if got[0] == 0xFF:
+            reason, _message = msgspec.msgpack.decode(got[5:])
+            assert reason == "invalid_request", reason
+        elif got[0] == 0x81:  # random bytes that parse as a pin: no spec, so refused above
+            raise AssertionError("a pin without a spec was granted")
+        else:
+            assert got[0] == 0x82  # a release of whatever ids parsed: nothing of ours
+            peer_pb2.ReleasePullResponse.FromString(got[5:])
+    sock.close()
+    assert leases_and_used(a)[0] == 0
+    b = peer_daemon("node-b")
+    ns_b = put(b, [], block)
+    assert fetch(b, ns_b.namespace_id, [1, 2], a).fetched_blocks == 2
+
+
+def established_to(port: int) -> int:
+    """TCP connections in ESTABLISHED state whose local port is ``port`` (IPv4, this host)."""
+    count = 0
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            local, state = line.split()[1], line.split()[3]
+            if int(local.rsplit(":", 1)[1], 16) == port and state == "01":
+                count += 1
+    return count
+
+
+def test_concurrent_first_pulls_share_one_pin_channel_connection(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    a, b = peer_daemon("node-a"), peer_daemon("node-b")
+    block = 4096
+    hashes = list(range(1, 33))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    replies: list[object] = []
+    threads = [
+        threading.Thread(
+            target=lambda part=part: replies.append(fetch(b, ns_b.namespace_id, part, a))
+        )
+        for part in (hashes[i : i + 8] for i in range(0, 32, 8))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(replies) == 4 and all(r.fetched_blocks == 8 for r in replies)  # type: ignore[attr-defined]
+    assert_holds(b, hashes, block)
+    # Every surplus connection is closed at once; what stays is B's one.
+    deadline = time.monotonic() + 5
+    port = agent_metadata(a).pin_port
+    while established_to(port) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert established_to(port) == 1
+    assert no_leases_soon(a)
