@@ -151,7 +151,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     from kvstore.indexer.subscriber import SourceSpec
     from kvstore.router.local_index import LocalIndex
     from kvstore.router.prompt_cache import PromptBytesCache
-    from kvstore.router.proxy import decode_body
+    from kvstore.router.proxy import decode_body, settle_heap
     from kvstore_router_client import NodeLoad, PrefixHashCache
     from kvstore_router_client.scorer import AsyncIndexClient
     from kvstore_router_client.strategies import make_strategy
@@ -215,6 +215,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         # connected (a stopped process cannot greet a ZMQ peer): now it streams only
         # while the "ingesting" row is timed
         churn.send_signal(signal.SIGSTOP)
+        settle_heap()  # as the router does once started (kvstore.router.proxy.serve)
         same = 0
         for i in range(args.samples):
             ctx = rng.integers(0, 150_000, args.context_tokens - args.new_tokens)

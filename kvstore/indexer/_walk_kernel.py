@@ -26,7 +26,10 @@ for _i in range(64):
 assert sorted(LOW_BIT.tolist()) == list(range(64))
 
 
-@numba.njit(cache=True, nogil=True)
+# The GIL stays held (no nogil): the walk is short (< 1 ms), and a thread that
+# released it waits up to the switch interval (5 ms) to take it back from a
+# busy one (the index's ingestion thread): the router's decision would pay that.
+@numba.njit(cache=True)
 def walk_blocks(
     keys: np.ndarray,
     state: np.ndarray,
