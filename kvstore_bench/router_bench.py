@@ -148,6 +148,8 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
 async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[str, Any]:
     from kvstore.events.publisher import ZmqEventPublisher
     from kvstore.hashing import BlockHasher
+    from kvstore.indexer.backend import source_medium
+    from kvstore.indexer.memory import MemoryIndex
     from kvstore.indexer.subscriber import SourceSpec
     from kvstore.router.local_index import LocalIndex
     from kvstore.router.prompt_cache import PromptBytesCache
@@ -182,6 +184,11 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     reused: list[int] = []
     load = {n: NodeLoad(running=float(i % 4), capacity=8) for i, n in enumerate(names)}
     prompts = PromptBytesCache()
+    # The same entries in an index walking in numpy (the path without numba): the
+    # local index's compiled walk timed against it on the same table, answers compared.
+    numpy_index = MemoryIndex(native=False)
+    walks: dict[str, list[float]] = {"compiled": [], "numpy": []}
+    walks_differ = 0
 
     async def score(way: str, hashes: np.ndarray) -> Any:
         if way == "local":
@@ -227,6 +234,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             for j, medium in zip(holders, ("CPU", "GPU", "DISK"), strict=True):
                 k = held[names[j]] = int(len(full) * rng.uniform(0.5, 1.0))
                 pubs[names[j]].blocks_stored(ns, full[:k], medium, None, None)
+                numpy_index.add(MODEL, names[j], source_medium(medium, daemon=True), full[:k])
             # Every block ingested before timing, by both indexes; the local one's
             # time to hold them is the staleness of an index in step (a ZMQ hop).
             _wait_indexed(local.indexer, full, held, poll_s=0.0005)
@@ -243,6 +251,17 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
                 took, picks[way] = await decide(way, turn, out[way])
                 out[way]["resent"].append(took)
             same += picks["indexer"].node == picks["local"].node
+            hashes = np.asarray(full, dtype=np.uint64)
+            got: dict[str, Any] = {}
+            for walk in ("compiled", "numpy") if i % 2 == 0 else ("numpy", "compiled"):
+                with local.indexer.lock:
+                    t0 = time.perf_counter()
+                    if walk == "compiled":
+                        got[walk] = local.memory.score(MODEL, hashes, names)
+                    else:
+                        got[walk] = numpy_index.score(MODEL, hashes, names)
+                    walks[walk].append(time.perf_counter() - t0)
+            walks_differ += got["compiled"] != got["numpy"]
             # the next turn again while another source's events stream in: the
             # local index applies them in this process (its thread, its lock)
             churn.send_signal(signal.SIGCONT)
@@ -289,6 +308,10 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         "local_lag_s": _pct(lag),
         "parse_body_s": _pct(parse["body"]),
         "parse_prompt_s": _pct(parse["prompt"]),
+        "walk_native": bool(local.memory.native),
+        "walk_compiled_s": _pct(walks["compiled"]),
+        "walk_numpy_s": _pct(walks["numpy"]),
+        "walks_differ": walks_differ,
         "samples_s": {f"{w}_{c}": out[w][c] for w in ways for c in ("cold", "resent")},
     }
     for w in ways:
@@ -1022,6 +1045,13 @@ def _decision_report(d: dict[str, Any]) -> list[str]:
         f"{d['indexer_resent_s']['p99'] * ms:.2f} ms). Same choice both ways in "
         f"{d['same_choice']:.0%} of contexts; {d['reused_blocks_mean']:.0f} blocks reused per "
         "re-sent decision on average.",
+        "",
+        "The index lookup alone (`MemoryIndex.score`, the same table, alternated): the "
+        f"compiled walk{'' if d.get('walk_native') else ' (numba missing: numpy ran)'} "
+        f"p50 {d['walk_compiled_s']['p50'] * ms:.2f} ms / p99 "
+        f"{d['walk_compiled_s']['p99'] * ms:.2f} ms, the numpy walk p50 "
+        f"{d['walk_numpy_s']['p50'] * ms:.2f} ms / p99 {d['walk_numpy_s']['p99'] * ms:.2f} ms; "
+        f"answers differing: {d['walks_differ']}.",
         "",
         f"Local index staleness in step: a context's blocks published -> held by the local "
         f"index p50 {lag['p50'] * ms:.2f} ms, p99 {lag['p99'] * ms:.2f} ms (3 batches, "

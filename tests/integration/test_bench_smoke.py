@@ -192,6 +192,9 @@ def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> N
     # the re-sent turn reused every block of the previous context
     assert d["reused_blocks_mean"] == (40000 - 1000) // 16
     assert d["resent_s"]["p50"] > 0 and d["cold_s"]["p50"] > 0
+    # the local index's compiled walk, timed against the numpy walk: same answers
+    assert d["walk_native"] and d["walks_differ"] == 0
+    assert d["walk_compiled_s"]["p50"] > 0 and d["walk_numpy_s"]["p50"] > 0
     assert "Decision cost" in (out / "report.md").read_text()
     assert (out / "decision_cdf.png").stat().st_size > 1000
 
