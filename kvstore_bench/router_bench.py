@@ -21,6 +21,10 @@
    streamed completion to the engine directly and through every router, in
    rotating order; time to the first SSE event and to the end of the stream.
    Goal: the router adds <= 1 ms at p50. CPU figures: a 2-layer model on a CPU.
+   ``--engine stub``: the same against a stand-in engine process (``_STUB``:
+   the vLLM endpoints the router reads, a 16-event SSE answer at once), so the
+   router's own cost is measured without vLLM's engine loop taking a core of
+   a small machine.
 3. Live replay (``--replay on``): two vLLM CPU servers with the KVStore connector,
    each with its daemon publishing KV events, a real indexer following both, and
    one real `kvstore router` per strategy (``cache+load``, the product default,
@@ -72,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=200.0,
         help="another source's event batches during the 'while ingesting' decisions",
     )
-    p.add_argument("--engine", choices=("on", "off"), default="on", help="measure proxy overhead")
+    p.add_argument(
+        "--engine",
+        choices=("on", "stub", "off"),
+        default="on",
+        help="measure proxy overhead (on: a vLLM CPU server; stub: a stand-in SSE engine)",
+    )
     p.add_argument("--requests", type=int, default=40, help="streamed requests per path")
     p.add_argument("--decision", choices=("on", "off"), default="on", help="measure decision cost")
     p.add_argument(
@@ -122,6 +131,35 @@ while True:
     if len(live) > 256:
         pub.blocks_removed(NS(), live.pop(0), "GPU")
     time.sleep(1.0 / rate)
+"""
+
+
+_STUB = """
+import asyncio, json, sys
+from aiohttp import web
+METRICS = ('vllm:num_requests_running{engine="0"} 0\\nvllm:num_requests_waiting{engine="0"} 0\\n'
+           'vllm:kv_cache_usage_perc{engine="0"} 0\\n'
+           'vllm:cache_config_info{block_size="16",prefix_caching_hash_algo="sha256"} 1.0\\n')
+EVENT = b"data: " + json.dumps({"object": "text_completion", "model": "tiny",
+    "choices": [{"index": 0, "text": "x", "finish_reason": None}]}).encode() + b"\\n\\n"
+async def metrics(r): return web.Response(text=METRICS)
+async def models(r):
+    return web.json_response({"data": [{"id": "tiny", "root": "tiny", "max_model_len": 4096}]})
+async def health(r): return web.Response()
+async def completions(r):
+    await r.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(r)
+    for _ in range(16):
+        await resp.write(EVENT)
+        await asyncio.sleep(0)
+    await resp.write(b"data: [DONE]\\n\\n")
+    await resp.write_eof()
+    return resp
+app = web.Application()
+app.add_routes([web.get("/metrics", metrics), web.get("/v1/models", models),
+    web.get("/health", health), web.post("/v1/completions", completions)])
+web.run_app(app, path=sys.argv[1], access_log=None, print=None)
 """
 
 
@@ -434,6 +472,7 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 # The routers measured against the engine in one run: what each change buys.
 PROXY_VARIANTS = (
+    ("the hop alone (round-robin: no decision), uvloop", {"strategy": "round-robin"}),
     ("indexer Score, asyncio loop", {"index": "indexer", "event_loop": "asyncio"}),
     ("local index, asyncio loop", {"index": "local", "event_loop": "asyncio"}),
     ("local index, uvloop", {"index": "local", "event_loop": "uvloop"}),
@@ -467,10 +506,13 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
     from kvstore.indexer.service import Indexer, serve
     from tests.integration import vllm_model as vm
 
-    model_dir = vm.make_tiny_llama(tmp / "model")
     sock = str(tmp / "engine.sock")
     log = tmp / "vllm.log"
-    engine_args = vm.api_server_command(model_dir, "--served-model-name", "tiny", "--uds", sock)
+    if args.engine == "stub":
+        engine_args = [sys.executable, "-c", _STUB, sock]
+    else:
+        model_dir = vm.make_tiny_llama(tmp / "model")
+        engine_args = vm.api_server_command(model_dir, "--served-model-name", "tiny", "--uds", sock)
     with open(log, "wb") as f:
         engine = subprocess.Popen(
             engine_args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=f, stderr=subprocess.STDOUT
@@ -517,6 +559,7 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
         direct = got["direct"]
         out: dict[str, Any] = {
             "requests": args.requests,
+            "engine": args.engine,
             "direct_first_s": _pct(direct["first"]),
             "direct_end_s": _pct(direct["end"]),
             "variants": {},
@@ -932,7 +975,7 @@ def run(args: argparse.Namespace) -> int:
     progress_on = {"auto": None, "on": True, "off": False}[args.progress]
     total = (
         (args.samples if args.decision == "on" else 0)
-        + (args.requests + 3 if args.engine == "on" else 0)
+        + (args.requests + 3 if args.engine != "off" else 0)
         + (args.replay_conversations * args.replay_turns if args.replay == "on" else 0)
     )
     progress = _common.Progress(total, "router", progress_on)
@@ -940,7 +983,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     if args.decision == "on":
         result["decision"] = decision_cost(args, progress)
-    if args.engine == "on":
+    if args.engine != "off":
         with tempfile.TemporaryDirectory(prefix="kvsbench-router-") as tmp:
             result["proxy"] = proxy_overhead(args, Path(tmp), progress)
     if args.replay == "on":
@@ -973,7 +1016,13 @@ def report(result: dict[str, Any], out: Path) -> str:
     if p and "variants" in p:
         lines += [
             "",
-            f"## Proxy overhead (measured on CPU, tiny model): {p['requests']} streamed "
+            "## Proxy overhead ("
+            + (
+                "measured against a stand-in SSE engine: the router's own cost"
+                if p.get("engine") == "stub"
+                else "measured on CPU, tiny model"
+            )
+            + f"): {p['requests']} streamed "
             "requests per path, 200-token prompts, 16 tokens each; every path in each round",
             "",
             "| path | first event p50 | first event p90 | end of stream p50 | "
