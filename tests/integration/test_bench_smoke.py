@@ -199,6 +199,24 @@ def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> N
     assert (out / "decision_cdf.png").stat().st_size > 1000
 
 
+@pytest.mark.timeout(240)
+def test_router_bench_proxy_against_the_stand_in_engine(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = _bench(
+        "router",
+        *("--decision", "off", "--replay", "off", "--engine", "stub", "--requests", "3"),
+        *("--progress", "off", "--results", str(results)),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _only_dir(results)
+    p = json.loads((out / "router.json").read_text())["proxy"]
+    assert p["engine"] == "stub" and p["direct_first_s"]["p50"] > 0
+    hop = p["variants"]["the hop alone (round-robin: no decision), uvloop"]
+    assert hop["first_s"]["p50"] > 0
+    assert "stand-in SSE engine" in (out / "report.md").read_text()
+
+
 def _marked_pids(mark: str, word: str = "") -> list[int]:
     """Processes whose environment carries ``mark`` (the bench and what it started)
     and, with ``word``, whose command line contains it."""
