@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import ConfigError, InvalidRequest
 from kvstore.indexer import walk
 from kvstore.indexer.backend import (
     MEDIUMS,
@@ -225,7 +225,10 @@ class MemoryIndex:
         self._ranks: dict[str, dict[int, str]] = {}
         self.native = walk.available() if native is None else native
         if self.native and not walk.available():
-            raise InvalidRequest("the compiled Score walk needs numba, which is not installed")
+            raise ConfigError(
+                "the compiled Score walk is unavailable (numba missing, KVSTORE_NATIVE_WALK=0, "
+                "or its compile failed: see the log)"
+            )
 
     # --- nodes -------------------------------------------------------------------
 

@@ -6,13 +6,15 @@ a 43 MB table) it cost ~3.0 ms here, ~1.4 ms of it linear-probing rounds (the
 few keys far from their home slot keep a round going, and every round costs
 the fixed overhead of a dozen numpy calls), ~0.9 ms gathering rows, ~0.4 ms
 the reductions. The walk below probes, folds ranks, ANDs and counts tiers
-block by block in one loop, and stops at the first block no candidate holds:
-~0.2 ms for the same request (docs/router.md, "What a decision costs").
+block by block in one loop (looking 512 blocks ahead, so the cache misses of
+independent lookups overlap), and stops at the first block no candidate holds:
+0.6-0.8 ms for the same request at load 2-3, 0.95 ms vs 3.9 ms numpy at load
+9.6 (docs/router.md, "With the compiled prefix walk").
 
 Same semantics as the numpy path (``MemoryIndex.score`` with
 ``native=False``: ``_Table.rows`` + ``fold_ranks`` + ``prefix_scores``),
 checked against it on random operations and against a real indexer's Score
-(tests/unit/test_index_walk.py, tests/integration/test_router_local_index.py):
+(tests/unit/test_index_walk.py, tests/integration/test_local_index_walk.py):
 
 - a block is held by a node in any medium; a node's prefix is the number of
   leading blocks it holds (the running AND over blocks);
