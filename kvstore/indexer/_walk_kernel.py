@@ -26,11 +26,7 @@ for _i in range(64):
 assert sorted(LOW_BIT.tolist()) == list(range(64))
 
 
-# The GIL stays held (no nogil): the walk is short (< 1 ms), and a thread that
-# released it waits up to the switch interval (5 ms) to take it back from a
-# busy one (the index's ingestion thread): the router's decision would pay that.
-@numba.njit(cache=True)
-def walk_blocks(
+def _walk_blocks(
     keys: np.ndarray,
     state: np.ndarray,
     bits: np.ndarray,
@@ -149,3 +145,14 @@ def walk_blocks(
             gpu[(w << 6) + b] = gb
             disk[(w << 6) + b] = db
     return i
+
+
+# The GIL stays held (no nogil): the walk is short (< 1 ms), and a thread that
+# released it waits up to the switch interval (5 ms) to take it back from a
+# busy one (the index's ingestion thread): the router's decision would pay that.
+try:
+    walk_blocks = numba.njit(cache=True)(_walk_blocks)
+except RuntimeError:
+    # no writable place for numba's cache (a read-only install under systemd's
+    # ProtectSystem/ProtectHome): compiled at each start instead (~1-2 s)
+    walk_blocks = numba.njit(_walk_blocks)
