@@ -186,6 +186,7 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
 async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[str, Any]:
     from kvstore.events.publisher import ZmqEventPublisher
     from kvstore.hashing import BlockHasher
+    from kvstore.indexer import walk
     from kvstore.indexer.backend import source_medium
     from kvstore.indexer.memory import MemoryIndex
     from kvstore.indexer.subscriber import SourceSpec
@@ -207,6 +208,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     # process's interpreter lock with the router's loop (the local index's do).
     ix_proc, ix_addr = _start_indexer(sources)
     local = LocalIndex(max_bytes=8 << 30)
+    walk.available()  # its Score's walk compiled before anything is timed
     local.start()
     client = AsyncIndexClient(ix_addr, deadline_s=2.0)
     rng = np.random.default_rng(0)

@@ -207,8 +207,9 @@ class MemoryIndex:
     def __init__(
         self, initial_capacity: int = 1 << 16, max_nodes: int = 4096, native: bool | None = None
     ) -> None:
-        """``native``: the Score's prefix walk compiled (``kvstore.indexer.walk``;
-        None: where numba is installed), else in numpy; same answers."""
+        """``native``: the Score's prefix walk compiled (``kvstore.indexer.walk``),
+        else in numpy; same answers. None: compiled once its background compile
+        is done, where numba is installed; True: waits for the compile."""
         cap = _MIN_CAPACITY
         while cap < initial_capacity:
             cap *= 2
@@ -223,12 +224,19 @@ class MemoryIndex:
         self._cursors: dict[str, int] = {}
         # node -> rank -> its rank member (see backend.rank_member)
         self._ranks: dict[str, dict[int, str]] = {}
-        self.native = walk.available() if native is None else native
-        if self.native and not walk.available():
+        self._native = native
+        if native is None:
+            walk.start()
+        elif native and not walk.available():
             raise ConfigError(
                 "the compiled Score walk is unavailable (numba missing, KVSTORE_NATIVE_WALK=0, "
                 "or its compile failed: see the log)"
             )
+
+    @property
+    def native(self) -> bool:
+        """Whether a Score now walks compiled (see ``__init__``)."""
+        return walk.ready() if self._native is None else self._native
 
     # --- nodes -------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ checked against it on random operations and against a real indexer's Score
   CPU is the rest.
 
 numba is optional (the ``router`` extra installs it; vLLM depends on it): without
-it, with ``KVSTORE_NATIVE_WALK=0``, or if the kernel fails to compile,
-``available()`` is False and the numpy path answers.
+it, with ``KVSTORE_NATIVE_WALK=0``, or if the kernel fails to compile, the
+numpy path answers; also while the kernel compiles (``start``: in a thread).
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ import numpy as np
 log = logging.getLogger("kvstore.indexer")
 
 _kernel: Any = None
-_tried = False
 _lock = threading.Lock()
+_compiling: threading.Thread | None = None
+_done = threading.Event()
 
 
 def _build() -> Any:
@@ -69,27 +70,51 @@ def _build() -> Any:
     return kernel
 
 
-def available() -> bool:
-    """Whether the compiled walk answers: numba importable, not turned off, and
-    the kernel compiled (the first call compiles it, once per process: ~1-2 s,
-    or ~0.5 s from numba's on-disk cache; the index calls this at construction,
-    so no request pays it)."""
-    global _kernel, _tried
-    if _tried:
-        return _kernel is not None
+def _compile() -> None:
+    global _kernel
+    try:
+        _kernel = _build()
+        log.info("the Score's prefix walk is compiled")
+    except ImportError:
+        log.info("numba is not installed: the Score walks in numpy")
+    except Exception as e:  # a compile or cache failure: the numpy path answers
+        log.warning("the compiled Score walk is unavailable (%s): numpy walks", e)
+    finally:
+        _done.set()
+
+
+def start() -> None:
+    """Compile the walk in the background, once per process (idempotent).
+
+    Why not at the first Score or in the caller: the compile is ~1-2 s (~0.5 s
+    from numba's on-disk cache) on a quiet machine but took 20 s at load 10 on
+    2 cores; a process held that long in one call (an index built mid-run)
+    missed its gRPC peers' deadlines. In a thread it only shares the interpreter
+    lock, and the numpy walk answers until it is done (same answers)."""
+    global _compiling
     with _lock:
-        if not _tried:
-            if os.environ.get("KVSTORE_NATIVE_WALK", "1") == "0":
-                log.info("KVSTORE_NATIVE_WALK=0: the Score walks in numpy")
-            else:
-                try:
-                    _kernel = _build()
-                except ImportError:
-                    log.info("numba is not installed: the Score walks in numpy")
-                except Exception as e:  # a compile or cache failure: the numpy path answers
-                    log.warning("the compiled Score walk is unavailable (%s): numpy walks", e)
-            _tried = True
+        if _compiling is not None or _done.is_set():
+            return
+        if os.environ.get("KVSTORE_NATIVE_WALK", "1") == "0":
+            log.info("KVSTORE_NATIVE_WALK=0: the Score walks in numpy")
+            _done.set()
+            return
+        _compiling = threading.Thread(target=_compile, name="kv-walk-compile", daemon=True)
+        _compiling.start()
+
+
+def ready() -> bool:
+    """Whether the compiled walk answers now (never waits)."""
     return _kernel is not None
+
+
+def available(timeout_s: float | None = None) -> bool:
+    """Whether the compiled walk answers, once its compile is done (started here
+    if it was not; waits up to ``timeout_s``, None: until done): numba importable,
+    not turned off, the kernel compiled."""
+    start()
+    _done.wait(timeout_s)
+    return ready()
 
 
 def walk(

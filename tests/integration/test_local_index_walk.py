@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kvstore.events.publisher import ZmqEventPublisher
+from kvstore.indexer import walk
 from kvstore.router.local_index import LocalIndex
 from kvstore_router_client.scorer import AsyncIndexClient
 from tests.integration.test_router_ha import start_indexer
@@ -35,7 +36,8 @@ class _NS:
 
 def test_local_index_walk_scores_as_the_real_indexer(tmp_path, monkeypatch):
     local = LocalIndex(max_bytes=1 << 30)
-    assert local.memory.native, "the compiled walk is not available here (numba?)"
+    assert walk.available(), "the compiled walk is not available here (numba?)"
+    assert local.memory.native
     pubs = {n: ZmqEventPublisher(n, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for n in NODES}
     args: list[str] = []
     for n, p in pubs.items():

@@ -12,18 +12,26 @@ Score must be equal, candidates or all nodes. numba is a dependency of the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from kvstore.indexer import walk
 from kvstore.indexer.memory import MemoryIndex
 
+REPO = Path(__file__).resolve().parents[2]
 MEDIUMS = ("GPU", "CPU", "DISK", "KVSTORE_GPU", "STORAGE", None)
 
 
 def test_the_compiled_walk_is_available():
+    index = MemoryIndex()  # starts the compile in the background; numpy answers meanwhile
     assert walk.available(), "numba missing or the kernel failed to compile (see the log)"
-    assert MemoryIndex().native
+    assert index.native and MemoryIndex().native
+    assert not MemoryIndex(native=False).native
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -88,3 +96,28 @@ def test_long_prefix_counts_and_early_stop():
         ("b", 1_234, 0, 1_234),
     ]
     assert native.score("m", hs[::-1] + np.uint64(1), None) == []
+
+
+def test_turned_off_the_numpy_walk_answers_and_native_is_refused():
+    """``KVSTORE_NATIVE_WALK=0`` (a fresh process: the choice is made once per
+    process): the index walks in numpy, and asking for the compiled walk is a
+    ConfigError naming why it may be missing."""
+    code = (
+        "import numpy as np\n"
+        "from kvstore.errors import ConfigError\n"
+        "from kvstore.indexer import walk\n"
+        "from kvstore.indexer.memory import MemoryIndex\n"
+        "ix = MemoryIndex()\n"
+        "assert not walk.available() and not ix.native\n"
+        "ix.add('m', 'a', 'CPU', np.arange(1, 9, dtype=np.uint64))\n"
+        "assert ix.score('m', np.arange(1, 5, dtype=np.uint64))[0].prefix_blocks == 4\n"
+        "try:\n"
+        "    MemoryIndex(native=True)\n"
+        "except ConfigError as e:\n"
+        "    assert 'KVSTORE_NATIVE_WALK=0' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('native=True was accepted')\n"
+    )
+    env = dict(os.environ, KVSTORE_NATIVE_WALK="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
