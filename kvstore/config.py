@@ -500,6 +500,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
         "KVSTORE_NT_COPY",  # 0: block copies by plain memmove (kvstore.memcopy)
+        "KVSTORE_NATIVE_WALK",  # 0: the index Score walks in numpy (kvstore.indexer.walk)
     }
 )
 NON_CONFIG_ENV_PREFIXES = ("KVSTORE_BENCH_",)

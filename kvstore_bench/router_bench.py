@@ -21,6 +21,10 @@
    streamed completion to the engine directly and through every router, in
    rotating order; time to the first SSE event and to the end of the stream.
    Goal: the router adds <= 1 ms at p50. CPU figures: a 2-layer model on a CPU.
+   ``--engine stub``: the same against a stand-in engine process (``_STUB``:
+   the vLLM endpoints the router reads, a 16-event SSE answer at once), so the
+   router's own cost is measured without vLLM's engine loop taking a core of
+   a small machine.
 3. Live replay (``--replay on``): two vLLM CPU servers with the KVStore connector,
    each with its daemon publishing KV events, a real indexer following both, and
    one real `kvstore router` per strategy (``cache+load``, the product default,
@@ -72,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=200.0,
         help="another source's event batches during the 'while ingesting' decisions",
     )
-    p.add_argument("--engine", choices=("on", "off"), default="on", help="measure proxy overhead")
+    p.add_argument(
+        "--engine",
+        choices=("on", "stub", "off"),
+        default="on",
+        help="measure proxy overhead (on: a vLLM CPU server; stub: a stand-in SSE engine)",
+    )
     p.add_argument("--requests", type=int, default=40, help="streamed requests per path")
     p.add_argument("--decision", choices=("on", "off"), default="on", help="measure decision cost")
     p.add_argument(
@@ -125,6 +134,35 @@ while True:
 """
 
 
+_STUB = """
+import asyncio, json, sys
+from aiohttp import web
+METRICS = ('vllm:num_requests_running{engine="0"} 0\\nvllm:num_requests_waiting{engine="0"} 0\\n'
+           'vllm:kv_cache_usage_perc{engine="0"} 0\\n'
+           'vllm:cache_config_info{block_size="16",prefix_caching_hash_algo="sha256"} 1.0\\n')
+EVENT = b"data: " + json.dumps({"object": "text_completion", "model": "tiny",
+    "choices": [{"index": 0, "text": "x", "finish_reason": None}]}).encode() + b"\\n\\n"
+async def metrics(r): return web.Response(text=METRICS)
+async def models(r):
+    return web.json_response({"data": [{"id": "tiny", "root": "tiny", "max_model_len": 4096}]})
+async def health(r): return web.Response()
+async def completions(r):
+    await r.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(r)
+    for _ in range(16):
+        await resp.write(EVENT)
+        await asyncio.sleep(0)
+    await resp.write(b"data: [DONE]\\n\\n")
+    await resp.write_eof()
+    return resp
+app = web.Application()
+app.add_routes([web.get("/metrics", metrics), web.get("/v1/models", models),
+    web.get("/health", health), web.post("/v1/completions", completions)])
+web.run_app(app, path=sys.argv[1], access_log=None, print=None)
+"""
+
+
 def _start_churn(rate: float) -> tuple[subprocess.Popen[bytes], str, str]:
     """Another process publishing ``rate`` batches/s (16 blocks stored, 16 removed):
     the ingestion the router's own index does while it decides."""
@@ -148,10 +186,13 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
 async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[str, Any]:
     from kvstore.events.publisher import ZmqEventPublisher
     from kvstore.hashing import BlockHasher
+    from kvstore.indexer import walk
+    from kvstore.indexer.backend import source_medium
+    from kvstore.indexer.memory import MemoryIndex
     from kvstore.indexer.subscriber import SourceSpec
     from kvstore.router.local_index import LocalIndex
     from kvstore.router.prompt_cache import PromptBytesCache
-    from kvstore.router.proxy import decode_body
+    from kvstore.router.proxy import decode_body, settle_heap
     from kvstore_router_client import NodeLoad, PrefixHashCache
     from kvstore_router_client.scorer import AsyncIndexClient
     from kvstore_router_client.strategies import make_strategy
@@ -167,6 +208,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     # process's interpreter lock with the router's loop (the local index's do).
     ix_proc, ix_addr = _start_indexer(sources)
     local = LocalIndex(max_bytes=8 << 30)
+    walk.available()  # its Score's walk compiled before anything is timed
     local.start()
     client = AsyncIndexClient(ix_addr, deadline_s=2.0)
     rng = np.random.default_rng(0)
@@ -182,6 +224,11 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     reused: list[int] = []
     load = {n: NodeLoad(running=float(i % 4), capacity=8) for i, n in enumerate(names)}
     prompts = PromptBytesCache()
+    # The same entries in an index walking in numpy (the path without numba): the
+    # local index's compiled walk timed against it on the same table, answers compared.
+    numpy_index = MemoryIndex(native=False)
+    walks: dict[str, list[float]] = {"compiled": [], "numpy": []}
+    walks_differ = 0
 
     async def score(way: str, hashes: np.ndarray) -> Any:
         if way == "local":
@@ -215,6 +262,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         # connected (a stopped process cannot greet a ZMQ peer): now it streams only
         # while the "ingesting" row is timed
         churn.send_signal(signal.SIGSTOP)
+        settle_heap()  # as the router does once started (kvstore.router.proxy.serve)
         same = 0
         for i in range(args.samples):
             ctx = rng.integers(0, 150_000, args.context_tokens - args.new_tokens)
@@ -226,6 +274,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             for j, medium in zip(holders, ("CPU", "GPU", "DISK"), strict=True):
                 k = held[names[j]] = int(len(full) * rng.uniform(0.5, 1.0))
                 pubs[names[j]].blocks_stored(ns, full[:k], medium, None, None)
+                numpy_index.add(MODEL, names[j], source_medium(medium, daemon=True), full[:k])
             # Every block ingested before timing, by both indexes; the local one's
             # time to hold them is the staleness of an index in step (a ZMQ hop).
             _wait_indexed(local.indexer, full, held, poll_s=0.0005)
@@ -242,6 +291,17 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
                 took, picks[way] = await decide(way, turn, out[way])
                 out[way]["resent"].append(took)
             same += picks["indexer"].node == picks["local"].node
+            hashes = np.asarray(full, dtype=np.uint64)
+            got: dict[str, Any] = {}
+            for walk in ("compiled", "numpy") if i % 2 == 0 else ("numpy", "compiled"):
+                with local.indexer.lock:
+                    t0 = time.perf_counter()
+                    if walk == "compiled":
+                        got[walk] = local.memory.score(MODEL, hashes, names)
+                    else:
+                        got[walk] = numpy_index.score(MODEL, hashes, names)
+                    walks[walk].append(time.perf_counter() - t0)
+            walks_differ += got["compiled"] != got["numpy"]
             # the next turn again while another source's events stream in: the
             # local index applies them in this process (its thread, its lock)
             churn.send_signal(signal.SIGCONT)
@@ -288,6 +348,10 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         "local_lag_s": _pct(lag),
         "parse_body_s": _pct(parse["body"]),
         "parse_prompt_s": _pct(parse["prompt"]),
+        "walk_native": bool(local.memory.native),
+        "walk_compiled_s": _pct(walks["compiled"]),
+        "walk_numpy_s": _pct(walks["numpy"]),
+        "walks_differ": walks_differ,
         "samples_s": {f"{w}_{c}": out[w][c] for w in ways for c in ("cold", "resent")},
     }
     for w in ways:
@@ -410,6 +474,7 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
 
 # The routers measured against the engine in one run: what each change buys.
 PROXY_VARIANTS = (
+    ("the hop alone (round-robin: no decision), uvloop", {"strategy": "round-robin"}),
     ("indexer Score, asyncio loop", {"index": "indexer", "event_loop": "asyncio"}),
     ("local index, asyncio loop", {"index": "local", "event_loop": "asyncio"}),
     ("local index, uvloop", {"index": "local", "event_loop": "uvloop"}),
@@ -443,10 +508,13 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
     from kvstore.indexer.service import Indexer, serve
     from tests.integration import vllm_model as vm
 
-    model_dir = vm.make_tiny_llama(tmp / "model")
     sock = str(tmp / "engine.sock")
     log = tmp / "vllm.log"
-    engine_args = vm.api_server_command(model_dir, "--served-model-name", "tiny", "--uds", sock)
+    if args.engine == "stub":
+        engine_args = [sys.executable, "-c", _STUB, sock]
+    else:
+        model_dir = vm.make_tiny_llama(tmp / "model")
+        engine_args = vm.api_server_command(model_dir, "--served-model-name", "tiny", "--uds", sock)
     with open(log, "wb") as f:
         engine = subprocess.Popen(
             engine_args, cwd=vm.REPO_ROOT, env=vm.engine_env(), stdout=f, stderr=subprocess.STDOUT
@@ -493,6 +561,7 @@ def proxy_overhead(args: argparse.Namespace, tmp: Path, progress: _common.Progre
         direct = got["direct"]
         out: dict[str, Any] = {
             "requests": args.requests,
+            "engine": args.engine,
             "direct_first_s": _pct(direct["first"]),
             "direct_end_s": _pct(direct["end"]),
             "variants": {},
@@ -908,7 +977,7 @@ def run(args: argparse.Namespace) -> int:
     progress_on = {"auto": None, "on": True, "off": False}[args.progress]
     total = (
         (args.samples if args.decision == "on" else 0)
-        + (args.requests + 3 if args.engine == "on" else 0)
+        + (args.requests + 3 if args.engine != "off" else 0)
         + (args.replay_conversations * args.replay_turns if args.replay == "on" else 0)
     )
     progress = _common.Progress(total, "router", progress_on)
@@ -916,7 +985,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {}
     if args.decision == "on":
         result["decision"] = decision_cost(args, progress)
-    if args.engine == "on":
+    if args.engine != "off":
         with tempfile.TemporaryDirectory(prefix="kvsbench-router-") as tmp:
             result["proxy"] = proxy_overhead(args, Path(tmp), progress)
     if args.replay == "on":
@@ -949,7 +1018,13 @@ def report(result: dict[str, Any], out: Path) -> str:
     if p and "variants" in p:
         lines += [
             "",
-            f"## Proxy overhead (measured on CPU, tiny model): {p['requests']} streamed "
+            "## Proxy overhead ("
+            + (
+                "measured against a stand-in SSE engine: the router's own cost"
+                if p.get("engine") == "stub"
+                else "measured on CPU, tiny model"
+            )
+            + f"): {p['requests']} streamed "
             "requests per path, 200-token prompts, 16 tokens each; every path in each round",
             "",
             "| path | first event p50 | first event p90 | end of stream p50 | "
@@ -1021,6 +1096,13 @@ def _decision_report(d: dict[str, Any]) -> list[str]:
         f"{d['indexer_resent_s']['p99'] * ms:.2f} ms). Same choice both ways in "
         f"{d['same_choice']:.0%} of contexts; {d['reused_blocks_mean']:.0f} blocks reused per "
         "re-sent decision on average.",
+        "",
+        "The index lookup alone (`MemoryIndex.score`, the same table, alternated): the "
+        f"compiled walk{'' if d.get('walk_native') else ' (numba missing: numpy ran)'} "
+        f"p50 {d['walk_compiled_s']['p50'] * ms:.2f} ms / p99 "
+        f"{d['walk_compiled_s']['p99'] * ms:.2f} ms, the numpy walk p50 "
+        f"{d['walk_numpy_s']['p50'] * ms:.2f} ms / p99 {d['walk_numpy_s']['p99'] * ms:.2f} ms; "
+        f"answers differing: {d['walks_differ']}.",
         "",
         f"Local index staleness in step: a context's blocks published -> held by the local "
         f"index p50 {lag['p50'] * ms:.2f} ms, p99 {lag['p99'] * ms:.2f} ms (3 batches, "

@@ -29,7 +29,9 @@ from kvstore.hashing import BlockHasher, to_int_hashes
 MAX_CHAINS_PER_KEY = 16
 
 
-@dataclass
+# eq=False: chains are told apart by identity (``list.remove`` of a parent); a
+# generated __eq__ would compare the token arrays and raise on their truth value.
+@dataclass(eq=False)
 class _Chain:
     tokens: np.ndarray  # int64, the full blocks only
     digests: list[bytes]

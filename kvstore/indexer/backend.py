@@ -242,6 +242,14 @@ def prefix_scores(
     c, d = tiers[CPU, :, :length], tiers[DISK, :, :length]
     gpu = _count_tier(g & cum, cum, prefix)
     disk_only = _count_tier(d & ~(g | c) & cum, cum, prefix)
+    return counted_scores(prefix, gpu, disk_only, bit_nodes)
+
+
+def counted_scores(
+    prefix: np.ndarray, gpu: np.ndarray, disk_only: np.ndarray, bit_nodes: dict[int, str]
+) -> list[NodeScore]:
+    """Scores from per node id counts: prefix blocks, of them GPU and DISK-only ones
+    (CPU is the rest); longest prefix first, then by name."""
     out = []
     for b in np.flatnonzero(prefix).tolist():
         node = bit_nodes.get(b)

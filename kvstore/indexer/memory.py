@@ -23,11 +23,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvstore.errors import InvalidRequest
+from kvstore.errors import ConfigError, InvalidRequest
+from kvstore.indexer import walk
 from kvstore.indexer.backend import (
     MEDIUMS,
     RANK_MARK,
     NodeScore,
+    counted_scores,
     fold_ranks,
     group_ranks,
     medium_index,
@@ -167,6 +169,31 @@ class _Table:
         if self.capacity > _MIN_CAPACITY and self.used < _MAX_LOAD * self.capacity / 8:
             self.reserve(0, self.words, force=True)
 
+    def walk(
+        self, hashes: np.ndarray, alive: np.ndarray, pairs: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The compiled prefix walk (``walk.available()``): per node id, prefix
+        blocks and of them GPU and DISK-only ones."""
+        ids = alive.shape[0] * 64
+        prefix = np.zeros(ids, dtype=np.int64)
+        gpu, disk = np.zeros(ids, dtype=np.int64), np.zeros(ids, dtype=np.int64)
+        walk.walk(
+            self.keys,
+            self.state,
+            self.bits.reshape(self.capacity, -1),
+            self.words,
+            self._mult,
+            self._shift,
+            np.int64(self._mask),
+            hashes,
+            alive,
+            pairs,
+            prefix,
+            gpu,
+            disk,
+        )
+        return prefix, gpu, disk
+
     def rows(self, keys: np.ndarray) -> np.ndarray:
         slots = self.find(keys)
         rows = self.bits[np.maximum(slots, 0)]
@@ -177,7 +204,12 @@ class _Table:
 class MemoryIndex:
     """``IndexBackend`` in process memory."""
 
-    def __init__(self, initial_capacity: int = 1 << 16, max_nodes: int = 4096) -> None:
+    def __init__(
+        self, initial_capacity: int = 1 << 16, max_nodes: int = 4096, native: bool | None = None
+    ) -> None:
+        """``native``: the Score's prefix walk compiled (``kvstore.indexer.walk``),
+        else in numpy; same answers. None: compiled once its background compile
+        is done, where numba is installed; True: waits for the compile."""
         cap = _MIN_CAPACITY
         while cap < initial_capacity:
             cap *= 2
@@ -192,6 +224,19 @@ class MemoryIndex:
         self._cursors: dict[str, int] = {}
         # node -> rank -> its rank member (see backend.rank_member)
         self._ranks: dict[str, dict[int, str]] = {}
+        self._native = native
+        if native is None:
+            walk.start()
+        elif native and not walk.available():
+            raise ConfigError(
+                "the compiled Score walk is unavailable (numba missing, KVSTORE_NATIVE_WALK=0, "
+                "or its compile failed: see the log)"
+            )
+
+    @property
+    def native(self) -> bool:
+        """Whether a Score now walks compiled (see ``__init__``)."""
+        return walk.ready() if self._native is None else self._native
 
     # --- nodes -------------------------------------------------------------------
 
@@ -318,6 +363,11 @@ class MemoryIndex:
                     pairs.append((bit, rb))
         if not alive.any():
             return []
+        if self.native:
+            hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
+            pair_ids = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+            prefix, gpu, disk = t.walk(hashes, alive, pair_ids)
+            return group_ranks(counted_scores(prefix, gpu, disk, self._bit_node))
         # Look up in growing chunks and stop once no candidate still has the
         # prefix: a miss on block 0 costs one small probe, a 1M-token request
         # nobody holds costs nothing more.

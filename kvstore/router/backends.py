@@ -188,7 +188,10 @@ class Fleet:
             node=node,
             url=url,
             base=base,
-            session=aiohttp.ClientSession(connector=conn),
+            # No cookie jar: a proxy keeps no engine cookies (a jar would send one
+            # user's Set-Cookie on every later user's request; and it filters and
+            # updates cookies on every request and response).
+            session=aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar()),
             daemon=self._daemons.get(node, ""),
         )
         return b

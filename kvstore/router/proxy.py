@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -767,6 +768,20 @@ class Router:
         return resp
 
 
+def settle_heap() -> None:
+    """Put everything alive after start-up out of the cyclic collector's reach.
+
+    Why: a full (generation 2) collection walks every tracked object, and a
+    started router holds ~135k (aiohttp, grpc, numba's compiler for the index
+    walk): measured 85-92 ms per full collection in the decision bench's
+    process, a pause any request in flight then waits through (the decision's
+    p99). Frozen objects (``gc.freeze``) are never scanned again; what requests
+    allocate later is collected as before. Start-up garbage is collected first,
+    so freezing keeps nothing that is already unreachable."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> None:
     """Run until cancelled (the CLI cancels on SIGTERM/SIGINT)."""
     router = Router(config)
@@ -777,6 +792,7 @@ async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> Non
     host, _, port = config.listen.rpartition(":")
     site = web.TCPSite(runner, host or "127.0.0.1", int(port), shutdown_timeout=5.0)
     await site.start()
+    settle_heap()  # after start-up (the local index and its compiled walk are built)
     for addr in runner.addresses:
         h, p = addr[0], addr[1]
         print(f"kvstore router listening on http://{h}:{p}", flush=True)

@@ -43,6 +43,8 @@ class Engine:
         """Completions wait until it is set (clear it to hold them: real in-flight
         requests, counted in the running gauge)."""
         self.gate.set()
+        self.set_cookie = ""
+        """A ``Set-Cookie`` value completions answer with ("" = none)."""
         self.active = 0
         self._lock = threading.Lock()
         engine = self
@@ -56,6 +58,8 @@ class Engine:
             def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", ctype)
+                if engine.set_cookie and self.path == "/v1/completions":
+                    self.send_header("Set-Cookie", engine.set_cookie)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -192,8 +192,29 @@ def test_router_bench_decision_cost_reports_cold_and_resent(tmp_path: Path) -> N
     # the re-sent turn reused every block of the previous context
     assert d["reused_blocks_mean"] == (40000 - 1000) // 16
     assert d["resent_s"]["p50"] > 0 and d["cold_s"]["p50"] > 0
+    # the local index's compiled walk, timed against the numpy walk: same answers
+    assert d["walk_native"] and d["walks_differ"] == 0
+    assert d["walk_compiled_s"]["p50"] > 0 and d["walk_numpy_s"]["p50"] > 0
     assert "Decision cost" in (out / "report.md").read_text()
     assert (out / "decision_cdf.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(240)
+def test_router_bench_proxy_against_the_stand_in_engine(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    proc = _bench(
+        "router",
+        *("--decision", "off", "--replay", "off", "--engine", "stub", "--requests", "3"),
+        *("--progress", "off", "--results", str(results)),
+        timeout_s=220,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = _only_dir(results)
+    p = json.loads((out / "router.json").read_text())["proxy"]
+    assert p["engine"] == "stub" and p["direct_first_s"]["p50"] > 0
+    hop = p["variants"]["the hop alone (round-robin: no decision), uvloop"]
+    assert hop["first_s"]["p50"] > 0
+    assert "stand-in SSE engine" in (out / "report.md").read_text()
 
 
 def _marked_pids(mark: str, word: str = "") -> list[int]:

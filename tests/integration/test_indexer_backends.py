@@ -18,13 +18,16 @@ MEDIUMS = ("GPU", "CPU", "DISK")
 @pytest.fixture(
     params=[
         "memory",
+        "memory-numpy",  # the numpy walk ("memory": the compiled one, tests/unit/test_index_walk.py)
         pytest.param("redis", marks=pytest.mark.redis),
         pytest.param("mirror", marks=pytest.mark.redis),
     ]
 )
 def backend(request, tmp_path):
-    if request.param == "memory":
-        yield MemoryIndex(initial_capacity=1024)
+    if request.param.startswith("memory"):
+        yield MemoryIndex(
+            initial_capacity=1024, native=None if request.param == "memory" else False
+        )
         return
     from kvstore.indexer.redis_index import RedisIndex
 

@@ -177,6 +177,26 @@ def test_prefix_cache_is_bounded_in_tokens_and_chains():
         PrefixHashCache(BlockHasher(bs), max_tokens=0)
 
 
+def test_a_subagent_continues_while_its_siblings_chains_are_stored():
+    """Two subagents share the parent's first block; the second one's next turn
+    extends its own chain, which is not the first stored under that block:
+    hashed incrementally, exactly (it raised ValueError: chains compared by
+    their token arrays)."""
+    bs = 4
+    hasher = BlockHasher(bs)
+    cache = PrefixHashCache(hasher)
+    parent = np.arange(10 * bs)
+    one = np.concatenate([parent, [1] * 3 * bs])
+    two = np.concatenate([parent, [9] * 3 * bs])
+    cache.hash(one)
+    cache.routed(cache.hash(two), "node-b")
+    turn = np.concatenate([two, [5] * 2 * bs])
+    got = cache.hash(turn)
+    assert got.reused_blocks == 13 and got.previous_node == "node-b"
+    np.testing.assert_array_equal(got.hashes, hasher.hash_tokens_int(turn))
+    assert cache.stored_tokens == one.size + turn.size  # "two" replaced by its next turn
+
+
 def test_engine_metrics_are_read_as_vllm_writes_them():
     from kvstore.router.backends import parse_metrics
 
