@@ -400,6 +400,7 @@ class BlockManager:
                     statuses[i] = STORE_IN_FLIGHT
                     continue
                 k = len(reserved)
+                offset: int | None
                 if k < len(free_offsets):
                     block, offset = made[k], free_offsets[k]
                     assert block.block_hash == h, "new blocks out of step with their slots"
