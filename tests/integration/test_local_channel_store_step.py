@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore import local_wire
 from kvstore.client import Client
 
 BLOCK = 4096
@@ -66,3 +67,42 @@ def test_blocks_just_loaded_are_not_asked_for_again(daemon, engine_parts):
     assert b.worker.counters.loaded_blocks == 3
     assert b.worker.counters.save_skipped_blocks == 3
     assert b.worker.take_load_errors() == set()
+
+
+def test_lean_calls_are_counted_per_method_and_status(daemon_factory):
+    """The lean server keeps its labelled metric children: every call still counts,
+    under its own method and status code."""
+    import urllib.request
+
+    import numpy as np
+
+    from kvstore import errors
+    from tests.conftest import make_spec
+
+    d = daemon_factory(metrics=True)
+
+    def series(name: str) -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=5).read()
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.decode().splitlines()
+            if line.startswith(name + "{")
+        }
+
+    with Client(d.address) as c:
+        assert c.using_local_channel
+        ns = c.declare_namespace(make_spec(4096))
+        for _ in range(3):
+            c.lookup(ns, np.arange(4, dtype=np.uint64))
+        c.clear(ns)  # dropped: the next lookup is NOT_FOUND (then declared again)
+        with pytest.raises(errors.NamespaceNotFound):
+            c.local.call(lambda seq: local_wire.Lookup(seq, ns.namespace_id, b""))
+    got = series("kvstore_rpc_requests_total")
+    assert got['kvstore_rpc_requests_total{code="OK",method="Lookup"}'] == 3
+    assert got['kvstore_rpc_requests_total{code="NOT_FOUND",method="Lookup"}'] == 1
+    assert (
+        series("kvstore_rpc_duration_seconds_count")[
+            'kvstore_rpc_duration_seconds_count{method="Lookup"}'
+        ]
+        == 4
+    )
