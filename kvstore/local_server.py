@@ -378,6 +378,8 @@ class LocalServer:
         self.policy = policy
         # Counted as the gRPC call of the same name (kvstore_rpc_*): one view of the load.
         self._metrics = metrics
+        self._timers: dict[str, Any] = {}  # method -> its duration child
+        self._counts: dict[tuple[str, str], Any] = {}  # (method, code) -> its counter child
         self.connections = 0
         self.frames = 0  # request frames served (tests count them)
         self._server: asyncio.AbstractServer | None = None
@@ -428,11 +430,17 @@ class LocalServer:
         if self._metrics is None or isinstance(message, Hello):
             return
         method = _RPC_NAMES[type(message)]
-        self._metrics.duration.labels(method).observe(duration_s)
+        timer = self._timers.get(method)
+        if timer is None:  # labels() looks the child up under a lock: once per method
+            timer = self._timers[method] = self._metrics.duration.labels(method)
+        timer.observe(duration_s)
         code = "OK"
         if isinstance(reply, Error):
             code = errors.BY_REASON.get(reply.reason, errors.KVStoreError).status.name
-        self._metrics.requests.labels(method, code).inc()
+        counter = self._counts.get((method, code))
+        if counter is None:  # bounded: methods x status codes
+            counter = self._counts[method, code] = self._metrics.requests.labels(method, code)
+        counter.inc()
 
     def handle(self, conn: _Connection, m: Any) -> tuple[bool, Any]:
         """(True, the answer), or (False, a Task giving it: a load that may wait)."""

@@ -376,6 +376,17 @@ class BlockManager:
         # making room for the tail never evicts the head it just reported.
         held: list[Block] = []
         placement = self.placement
+        # DRAM slots for the new blocks from free room in one go (the slots one
+        # reserve_dram per block would give, in order); past them, per block,
+        # evicting. Nothing is evicted before they run out, so the blocks found
+        # present or in flight are the same either way.
+        made: list[Block] = []
+        free_offsets: list[int] = []
+        if gpu is None:
+            blocks, pending = ns.blocks, ns.pending
+            fresh = dict.fromkeys(h for h in hashes if h not in blocks and h not in pending)
+            made = [Block(ns, h) for h in fresh]
+            free_offsets = placement.reserve_dram_free(ns, made)
         try:
             for i, h in enumerate(hashes):
                 present = ns.blocks.get(h)
@@ -388,8 +399,14 @@ class BlockManager:
                 if h in ns.pending or h in seen:
                     statuses[i] = STORE_IN_FLIGHT
                     continue
-                block = Block(ns, h)
-                offset = placement.reserve_dram(block) if gpu is None else gpu.reserve(block)
+                k = len(reserved)
+                offset: int | None
+                if k < len(free_offsets):
+                    block, offset = made[k], free_offsets[k]
+                    assert block.block_hash == h, "new blocks out of step with their slots"
+                else:
+                    block = Block(ns, h)
+                    offset = placement.reserve_dram(block) if gpu is None else gpu.reserve(block)
                 if offset is None:
                     statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
                     break

@@ -445,6 +445,24 @@ class Placement:
         account.used_bytes[_DRAM] += ns.slot_bytes
         return offset
 
+    def reserve_dram_free(self, ns: Namespace, blocks: Sequence[Block]) -> list[int]:
+        """DRAM slots for ``blocks``, in order, from free room only: what
+        ``reserve_dram`` would give them one by one while no eviction is needed
+        (fewer when room runs out: the caller goes on with ``reserve_dram``).
+        None at all while a namespace quota or a tenant cap is in play (those
+        decide per block)."""
+        account = ns.account or self.account(ns)
+        if self.quota_bytes or account.quota_bytes[_DRAM] or not blocks:
+            return []
+        offsets = self.dram.allocator.alloc_many(ns.slot_bytes, len(blocks), account.dram_part)
+        owner = self.dram.owner
+        for block, offset in zip(blocks, offsets, strict=False):
+            owner[offset] = block
+        taken = len(offsets) * ns.slot_bytes
+        ns.used_bytes += taken
+        account.used_bytes[_DRAM] += taken
+        return offsets
+
     def reserve_gpu(self, block: Block) -> int | None:
         """A free GPU pool slot for ``block`` (making room is the GPU mover's: it must copy)."""
         assert self.gpu is not None, "no GPU tier"

@@ -99,6 +99,17 @@ class _SaveBatch:
             has_parent[keep],
         )
 
+    def only(self, keep: np.ndarray, block_size: int) -> _SaveBatch:
+        """The batch of the blocks where ``keep`` (a bool mask) is True."""
+        return _SaveBatch(
+            self.tenant,
+            self.block_hashes[keep],
+            self.block_ids[keep],
+            self.token_ids.reshape(-1, block_size)[keep].reshape(-1),
+            self.parents[keep],
+            self.has_parent[keep],
+        )
+
 
 def _parents_of(spec: SaveSpec) -> np.ndarray:
     first = 0 if spec.parent_block_hash is None else spec.parent_block_hash
@@ -152,6 +163,8 @@ def chain_order(
 class _Step:
     leases: list[LoadHandle] = field(default_factory=list)
     saves: list[_SaveBatch] = field(default_factory=list)
+    # (tenant, hashes) of the blocks this step loaded: the daemon has them
+    loaded: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
 
 class WorkerSide:
@@ -209,7 +222,13 @@ class WorkerSide:
 
     def start_step(self, plan: StepPlan) -> None:
         """Loads (complete or queued) and save reservations, before the forward."""
-        self._step = _Step()
+        unfinished, self._step = self._step, _Step()
+        if unfinished.saves:
+            # The previous step never finished (its forward failed): its slots go
+            # back now, not when their leases run out.
+            if self.copier is not None:
+                self.copier.cancel_save()
+            self._abort(unfinished.saves)
         self._finished_saving.update(self._deferred)  # a step that never finished
         self._deferred = list(plan.deferred)
         if self.copier is None and plan.loads:
@@ -311,6 +330,7 @@ class WorkerSide:
                 assert handle is not None
                 offsets.append(handle.offsets[:found])
                 block_ids.append(spec.block_ids[:found])
+                self._step.loaded.append((spec.tenant, spec.block_hashes[:found]))
             if found < len(spec.block_ids):
                 failed_reqs.add(spec.req_id)
                 failed_ids.update(spec.block_ids[found:].tolist())
@@ -345,6 +365,7 @@ class WorkerSide:
             else:
                 failed_ids.update(ids.tolist())
                 failed_reqs.update(spec.req_id for spec in plan.loads)
+                self._step.loaded.clear()  # not known to be there (a replaced region)
         self.counters.load_failed_blocks += len(failed_ids)
         self._load_errors |= failed_ids
         return failed_reqs, failed_ids
@@ -403,6 +424,17 @@ class WorkerSide:
         bs = self.layout.block_size_tokens
         for tenant, specs in by_tenant.items():
             batch = _SaveBatch.of(tenant, specs, bs)
+            loaded = [h for t, h in self._step.loaded if t == tenant]
+            if loaded:
+                # Loaded from the daemon in this very step: it has them (it would
+                # answer PRESENT), so they are not asked for; a restore step whose
+                # saves are all such blocks makes no PrepareStore at all.
+                there = np.isin(batch.block_hashes, np.concatenate(loaded))
+                if there.any():
+                    self.counters.save_skipped_blocks += int(there.sum())
+                    batch = batch.only(~there, bs)
+                    if not len(batch.block_hashes):
+                        continue
             handle = self._prepare_store(tenant, batch.block_hashes)
             if handle is None:
                 self.counters.save_dropped_blocks += len(batch.block_ids)

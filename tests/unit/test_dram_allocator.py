@@ -51,3 +51,43 @@ def test_region_is_shared_memory_visible_to_a_second_mapping(tmp_path):
         assert f.read(4) == bytes([1, 2, 3, 4])
     r.close(unlink=True)
     assert not (tmp_path / "r").exists()
+
+
+def test_alloc_many_gives_what_as_many_allocs_would_give():
+    """Same offsets, same order, same state after (a chunk's slice at a time), across
+    chunk boundaries, a mixed size in between, frees in between, and running out."""
+    import random
+
+    from kvstore.tiers.dram import PartitionedAllocator
+
+    rng = random.Random(7)
+    for make in (
+        lambda: SlabAllocator(8 * 65536, 65536),
+        lambda: PartitionedAllocator([(0, 4 * 65536), (4 * 65536, 4 * 65536)], 65536),
+    ):
+        one, many = make(), make()
+        held: list[int] = []
+        for _ in range(300):
+            size = rng.choice([4096, 4096, 8192])
+            part = rng.choice([0, 1]) if isinstance(one, PartitionedAllocator) else 0
+            if held and rng.random() < 0.4:
+                for offset in rng.sample(held, rng.randint(1, len(held))):
+                    one.free(offset)
+                    many.free(offset)
+                    held.remove(offset)
+                continue
+            n = rng.randint(1, 40)
+            expected = []
+            for _ in range(n):
+                offset = one.alloc(size, part)
+                if offset is None:
+                    break
+                expected.append(offset)
+            assert many.alloc_many(size, n, part) == expected
+            assert many.used_bytes == one.used_bytes
+            held += expected
+        rest = []  # running out: alloc_many stops where alloc() answers None
+        while (offset := one.alloc(4096)) is not None:
+            rest.append(offset)
+        assert many.alloc_many(4096, 10**6) == rest
+        assert many.alloc(4096) is None and many.used_bytes == one.used_bytes
