@@ -34,6 +34,25 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+class ClientGoneFilter(logging.Filter):
+    """grpc.aio logs, with a traceback at ERROR, an answer it could not send
+    because the caller already left (its deadline passed, it was cancelled):
+    nothing went wrong in the daemon, so it becomes one INFO line, no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and str(record.msg).startswith(
+            "ExecuteBatchError raised in core"
+        ):
+            method = record.getMessage().rpartition(" ")[2]
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = "an answer was not sent: the caller had left %s", (method,)
+            record.exc_info = record.exc_text = None
+        return True
+
+
+GRPC_AIO_LOGGER = "grpc._cython.cygrpc"
+
+
 def setup_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -43,3 +62,6 @@ def setup_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    grpc_aio = logging.getLogger(GRPC_AIO_LOGGER)
+    if not any(isinstance(f, ClientGoneFilter) for f in grpc_aio.filters):
+        grpc_aio.addFilter(ClientGoneFilter())
