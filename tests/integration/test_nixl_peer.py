@@ -812,8 +812,8 @@ def test_client_fetch_from_peer_rides_the_lean_channel(peer_daemon, daemon_facto
 # ------------------------------------------------------------------ pin channel
 
 
-def rpc_calls(d: DaemonProcess, method: str) -> float:
-    """gRPC calls of ``method`` (e.g. "PinForPull") d served, any status, from /metrics."""
+def metric_sum(d: DaemonProcess, name: str, **labels: str) -> float:
+    """The sum of d's ``name`` samples whose labels include ``labels``, from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
@@ -822,22 +822,18 @@ def rpc_calls(d: DaemonProcess, method: str) -> float:
         s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name == "kvstore_rpc_requests_total" and s.labels["method"] == method
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def rpc_calls(d: DaemonProcess, method: str) -> float:
+    """gRPC calls of ``method`` (e.g. "PinForPull") d served, any status."""
+    return metric_sum(d, "kvstore_rpc_requests_total", method=method)
 
 
 def denied(d: DaemonProcess, reason: str) -> float:
-    """d's kvstore_denied_requests_total for ``reason``, from /metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{d.metrics_address}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "kvstore_denied_requests_total" and s.labels.get("reason") == reason
-    )
+    """d's kvstore_denied_requests_total for ``reason``."""
+    return metric_sum(d, "kvstore_denied_requests_total", reason=reason)
 
 
 def agent_metadata(d: DaemonProcess, secret: str = SECRET) -> peer_pb2.GetAgentMetadataResponse:
