@@ -36,7 +36,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -167,8 +167,9 @@ class _Connection(asyncio.Protocol):
         self.fd_out: int | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport: asyncio's, or uvloop's (server.event_loop), which has the
+        # same methods without deriving from asyncio.Transport.
+        self.transport = cast(asyncio.Transport, transport)
         self.server.opened(self)
         self.uid, self.gid = _peer_creds(transport.get_extra_info("socket"))
         refusal = self.server.refusal(self.uid)

@@ -26,6 +26,7 @@ from kvstore.audit import AuditCollector
 from kvstore.auth import TcpSecretInterceptor
 from kvstore.config import Config
 from kvstore.errors import ConfigError
+from kvstore.event_loop import use_event_loop
 from kvstore.events.sink import EventSink
 from kvstore.files import FilePolicy, claim_socket_path
 from kvstore.identity import Authorizer
@@ -349,6 +350,7 @@ async def serve(config: Config) -> int:
 
 
 def run(config: Config) -> int:
+    log.info("event loop: %s", use_event_loop(config.server.event_loop, "server.event_loop"))
     rc = asyncio.run(serve(config))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvstore.config import load_config, to_toml
     from kvstore.errors import ConfigError
+    from kvstore.event_loop import use_event_loop
     from kvstore.logs import setup_logging
 
     config = load_config(args.config, assignments=args.assignments)
@@ -51,19 +52,6 @@ def run(args: argparse.Namespace) -> int:
         except asyncio.CancelledError:
             pass
 
-    loop = config.router.event_loop
-    if loop != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if loop == "uvloop":
-                raise ConfigError(
-                    'router.event_loop = "uvloop" but uvloop is not installed '
-                    "(pip install 'kvstore[router]')"
-                ) from None
-        else:
-            # libuv's loop: fewer Python frames per read/write than asyncio's
-            # selector loop, which is most of what the proxy itself costs
-            asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    use_event_loop(config.router.event_loop, "router.event_loop")
     asyncio.run(main())
     return 0
