@@ -12,7 +12,7 @@ from kvstore_router_client.policy import (
     choose,
     node_value,
 )
-from kvstore_router_client.prefix_cache import Hashed, PrefixHashCache
+from kvstore_router_client.prefix_cache import Hashed, KnownPrefix, PrefixHashCache
 from kvstore_router_client.scorer import RouterClient
 from kvstore_router_client.strategies import STRATEGIES, Strategy, make_strategy
 
@@ -21,6 +21,7 @@ __all__ = [
     "STRATEGIES",
     "Decision",
     "Hashed",
+    "KnownPrefix",
     "NodeHit",
     "NodeLoad",
     "Policy",

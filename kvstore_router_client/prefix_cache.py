@@ -9,8 +9,12 @@ finds the longest stored chain that prefixes a new request (candidates share
 the first block: same salt, same first tokens), and hashes only past it.
 
 Finding it is a vectorised compare of the two token arrays (~0.1 ms for 195k
-tokens), not a hash. Each entry also remembers the node its request was sent
-to: that is the conversation's previous turn, for session affinity.
+tokens warm, ~0.5 ms with both arrays cold in cache as they are between two
+turns), not a hash. A ``KnownPrefix`` hint (the router's ``PromptBytesCache``
+knows how many leading ids are byte-identical to an array it parsed before)
+skips that compare for a chain held in that very array's memory. Each entry
+also remembers the node its request was sent to: that is the conversation's
+previous turn, for session affinity.
 """
 
 from __future__ import annotations
@@ -39,6 +43,29 @@ class _Chain:
     node: str = ""
 
 
+@dataclass(frozen=True, eq=False)
+class KnownPrefix:
+    """A hint: ``ids[:count]`` equal ``source[:count]``, made by whoever built ``ids``
+    from ``source`` (``PromptBytesCache``: the new prompt's bytes start with the ones
+    ``source`` was parsed from, and ``ids`` is ``source``'s ids plus the parsed tail).
+
+    ``PrefixHashCache.hash`` uses it only where it can check it cheaply: ``ids`` must
+    be the very array it is asked to hash, ``count`` within both arrays and the two
+    ids at the ends of the range equal, and it skips comparing a stored chain's ids
+    only when that chain is held in ``source``'s own memory (same start address, both
+    int64 and contiguous: the same bytes, so equal to ``source`` whatever happened
+    since). Any other hint, or any other chain, is compared id by id as without one.
+    """
+
+    ids: np.ndarray
+    source: np.ndarray
+    count: int
+
+
+def _contiguous_int64(a: np.ndarray) -> bool:
+    return a.dtype == np.int64 and a.ndim == 1 and a.strides == (8,)
+
+
 @dataclass(frozen=True)
 class Hashed:
     hashes: np.ndarray
@@ -65,6 +92,8 @@ class PrefixHashCache:
         self.misses = 0
         self.reused_blocks = 0
         self.hashed_blocks = 0
+        self.hinted = 0
+        """Lookups where a ``KnownPrefix`` spared comparing a stored chain's ids."""
 
     @property
     def stored_tokens(self) -> int:
@@ -78,13 +107,17 @@ class PrefixHashCache:
         lora: tuple[str, str] | None = None,
         remember: bool = True,
         owned: bool = False,
+        known: KnownPrefix | None = None,
     ) -> Hashed:
         """Block hashes of ``token_ids``; stores the chain (LRU) unless ``remember`` is off.
 
         ``owned``: the caller hands an int64 array over and never changes it (the
         router's parsed prompts), so the chain keeps it instead of a copy: copying
         195k ids into fresh memory costs ~1 ms of page faults, most of a re-sent
-        context's hashing."""
+        context's hashing.
+
+        ``known``: which leading ids equal an earlier array's (``KnownPrefix``); the
+        chain found, and so every hash, is the same with or without it."""
         bs = self.hasher.block_size
         # A list (a parsed JSON prompt) becomes an array this cache owns: fromiter
         # is the cheapest conversion (~2x asarray for 195k ints); an array the
@@ -105,7 +138,7 @@ class PrefixHashCache:
         if n_blocks == 0:
             return Hashed(np.zeros(0, dtype=np.uint64), 0, "")
         key = (cache_salt or "", lora, tok[:bs].tobytes())
-        best, best_blocks = self._longest(key, tok, n_blocks)
+        best, best_blocks = self._longest(key, tok, n_blocks, self._checked(known, tok))
         if best is None:
             self.misses += 1
             digests = self.hasher.hash_tokens(tok, cache_salt=cache_salt, lora=lora)
@@ -136,23 +169,59 @@ class PrefixHashCache:
         if hashed.chain is not None:
             hashed.chain.node = node
 
+    @staticmethod
+    def _checked(known: KnownPrefix | None, tok: np.ndarray) -> tuple[int, int]:
+        """(start address of the hint's source, ids known equal to it); (0, 0): none
+        usable. Checks what is cheap to check: the hint is about ``tok`` itself (not
+        an array it was converted from or a stale hint), the range fits both arrays,
+        and the ids at its two ends agree."""
+        if known is None or known.ids is not tok or not isinstance(known.source, np.ndarray):
+            return 0, 0
+        src, n = known.source, known.count
+        if not (_contiguous_int64(src) and _contiguous_int64(tok)):
+            return 0, 0
+        if not 0 < n <= min(src.size, tok.size) or src[0] != tok[0] or src[n - 1] != tok[n - 1]:
+            return 0, 0
+        return src.ctypes.data, n
+
     def _longest(
-        self, key: tuple[Any, ...], tok: np.ndarray, n_blocks: int
+        self, key: tuple[Any, ...], tok: np.ndarray, n_blocks: int, known: tuple[int, int]
     ) -> tuple[_Chain | None, int]:
         chains = self._chains.get(key)
         if not chains:
             return None, 0
         self._chains.move_to_end(key)
         bs = self.hasher.block_size
+        address, count = known
+        # The chain held in the hint's source memory: its first ``count`` ids are the
+        # source's, so equal to ``tok``'s; only the rest (about one id) is compared.
+        hinted, hinted_blocks = None, 0
+        if count:
+            for c in chains:
+                if _contiguous_int64(c.tokens) and c.tokens.ctypes.data == address:
+                    hinted, hinted_blocks = c, self._same_blocks(c, tok, n_blocks, count)
+                    self.hinted += 1
+                    break
         best, best_blocks = None, 0
-        for c in chains:
-            m = min(c.tokens.size, n_blocks * bs)
-            diff = np.flatnonzero(c.tokens[:m] != tok[:m])
-            same = int(diff[0]) if diff.size else m
-            blocks = same // bs
+        for c in chains:  # in order, as without a hint: the same chain wins ties
+            if c is hinted:
+                blocks = hinted_blocks
+            elif min(c.tokens.size, n_blocks * bs) // bs < hinted_blocks:
+                continue  # cannot reach the hinted chain's length: no need to compare
+            else:
+                blocks = self._same_blocks(c, tok, n_blocks, 0)
             if blocks > best_blocks:
                 best, best_blocks = c, blocks
         return best, best_blocks
+
+    def _same_blocks(self, c: _Chain, tok: np.ndarray, n_blocks: int, equal: int) -> int:
+        """Full blocks ``c`` shares with ``tok``, the first ``equal`` ids known equal."""
+        bs = self.hasher.block_size
+        m = min(c.tokens.size, n_blocks * bs)
+        start = min(equal, m)
+        diff = np.flatnonzero(c.tokens[start:m] != tok[start:m])
+        same = start + int(diff[0]) if diff.size else m
+        return same // bs
 
     def _store(
         self, key: tuple[Any, ...], chain: _Chain, parent: _Chain | None, parent_blocks: int

@@ -15,6 +15,12 @@ identical tokens up to it (JSON numbers end at the comma); a prompt serialized
 differently (other spacing) just misses and is parsed in full. The body is still
 validated whole by the caller (``msgspec.Raw`` decoding), and the forwarded body
 is the client's bytes, never rebuilt from this cache.
+
+What it learns on a hit, that the first ids equal a stored entry's array, goes
+on to the hashing (``token_ids_known``: a ``KnownPrefix``), which then need not
+compare those ids with the stored hash chain (that chain is held in the same
+array when the router hashed the earlier prompt: ~0.5 ms saved per re-sent
+195k-token context).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import msgspec
 import numpy as np
 
 from kvstore.errors import InvalidRequest
+from kvstore_router_client.prefix_cache import KnownPrefix
 
 # Smaller prompts parse in well under 0.1 ms: not worth an entry.
 MIN_PROMPT_BYTES = 4096
@@ -77,8 +84,13 @@ class PromptBytesCache:
 
     def token_ids(self, raw: bytes) -> np.ndarray:
         """The int64 token ids of the JSON array ``raw`` (as the client wrote it)."""
+        return self.token_ids_known(raw)[0]
+
+    def token_ids_known(self, raw: bytes) -> tuple[np.ndarray, KnownPrefix | None]:
+        """``token_ids``, and on a hit which leading ids equal the stored entry's
+        (for ``PrefixHashCache.hash(known=...)``; None on a miss)."""
         if len(raw) < MIN_PROMPT_BYTES:
-            return parse_token_ids(raw)
+            return parse_token_ids(raw), None
         key = raw[:KEY_BYTES]
         best: _Entry | None = None
         for e in self._entries.get(key, ()):
@@ -88,7 +100,7 @@ class PromptBytesCache:
             self.misses += 1
             tokens = parse_token_ids(raw)
             self._remember(key, raw, tokens, 0, 0, None)
-            return tokens
+            return tokens, None
         self.hits += 1
         self._entries.move_to_end(key)
         start = len(best.prefix)
@@ -96,7 +108,8 @@ class PromptBytesCache:
         tokens = np.concatenate([best.tokens, tail])
         self.reused_tokens += best.tokens.size
         self._remember(key, raw, tokens, start, best.tokens.size, best)
-        return tokens
+        # the stored ids then the tail's: the first best.tokens.size are best's
+        return tokens, KnownPrefix(tokens, best.tokens, best.tokens.size)
 
     def _remember(
         self,

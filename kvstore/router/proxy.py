@@ -51,7 +51,7 @@ from kvstore.router.metrics import RouterMetrics
 from kvstore.router.prompt_cache import PromptBytesCache
 from kvstore.sdnotify import SdNotifier
 from kvstore_router_client.policy import Decision, Policy, ScoreResult
-from kvstore_router_client.prefix_cache import Hashed, PrefixHashCache
+from kvstore_router_client.prefix_cache import Hashed, KnownPrefix, PrefixHashCache
 from kvstore_router_client.scorer import AsyncIndexClient
 from kvstore_router_client.strategies import make_strategy
 
@@ -536,7 +536,13 @@ class Router:
         if self.strategy.name in ("random", "round-robin"):
             return None  # they look at nothing: no tokenizing, no hashing
         hashes_cache = self._ensure_hasher()
-        ids = await self._token_ids(model, body, chat, via)
+        prompt = None if chat else body.get("prompt")
+        known: KnownPrefix | None = None
+        ids: list[int] | np.ndarray | None
+        if isinstance(prompt, msgspec.Raw):
+            ids, known = self._raw_token_ids(prompt)
+        else:
+            ids = await self._token_ids(model, body, chat, via)
         if ids is None or hashes_cache is None:
             return None
         salt = body.get("cache_salt")
@@ -546,6 +552,7 @@ class Router:
                 cache_salt=salt if isinstance(salt, str) else None,
                 # ids parsed here (PromptBytesCache) are the router's, never changed
                 owned=isinstance(ids, np.ndarray),
+                known=known,
             )
         except KVStoreError as e:
             raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
@@ -608,6 +615,19 @@ class Router:
         finally:
             self.metrics.score_s.observe(time.perf_counter() - t0)
 
+    def _raw_token_ids(self, prompt: msgspec.Raw) -> tuple[np.ndarray, KnownPrefix | None]:
+        """A token-id prompt's ids, parsed past the previous turn's bytes only, and
+        which of them equal an array parsed before (the hasher's hint)."""
+        reused = self._prompts.reused_tokens
+        try:
+            ids, known = self._prompts.token_ids_known(bytes(memoryview(prompt)))
+        except KVStoreError as e:
+            raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
+        reused = self._prompts.reused_tokens - reused
+        self.metrics.prompt_tokens.labels("reused").inc(reused)
+        self.metrics.prompt_tokens.labels("parsed").inc(ids.size - reused)
+        return ids, known
+
     async def _token_ids(
         self, model: str, body: dict[str, Any], chat: bool, via: Backend
     ) -> list[int] | np.ndarray | None:
@@ -615,15 +635,7 @@ class Router:
         if not chat:
             prompt = body.get("prompt")
             if isinstance(prompt, msgspec.Raw):
-                reused = self._prompts.reused_tokens
-                try:  # token ids, parsed past the previous turn's bytes only
-                    ids = self._prompts.token_ids(bytes(memoryview(prompt)))
-                except KVStoreError as e:
-                    raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
-                reused = self._prompts.reused_tokens - reused
-                self.metrics.prompt_tokens.labels("reused").inc(reused)
-                self.metrics.prompt_tokens.labels("parsed").inc(ids.size - reused)
-                return ids
+                return self._raw_token_ids(prompt)[0]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
                 prompt = prompt[0]  # a batch goes to one engine: route by its first prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
