@@ -235,9 +235,18 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             return local.score(MODEL, hashes, names)
         return await client.scores(MODEL, hashes, names)
 
-    async def decide(way: str, tokens: np.ndarray, into: dict[str, list[float]] | None) -> Any:
+    # each way's prompts parsed as the router parses them (past the previous turn's
+    # bytes), so its hashing gets what the router's gets: its own fresh ids and the
+    # parser's KnownPrefix hint (the parse is timed apart, below)
+    way_prompts = {w: PromptBytesCache() for w in ways}
+
+    def body_ids(tokens: np.ndarray) -> bytes:
+        return json.dumps(tokens.tolist()).encode()
+
+    async def decide(way: str, raw: bytes, into: dict[str, list[float]] | None) -> Any:
+        tokens, known = way_prompts[way].token_ids_known(raw)
         t0 = time.perf_counter()
-        hashed = caches[way].hash(tokens, owned=True)
+        hashed = caches[way].hash(tokens, owned=True, known=known)
         t1 = time.perf_counter()
         result = await score(way, hashed.hashes)
         t2 = time.perf_counter()
@@ -282,13 +291,12 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             await _wait_scored(client, full, held)
             order = ways if i % 2 == 0 else ways[::-1]
             picks = {}
+            raw_prev, raw = body_ids(ctx), body_ids(np.concatenate([ctx, tail]))
             for way in order:
-                # the router's ids are its own fresh arrays (PromptBytesCache's)
-                took, _ = await decide(way, ctx.copy(), None)
+                took, _ = await decide(way, raw_prev, None)
                 out[way]["cold"].append(took)
             for way in order:
-                turn = np.concatenate([ctx, tail])
-                took, picks[way] = await decide(way, turn, out[way])
+                took, picks[way] = await decide(way, raw, out[way])
                 out[way]["resent"].append(took)
             same += picks["indexer"].node == picks["local"].node
             hashes = np.asarray(full, dtype=np.uint64)
@@ -306,18 +314,14 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             # local index applies them in this process (its thread, its lock)
             churn.send_signal(signal.SIGCONT)
             await asyncio.sleep(0.05)
+            raw_more = body_ids(np.concatenate([ctx, tail, rng.integers(0, 150_000, 16)]))
             for way in order:
-                turn = np.concatenate([ctx, tail, rng.integers(0, 150_000, 16)])
-                took, _ = await decide(way, turn, None)
+                took, _ = await decide(way, raw_more, None)
                 out[way]["resent_churn"].append(took)
             churn.send_signal(signal.SIGSTOP)
             # what the router reads from the body first: the JSON, the prompt's ids
-            body_prev = b'{"model": "m", "prompt": ' + json.dumps(ctx.tolist()).encode() + b"}"
-            body = (
-                b'{"model": "m", "prompt": '
-                + json.dumps(np.concatenate([ctx, tail]).tolist()).encode()
-                + b"}"
-            )
+            body_prev = b'{"model": "m", "prompt": ' + raw_prev + b"}"
+            body = b'{"model": "m", "prompt": ' + raw + b"}"
             prompts.token_ids(bytes(memoryview(decode_body(body_prev)["prompt"])))
             t0 = time.perf_counter()
             raw = decode_body(body)["prompt"]

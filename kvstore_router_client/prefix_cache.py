@@ -76,6 +76,8 @@ class Hashed:
     """Where the request whose chain was reused went ("" = none recorded)."""
     chain: _Chain | None = None
     """The stored chain (pass the whole ``Hashed`` to ``PrefixHashCache.routed``)."""
+    hinted: bool = False
+    """A ``KnownPrefix`` spared comparing the ids with a stored chain."""
 
 
 class PrefixHashCache:
@@ -138,6 +140,7 @@ class PrefixHashCache:
         if n_blocks == 0:
             return Hashed(np.zeros(0, dtype=np.uint64), 0, "")
         key = (cache_salt or "", lora, tok[:bs].tobytes())
+        hinted_before = self.hinted
         best, best_blocks = self._longest(key, tok, n_blocks, self._checked(known, tok))
         if best is None:
             self.misses += 1
@@ -161,7 +164,7 @@ class PrefixHashCache:
             kept = tok[: n_blocks * bs]
             chain = _Chain(kept if owned else kept.copy(), digests, ints)
             self._store(key, chain, best, best_blocks)
-        return Hashed(ints, best_blocks, previous, chain)
+        return Hashed(ints, best_blocks, previous, chain, self.hinted > hinted_before)
 
     @staticmethod
     def routed(hashed: Hashed, node: str) -> None:

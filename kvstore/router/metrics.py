@@ -169,6 +169,12 @@ class RouterMetrics:
             ["how"],
             registry=r,
         )
+        self.hash_hinted = Counter(
+            "kvstore_router_hash_compares_skipped_total",
+            "Requests whose re-sent ids were not compared with the stored hash chain "
+            "(the prompt parser knew them equal: a KnownPrefix).",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "kvstore_router_prompt_tokens_parsed_total",
             "Token ids of large token-id prompts by how they were read from the body "

@@ -557,6 +557,7 @@ class Router:
         except KVStoreError as e:
             raise RouteError(400, f"prompt: {e}", "BadRequestError", "prompt") from None
         self.metrics.hash_blocks.labels("reused").inc(hashed.reused_blocks)
+        self.metrics.hash_hinted.inc(hashed.hinted)
         self.metrics.hash_blocks.labels("hashed").inc(hashed.hashes.size - hashed.reused_blocks)
         return hashed
 

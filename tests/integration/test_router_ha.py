@@ -387,6 +387,8 @@ def test_a_long_token_prompt_resent_is_read_past_its_previous_bytes_and_routed_b
         assert route(json.dumps(completion(turn2_ids)).encode()) == ("node-b", "prefix")
         # only the new tail (and the previous turn's last id) was read from the body
         assert _counter(r, name, 'how="reused"') == len(tokens) - 1
+        # and what the parser knew equal was not compared again by the hasher
+        assert _counter(r, "kvstore_router_hash_compares_skipped_total", "") == 1
         assert _counter(r, name, 'how="parsed"') == len(tokens) + 301
         # the same ids without spaces: no stored bytes match, read in full, same route
         compact = json.dumps(completion(turn2_ids), separators=(",", ":")).encode()
