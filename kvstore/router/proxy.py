@@ -632,11 +632,10 @@ class Router:
     async def _token_ids(
         self, model: str, body: dict[str, Any], chat: bool, via: Backend
     ) -> list[int] | np.ndarray | None:
-        """The prompt's token ids, or None when they cannot be had (route by load)."""
+        """The prompt's token ids, or None when they cannot be had (route by load).
+        A raw token-id prompt (``msgspec.Raw``) is read by ``_raw_token_ids`` first."""
         if not chat:
             prompt = body.get("prompt")
-            if isinstance(prompt, msgspec.Raw):
-                return self._raw_token_ids(prompt)[0]
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
                 prompt = prompt[0]  # a batch goes to one engine: route by its first prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
