@@ -1,4 +1,4 @@
-"""The engines behind the router: their HTTP sessions, health, models and load.
+"""The engines behind the router: their HTTP clients, health, models and load.
 
 A background task reads every engine's ``/metrics`` (vLLM's
 ``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``,
@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.errors import KVStoreError
+from kvstore.router.upstream import Upstream
 from kvstore.tls import env_client_credentials
 from kvstore_router_client.policy import NodeLoad
 
@@ -58,6 +59,9 @@ class Backend:
     url: str
     base: str
     session: aiohttp.ClientSession
+    """Scrapes, /tokenize and the prefill call (off the per-token path)."""
+    upstream: Upstream
+    """The forwarded request the user waits on (kvstore.router.upstream: lean)."""
     healthy: bool = False
     models: dict[str, ModelInfo] = field(default_factory=dict)
     """Served model id -> its info, from /v1/models."""
@@ -192,6 +196,7 @@ class Fleet:
             # user's Set-Cookie on every later user's request; and it filters and
             # updates cookies on every request and response).
             session=aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar()),
+            upstream=Upstream(url, connect_timeout_s=self.connect_timeout_s),
             daemon=self._daemons.get(node, ""),
         )
         return b
@@ -255,6 +260,7 @@ class Fleet:
                 still.append(b)
             else:
                 await b.session.close()
+                await b.upstream.close()
         self._retired = still
 
     async def _refresh_loop(self) -> None:
@@ -273,6 +279,7 @@ class Fleet:
                     await t
         for b in [*self.backends.values(), *self._retired]:
             await b.session.close()
+            await b.upstream.close()
         for ch, _ in self._channels.values():
             await ch.close()
 
