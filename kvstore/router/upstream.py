@@ -46,6 +46,7 @@ import contextlib
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -55,6 +56,8 @@ from kvstore.errors import BackendError, DeadlineExceeded, InvalidRequest, Unava
 MAX_HEAD_BYTES = 64 << 10
 """Largest response head (status line + headers): vLLM's are ~200 bytes."""
 MAX_HEADERS = 128
+MAX_INTERIM = 8
+"""Interim (1xx) answers skipped before the final one."""
 MAX_BUFFER_BYTES = 256 << 10
 """Body bytes read ahead of the caller before the socket is paused."""
 MAX_IDLE = 64
@@ -80,6 +83,11 @@ class _Conn(asyncio.Protocol):
         self.answered = False
         """Any byte of a response arrived (a stale connection has none)."""
         self.head_bytes = 0
+        self.fed_bytes = 0
+        self.header_count = 0
+        self.interim = 0
+        self.refused: BackendError | None = None
+        """Why a callback refused the response (httptools re-raises its own error)."""
         self.head_done = False
         self.done = False
         self.keep_alive = False
@@ -138,8 +146,8 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's transports are not asyncio.Transport subclasses: no isinstance)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -155,15 +163,16 @@ class _Conn(asyncio.Protocol):
             self._fail(BackendError(f"{self.pool.name} answered a protocol upgrade"))
             return
         except httptools.HttpParserError as e:
-            cause = e.__context__ if isinstance(e.__context__, BackendError) else None
-            self._fail(cause or BackendError(f"malformed HTTP response from {self.pool.name}: {e}"))
+            self._fail(
+                self.refused or BackendError(f"malformed HTTP response from {self.pool.name}: {e}")
+            )
             return
         if not self.head_done:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES:
-                self._fail(
-                    BackendError(f"{self.pool.name}'s response head is over {MAX_HEAD_BYTES} bytes")
-                )
+            # A head still incomplete: what llhttp holds of it is bounded by what
+            # was fed (one read past the bound at most); on_header counts the rest.
+            self.fed_bytes += len(data)
+            if self.fed_bytes > MAX_HEAD_BYTES:
+                self._fail(self._head_too_large())
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -181,18 +190,37 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks ----------------------------------------------------------
 
+    def _refuse(self, exc: BackendError) -> BackendError:
+        self.refused = exc
+        return exc
+
+    def _head_too_large(self) -> BackendError:
+        return BackendError(f"{self.pool.name}'s response head is over {MAX_HEAD_BYTES} bytes")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(self.headers) >= MAX_HEADERS:
-            raise BackendError(f"{self.pool.name} sent over {MAX_HEADERS} response headers")
+        self.head_bytes += len(name) + len(value) + 4
+        self.header_count += 1
+        if self.head_bytes > MAX_HEAD_BYTES:
+            raise self._refuse(self._head_too_large())
+        if self.header_count > MAX_HEADERS:
+            raise self._refuse(
+                BackendError(f"{self.pool.name} sent over {MAX_HEADERS} response headers")
+            )
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         assert self.parser is not None
         self.status = self.parser.get_status_code()
         if self.status < 200:
-            raise BackendError(
-                f"{self.pool.name} answered {self.status}: interim responses unsupported"
-            )
+            # An interim answer (100 Continue, 103 Early Hints): skipped, as
+            # aiohttp's client does; the final one follows on the same parser.
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise self._refuse(
+                    BackendError(f"{self.pool.name} sent over {MAX_INTERIM} interim answers")
+                )
+            self.headers = {}
+            return
         self.framed = (
             "content-length" in self.headers
             or "chunked" in self.headers.get("transfer-encoding", "").lower()
@@ -210,6 +238,8 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.parser is not None
+        if not self.head_done:
+            return  # the end of an interim answer
         self.keep_alive = self.parser.should_keep_alive()
         self.done = True
         self._wake()
