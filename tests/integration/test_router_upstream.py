@@ -394,3 +394,48 @@ def test_idle_connections_close_after_their_timeout_and_reads_are_bounded(engine
             await up.close()
 
     asyncio.run(main())
+
+
+def test_an_https_engine_is_verified_against_the_systems_trust(tmp_path, monkeypatch):
+    """An https:// engine: answered when its certificate chains to a trusted CA
+    (here the test CA, made trusted by SSL_CERT_FILE, as an operator would add
+    theirs to the system's store); refused, as a connect failure naming the
+    engine, when it does not (the next engine would be tried)."""
+    import ssl
+
+    from aiohttp import web
+
+    from kvstore.errors import Unavailable
+    from tests.integration.test_tls import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+
+    async def main() -> None:
+        async def completions(request: web.Request) -> web.Response:
+            return web.Response(body=ANSWER, content_type="application/json")
+
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", completions)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(pki / "server.pem", pki / "server.key")
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            up = Upstream(f"https://localhost:{port}", connect_timeout_s=5)
+            with pytest.raises(Unavailable, match=f"localhost:{port}.*CERTIFICATE_VERIFY_FAILED"):
+                await up.request("POST", "/v1/completions", b"{}", {}, read_timeout_s=5)
+            monkeypatch.setenv("SSL_CERT_FILE", str(pki / "ca.pem"))
+            up = Upstream(f"https://localhost:{port}", connect_timeout_s=5)
+            for _ in range(2):
+                resp = await up.request("POST", "/v1/completions", b"{}", {}, read_timeout_s=5)
+                assert resp.status == 200 and await resp.read(1 << 20) == ANSWER
+                resp.release()
+            assert up.opened == 1  # kept alive over TLS too
+            await up.close()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
