@@ -333,11 +333,17 @@ class Upstream:
             host_header = "localhost"
         else:
             u = urlsplit(url)
-            if u.scheme not in ("http", "https") or not u.hostname:
-                raise InvalidRequest(f"engine URL {url!r}: http://, https:// or unix:")
+            try:
+                port = u.port
+            except ValueError:  # not a number, or past 65535
+                port = -1
+            if u.scheme not in ("http", "https") or not u.hostname or port == -1:
+                raise InvalidRequest(
+                    f"engine URL {url!r}: http://host[:port], https://host[:port] or unix:/path"
+                )
             self._path = None
             self._host = u.hostname
-            self._port = u.port or (443 if u.scheme == "https" else 80)
+            self._port = port or (443 if u.scheme == "https" else 80)
             self._prefix = u.path.rstrip("/")
             host_header = u.netloc.rpartition("@")[2]
             if u.scheme == "https":

@@ -439,3 +439,14 @@ def test_an_https_engine_is_verified_against_the_systems_trust(tmp_path, monkeyp
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("url", ["http://", "ftp://h", "http://h:abc", "http://h:99999"])
+def test_an_engine_url_it_cannot_use_is_refused_naming_it(url):
+    """Bad input: a backend URL without a host, of another scheme, or with a
+    port that is not one: InvalidRequest naming the URL (the router refuses it
+    at start, or ignores such an entry of the indexer's list)."""
+    from kvstore.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="engine URL"):
+        Upstream(url, connect_timeout_s=1)
