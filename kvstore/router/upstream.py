@@ -152,9 +152,7 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         parser = self.parser
         if parser is None or self.done:
-            # Bytes nobody asked for (idle, or past the answer's end): the
-            # connection is out of step; never reuse it.
-            self._fail(BackendError(f"{self.pool.name} sent bytes past its answer"))
+            self._out_of_step()
             return
         self.answered = True
         try:
@@ -163,6 +161,9 @@ class _Conn(asyncio.Protocol):
             self._fail(BackendError(f"{self.pool.name} answered a protocol upgrade"))
             return
         except httptools.HttpParserError as e:
+            if self.done:  # bytes past a complete answer (on_message_begin refused them)
+                self._out_of_step()
+                return
             self._fail(
                 self.refused or BackendError(f"malformed HTTP response from {self.pool.name}: {e}")
             )
@@ -173,6 +174,13 @@ class _Conn(asyncio.Protocol):
             self.fed_bytes += len(data)
             if self.fed_bytes > MAX_HEAD_BYTES:
                 self._fail(self._head_too_large())
+
+    def _out_of_step(self) -> None:
+        """Bytes nobody asked for (while idle, or past the answer's end): the
+        connection is out of step, never reused; an answer already complete stands."""
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -196,6 +204,10 @@ class _Conn(asyncio.Protocol):
 
     def _head_too_large(self) -> BackendError:
         return BackendError(f"{self.pool.name}'s response head is over {MAX_HEAD_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        if self.done:  # a second answer to one request: stop parsing it
+            raise self._refuse(BackendError(f"{self.pool.name} answered twice"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.head_bytes += len(name) + len(value) + 4

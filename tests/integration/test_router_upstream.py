@@ -169,6 +169,8 @@ class ScriptedEngine:
         elif b == "interim":  # two interim answers, then the final one
             s.sendall(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\n")
             s.sendall(answer(ANSWER, b"X-Final: 1\r\n"))
+        elif b == "twice":  # a second answer nobody asked for, in the same segment
+            s.sendall(answer(ANSWER) + answer(b'{"second": true}'))
         elif b == "interim-flood":
             s.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" * 50)
         else:
@@ -323,6 +325,21 @@ def test_interim_answers_are_skipped_for_the_final_one(tmp_path, engine):
         assert status == 200 and out == ANSWER
         assert r.request("POST", "/v1/completions", body())[2] == ANSWER  # kept alive, in step
         assert len({c for c, _ in engine.attempts}) == 1
+    finally:
+        stop(proc)
+
+
+def test_bytes_past_an_answer_leave_it_whole_and_the_connection_unused(tmp_path, engine):
+    """Bad input: the engine writes a second answer after the first, unasked.
+    The user gets the first answer, untouched (the second is not appended to
+    it), and the connection is not reused (it is out of step)."""
+    engine.behaviour = "twice"
+    proc, r = router_for(tmp_path, engine)
+    try:
+        for _ in range(2):
+            status, _, out = r.request("POST", "/v1/completions", body())
+            assert status == 200 and out == ANSWER, out
+        assert [n for _, n in engine.attempts] == [1, 1]
     finally:
         stop(proc)
 
