@@ -467,3 +467,51 @@ def test_an_engine_url_it_cannot_use_is_refused_naming_it(url):
 
     with pytest.raises(InvalidRequest, match="engine URL"):
         Upstream(url, connect_timeout_s=1)
+
+
+def test_concurrent_streams_each_get_their_own_answer_and_reuse_the_pool():
+    """32 streams at once on one engine (aiohttp's server, chunked SSE, each
+    answer naming its request, written in pieces with the loop turning between):
+    each gets exactly its own events in order; a second wave rides the 32
+    connections the first left idle (none opened)."""
+    from aiohttp import web
+
+    async def main() -> None:
+        async def sse(request: web.Request) -> web.StreamResponse:
+            rid = int(await request.read())
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(b"data: %d.%d\n\n" % (rid, i))
+                await asyncio.sleep(0)
+            await resp.write_eof()
+            return resp
+
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", sse)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        up = Upstream(f"http://127.0.0.1:{runner.addresses[0][1]}", connect_timeout_s=5)
+
+        async def one(rid: int) -> bytes:
+            resp = await up.request("POST", "/v1/completions", b"%d" % rid, {}, read_timeout_s=30)
+            parts = []
+            while part := await resp.next_chunk():
+                parts.append(part)
+            resp.release()
+            return b"".join(parts)
+
+        try:
+            for wave in range(2):
+                got = await asyncio.gather(*(one(rid) for rid in range(32)))
+                for rid, data in enumerate(got):
+                    assert data == b"".join(b"data: %d.%d\n\n" % (rid, i) for i in range(5))
+                assert up.opened == 32, (wave, up.opened)
+            assert up.idle() == 32
+        finally:
+            await up.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
