@@ -55,7 +55,7 @@ log "NIXL 1.5.1"
 pip install -q --no-deps nixl-cu12==1.5.1
 log "SGLang 0.5.23 in its own .venv-sglang (its pins clash with vLLM's)"
 bash scripts/setup_sglang_venv.sh
-log "kvstore with dev and test extras (router: aiohttp, uvloop, numba)"
+log "kvstore with dev and test extras (router: aiohttp, uvloop, numba, httptools)"
 pip install -q -e '.[dev,redis,deploy,bench,router]'
 # LMCache 0.5.6 in its own venv (its pins clash with vLLM's), kvstore inside it:
 # tests/integration/test_lmcache.py runs real LMCache engines there (~1-2 min).

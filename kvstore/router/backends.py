@@ -1,4 +1,4 @@
-"""The engines behind the router: their HTTP sessions, health, models and load.
+"""The engines behind the router: their HTTP clients, health, models and load.
 
 A background task reads every engine's ``/metrics`` (vLLM's
 ``vllm:num_requests_running`` / ``_waiting``, ``vllm:kv_cache_usage_perc``,
@@ -23,7 +23,8 @@ import aiohttp
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import InvalidRequest, KVStoreError
+from kvstore.router.upstream import Upstream
 from kvstore.tls import env_client_credentials
 from kvstore_router_client.policy import NodeLoad
 
@@ -58,6 +59,9 @@ class Backend:
     url: str
     base: str
     session: aiohttp.ClientSession
+    """Scrapes, /tokenize and the prefill call (off the per-token path)."""
+    upstream: Upstream
+    """The forwarded request the user waits on (kvstore.router.upstream: lean)."""
     healthy: bool = False
     models: dict[str, ModelInfo] = field(default_factory=dict)
     """Served model id -> its info, from /v1/models."""
@@ -183,6 +187,8 @@ class Fleet:
         """Called after each round of scrapes (the router re-sizes its flow control)."""
 
     def _add(self, node: str, url: str) -> Backend:
+        # First: it refuses a URL it cannot reach (InvalidRequest), before a session opens.
+        upstream = Upstream(url, connect_timeout_s=self.connect_timeout_s)
         base, conn = _base_and_connector(url)
         b = self.backends[node] = Backend(
             node=node,
@@ -192,6 +198,7 @@ class Fleet:
             # user's Set-Cookie on every later user's request; and it filters and
             # updates cookies on every request and response).
             session=aiohttp.ClientSession(connector=conn, cookie_jar=aiohttp.DummyCookieJar()),
+            upstream=upstream,
             daemon=self._daemons.get(node, ""),
         )
         return b
@@ -245,8 +252,12 @@ class Fleet:
         fresh = []
         for node, url in wanted.items():
             if node not in self.backends:
+                try:
+                    fresh.append(self._add(node, url))
+                except InvalidRequest as e:
+                    log.warning("indexer lists node %s: %s; ignored", node, e)
+                    continue
                 log.info("backend %s (%s) joins from the indexer's list", node, url)
-                fresh.append(self._add(node, url))
                 self._discovered.add(node)
         await asyncio.gather(*(self._scrape(b) for b in fresh))
         still = []
@@ -255,6 +266,7 @@ class Fleet:
                 still.append(b)
             else:
                 await b.session.close()
+                await b.upstream.close()
         self._retired = still
 
     async def _refresh_loop(self) -> None:
@@ -273,6 +285,7 @@ class Fleet:
                     await t
         for b in [*self.backends.values(), *self._retired]:
             await b.session.close()
+            await b.upstream.close()
         for ch, _ in self._channels.values():
             await ch.close()
 
