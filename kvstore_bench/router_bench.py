@@ -278,9 +278,11 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     numpy_index = MemoryIndex(native=False)
     walks: dict[str, list[float]] = {"compiled": [], "numpy": []}
     walks_differ = 0
+    checks: asyncio.Task[None] | None = None
 
     async def score(way: str, hashes: np.ndarray) -> Any:
-        if way == "local":
+        # as the router's _scores: the local copy answers while it is in step
+        if way == "local" and local.ready()[0]:
             return local.score(MODEL, hashes, names)
         return await client.scores(MODEL, hashes, names)
 
@@ -320,6 +322,8 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         # connected (a stopped process cannot greet a ZMQ peer): now it streams only
         # while the "ingesting" row is timed
         churn.send_signal(signal.SIGSTOP)
+        # the local copy's readiness re-checked between decisions, as the router does
+        checks = asyncio.create_task(local.keep_checked())
         settle_heap()  # as the router does once started (kvstore.router.proxy.serve)
         same = 0
         for i in range(args.samples):
@@ -381,6 +385,8 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             parse["prompt"].append(t2 - t1)
             progress.update(1, "decisions")
     finally:
+        if checks is not None:
+            checks.cancel()
         await client.close()
         local.close()
         _stop(ix_proc)
