@@ -1,9 +1,9 @@
 """`kvstore-bench router`: what a routing decision costs, and what the proxy adds.
 
 1. Decision cost (no engine needed): a real `kvstore indexer` process fed over
-   ZMQ by KV-event publishers for ``--nodes`` nodes (the context's blocks
-   spread over them in several tiers), and the router's decision code both
-   ways in one run: token ids -> block hashes (``PrefixHashCache``) -> Score
+   ZMQ by KV-event publishers for ``--nodes`` nodes (in a process of their own,
+   as daemons' are; the context's blocks spread over them in several tiers),
+   and the router's decision code both ways in one run: token ids -> block hashes (``PrefixHashCache``) -> Score
    -> the cache+load strategy's choice, the Score from the indexer over gRPC
    (grpc.aio, ``router.index = "indexer"``) or from the router's own index
    following the same streams (``kvstore.router.local_index``, ``"local"``),
