@@ -1,9 +1,9 @@
 """`kvstore-bench router`: what a routing decision costs, and what the proxy adds.
 
 1. Decision cost (no engine needed): a real `kvstore indexer` process fed over
-   ZMQ by KV-event publishers for ``--nodes`` nodes (the context's blocks
-   spread over them in several tiers), and the router's decision code both
-   ways in one run: token ids -> block hashes (``PrefixHashCache``) -> Score
+   ZMQ by KV-event publishers for ``--nodes`` nodes (in a process of their own,
+   as daemons' are; the context's blocks spread over them in several tiers),
+   and the router's decision code both ways in one run: token ids -> block hashes (``PrefixHashCache``) -> Score
    -> the cache+load strategy's choice, the Score from the indexer over gRPC
    (grpc.aio, ``router.index = "indexer"``) or from the router's own index
    following the same streams (``kvstore.router.local_index``, ``"local"``),
@@ -106,14 +106,6 @@ def _pct(xs: list[float]) -> dict[str, float]:
     }
 
 
-class _NS:
-    def __init__(self, block_tokens: int) -> None:
-        self.namespace_id = "bench"
-        self.model = MODEL
-        self.tenant = ""
-        self.block_size_tokens = block_tokens
-
-
 _CHURN = """
 import sys, time
 import numpy as np
@@ -163,6 +155,65 @@ web.run_app(app, path=sys.argv[1], access_log=None, print=None)
 """
 
 
+_NODES = """
+import sys
+import numpy as np
+from kvstore.events.publisher import ZmqEventPublisher
+class NS:
+    namespace_id, model, tenant, block_size_tokens = "bench", sys.argv[1], "", int(sys.argv[2])
+pubs = {n: ZmqEventPublisher(n, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for n in sys.argv[3:]}
+for n, p in pubs.items():
+    print(n, p.endpoint, p.replay_endpoint, flush=True)
+print("ready", flush=True)
+for line in sys.stdin.buffer:  # a line "<node> <medium> <count>", then count uint64 hashes
+    node, medium, count = line.split()
+    raw = sys.stdin.buffer.read(8 * int(count))
+    pubs[node.decode()].blocks_stored(NS(), np.frombuffer(raw, dtype=np.uint64), medium.decode(), None, None)
+    print("ok", flush=True)
+"""
+
+
+class _NodePublishers:
+    """The nodes' KV-event publishers in a process of their own, as the daemons'
+    are: in the bench's process their sender threads (each wakes every 20 ms)
+    took the interpreter lock from the decisions being timed, which a router's
+    process never hosts."""
+
+    def __init__(self, names: list[str], block_tokens: int) -> None:
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _NODES, MODEL, str(block_tokens), *names],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        self.endpoints: dict[str, tuple[str, str]] = {}
+        while (line := self._out.readline().decode().split()) and line != ["ready"]:
+            self.endpoints[line[0]] = (line[1], line[2])
+        if len(self.endpoints) != len(names):
+            self.close()
+            raise RuntimeError("the bench's node publishers did not start")
+
+    def stored(self, node: str, hashes: np.ndarray, medium: str) -> None:
+        """``blocks_stored`` on ``node``'s publisher (returns once it is queued there)."""
+        data = np.ascontiguousarray(hashes, dtype=np.uint64).tobytes()
+        self._in.write(f"{node} {medium} {len(data) // 8}\n".encode() + data)
+        self._in.flush()
+        if self._out.readline().strip() != b"ok":
+            raise RuntimeError("the bench's node publishers failed")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._in.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
 def _start_churn(rate: float) -> tuple[subprocess.Popen[bytes], str, str]:
     """Another process publishing ``rate`` batches/s (16 blocks stored, 16 removed):
     the ingestion the router's own index does while it decides."""
@@ -184,7 +235,6 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
 
 
 async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[str, Any]:
-    from kvstore.events.publisher import ZmqEventPublisher
     from kvstore.hashing import BlockHasher
     from kvstore.indexer import walk
     from kvstore.indexer.backend import source_medium
@@ -198,11 +248,11 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     from kvstore_router_client.strategies import make_strategy
 
     names = [f"node-{i}" for i in range(args.nodes)]
-    pubs = {n: ZmqEventPublisher(n, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for n in names}
+    pubs = _NodePublishers(names, args.block_tokens)
     churn, churn_ep, churn_rep = _start_churn(args.churn_batches_per_s)
     sources = [
-        SourceSpec(node=n, endpoint=p.endpoint, replay_endpoint=p.replay_endpoint)
-        for n, p in pubs.items()
+        SourceSpec(node=n, endpoint=ep, replay_endpoint=rep)
+        for n, (ep, rep) in pubs.endpoints.items()
     ] + [SourceSpec(node="churn", endpoint=churn_ep, replay_endpoint=churn_rep)]
     # The indexer in its own process, as deployed: its threads do not share this
     # process's interpreter lock with the router's loop (the local index's do).
@@ -212,7 +262,6 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     local.start()
     client = AsyncIndexClient(ix_addr, deadline_s=2.0)
     rng = np.random.default_rng(0)
-    ns = _NS(args.block_tokens)
     hasher = BlockHasher(args.block_tokens)
     ways = ("indexer", "local")
     caches = {w: PrefixHashCache(hasher) for w in ways}
@@ -229,9 +278,11 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
     numpy_index = MemoryIndex(native=False)
     walks: dict[str, list[float]] = {"compiled": [], "numpy": []}
     walks_differ = 0
+    checks: asyncio.Task[None] | None = None
 
     async def score(way: str, hashes: np.ndarray) -> Any:
-        if way == "local":
+        # as the router's _scores: the local copy answers while it is in step
+        if way == "local" and local.ready()[0]:
             return local.score(MODEL, hashes, names)
         return await client.scores(MODEL, hashes, names)
 
@@ -271,6 +322,8 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
         # connected (a stopped process cannot greet a ZMQ peer): now it streams only
         # while the "ingesting" row is timed
         churn.send_signal(signal.SIGSTOP)
+        # the local copy's readiness re-checked between decisions, as the router does
+        checks = asyncio.create_task(local.keep_checked())
         settle_heap()  # as the router does once started (kvstore.router.proxy.serve)
         same = 0
         for i in range(args.samples):
@@ -282,7 +335,7 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             t_pub = time.perf_counter()
             for j, medium in zip(holders, ("CPU", "GPU", "DISK"), strict=True):
                 k = held[names[j]] = int(len(full) * rng.uniform(0.5, 1.0))
-                pubs[names[j]].blocks_stored(ns, full[:k], medium, None, None)
+                pubs.stored(names[j], full[:k], medium)
                 numpy_index.add(MODEL, names[j], source_medium(medium, daemon=True), full[:k])
             # Every block ingested before timing, by both indexes; the local one's
             # time to hold them is the staleness of an index in step (a ZMQ hop).
@@ -332,11 +385,12 @@ async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -
             parse["prompt"].append(t2 - t1)
             progress.update(1, "decisions")
     finally:
+        if checks is not None:
+            checks.cancel()
         await client.close()
         local.close()
         _stop(ix_proc)
-        for p in pubs.values():
-            p.close()
+        pubs.close()
         churn.send_signal(signal.SIGCONT)
         churn.kill()
         churn.wait(10)

@@ -158,6 +158,8 @@ class Router:
         self.local: LocalIndex | None = None
         """index = "local": the index in this process (kvstore.router.local_index)."""
         self._local_task: asyncio.Task[None] | None = None
+        self._check_task: asyncio.Task[None] | None = None
+        """index = "local": its readiness re-checked between requests, not in a decision."""
         self._hashes: PrefixHashCache | None = None
         self._prompts = PromptBytesCache(config.hash_cache_tokens)
         self._inflight = 0
@@ -203,6 +205,7 @@ class Router:
             assert self._catalog is not None
             await self.local.refresh(self._catalog, c.connect_timeout_s)
             self._local_task = asyncio.create_task(self._follow_loop())
+            self._check_task = asyncio.create_task(self.local.keep_checked())
         if c.backends_from_indexer:
             catalog = self._catalog
             assert catalog is not None
@@ -232,10 +235,11 @@ class Router:
                 log.exception("refreshing the local index's sources failed")
 
     async def _stop(self, app: web.Application) -> None:
-        if self._local_task is not None:
-            self._local_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._local_task
+        for task in (self._local_task, self._check_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.local is not None:
             self.local.close()
         await self.fleet.close()

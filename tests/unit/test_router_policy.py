@@ -197,6 +197,42 @@ def test_a_subagent_continues_while_its_siblings_chains_are_stored():
     assert cache.stored_tokens == one.size + turn.size  # "two" replaced by its next turn
 
 
+def test_a_chain_extended_entirely_hands_its_digests_on_and_every_hash_stays_exact():
+    """A re-sent context extends the stored chain entirely, and that chain is dropped:
+    its digest list moves to the new chain (``Hashed.chain``) instead of being copied
+    (12k references for a 195k-token context). Appends, a cut-back, an edit, a turn
+    not remembered and a sibling each hash exactly as a full hash does."""
+    bs = 4
+    hasher = BlockHasher(bs)
+    cache = PrefixHashCache(hasher)
+    rng = np.random.default_rng(7)
+    turn = rng.integers(0, 1000, 6 * bs)
+    prev = cache.hash(turn)
+    for _ in range(5):  # appends: each extends the last chain entirely
+        turn = np.concatenate([turn, rng.integers(0, 1000, 3 * bs + 1)])
+        got = cache.hash(turn)
+        assert got.chain is not None and prev.chain is not None
+        assert got.chain.digests is prev.chain.digests  # handed on, not copied
+        np.testing.assert_array_equal(got.hashes, hasher.hash_tokens_int(turn))
+        prev = got
+    stored = cache.stored_tokens
+    cut = turn[: 10 * bs]  # a cut-back: reuses part, the longer chain stays
+    got = cache.hash(cut)
+    assert got.reused_blocks == 10 and got.chain is not None
+    assert got.chain.digests is not prev.chain.digests
+    np.testing.assert_array_equal(got.hashes, hasher.hash_tokens_int(cut))
+    edited = turn.copy()
+    edited[7 * bs] += 1
+    np.testing.assert_array_equal(cache.hash(edited).hashes, hasher.hash_tokens_int(edited))
+    longer = np.concatenate([turn, [3] * 2 * bs])
+    ghost = cache.hash(longer, remember=False)  # not stored: the stored chain is kept whole
+    np.testing.assert_array_equal(ghost.hashes, hasher.hash_tokens_int(longer))
+    assert cache.stored_tokens > stored
+    again = cache.hash(turn)  # the full chain, unchanged by the turns after it
+    assert again.reused_blocks == turn.size // bs
+    np.testing.assert_array_equal(again.hashes, hasher.hash_tokens_int(turn))
+
+
 def test_engine_metrics_are_read_as_vllm_writes_them():
     from kvstore.router.backends import parse_metrics
 
