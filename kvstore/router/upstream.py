@@ -33,8 +33,9 @@ What it does:
 
 Errors (kvstore.errors), chosen so the router can tell them apart:
 
-    Unavailable        could not connect: nothing was sent (another engine may take it)
-    DeadlineExceeded   connect_timeout_s, or read_timeout_s without a byte from the engine
+    Unavailable        could not connect, or not within connect_timeout_s: nothing
+                       was sent (another engine may take it)
+    DeadlineExceeded   read_timeout_s without a byte from the engine
     BackendError       the engine broke the exchange after the request went out:
                        closed or reset the connection, or answered malformed HTTP
 """
@@ -383,7 +384,9 @@ class Upstream:
                         server_hostname=self._host if self._ssl is not None else None,
                     )
         except TimeoutError:
-            raise DeadlineExceeded(
+            # Not a DeadlineExceeded: nothing was sent, so the engine counts as down
+            # and the next one may take the request (router.connect_timeout_s).
+            raise Unavailable(
                 f"connecting to {self.name}: no answer within {self.connect_timeout_s:g} s"
             ) from None
         except OSError as e:  # refused, no such socket, unreachable, TLS refused

@@ -515,3 +515,45 @@ def test_concurrent_streams_each_get_their_own_answer_and_reuse_the_pool():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_connect_timeout_is_a_connect_failure_so_the_next_engine_is_tried():
+    """An engine that does not answer the TCP handshake within connect_timeout_s
+    (here: a listener whose accept queue is full, so the kernel drops our SYNs) is
+    Unavailable, as a refused connection is: nothing was sent, the router marks it
+    down and tries the next engine (router.connect_timeout_s says so). It was a
+    DeadlineExceeded (504 to the user, no other engine tried) before."""
+    import socket
+
+    from kvstore.errors import DeadlineExceeded, Unavailable
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filling = []
+    try:
+        while True:  # fill the accept queue until a handshake goes unanswered
+            s = socket.socket()
+            s.settimeout(0.3)
+            filling.append(s)
+            try:
+                s.connect(("127.0.0.1", port))
+            except TimeoutError:
+                break
+            assert len(filling) < 64, "the accept queue never filled"
+
+        async def main() -> None:
+            up = Upstream(f"http://127.0.0.1:{port}", connect_timeout_s=0.3)
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable, match=r"no answer within 0\.3 s") as got:
+                await up.request("POST", "/v1/completions", b"{}", {}, read_timeout_s=5)
+            assert not isinstance(got.value, DeadlineExceeded)
+            assert time.monotonic() - t0 < 5
+            await up.close()
+
+        asyncio.run(main())
+    finally:
+        for s in filling:
+            s.close()
+        listener.close()
