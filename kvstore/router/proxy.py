@@ -769,8 +769,8 @@ class Router:
         route: dict[str, str],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=up.status, headers=route)
-        ctype = up.headers.get("content-type")
-        resp.content_type = ctype.partition(";")[0].strip() if ctype else "text/event-stream"
+        # an SSE stream that names no type is still one (not application/octet-stream)
+        resp.content_type = up.content_type if "content-type" in up.headers else "text/event-stream"
         resp.headers["Cache-Control"] = "no-cache"
         await resp.prepare(request)
         try:

@@ -250,6 +250,17 @@ def test_connections_are_kept_alive_and_a_connection_close_answer_is_not_reused(
         stop(proc)
 
 
+def read_until(s: socket.socket, marker: bytes) -> bytes:
+    """What the router sent on ``s`` up to and including ``marker`` (its socket
+    timeout bounds a hang; a close before it fails)."""
+    got = b""
+    while marker not in got:
+        part = s.recv(65536)
+        assert part, got
+        got += part
+    return got
+
+
 def test_streamed_events_pass_through_before_the_answer_ends(tmp_path, engine):
     """The engine sends one event and holds the rest: the client must already
     have that event (no buffering of the answer), then the whole stream."""
@@ -258,11 +269,7 @@ def test_streamed_events_pass_through_before_the_answer_ends(tmp_path, engine):
     try:
         s = r.connect(timeout_s=30)
         r.send(s, "POST", "/v1/completions", json.dumps(body(stream=True)).encode())
-        got = b""
-        while b'"text": "0"' not in got:
-            part = s.recv(65536)
-            assert part, got
-            got += part
+        got = read_until(s, b'"text": "0"')
         assert not engine.gate.is_set()
         engine.gate.set()
         while part := s.recv(65536):
@@ -371,11 +378,7 @@ def test_a_client_gone_mid_stream_closes_the_engines_connection(tmp_path, engine
     try:
         s = r.connect(timeout_s=30)
         r.send(s, "POST", "/v1/completions", json.dumps(body(stream=True)).encode())
-        got = b""
-        while b"data: " not in got:
-            part = s.recv(65536)
-            assert part
-            got += part
+        read_until(s, b"data: ")
         s.close()
         assert engine.peer_closed.wait(20), "the engine's connection stayed open"
     finally:
