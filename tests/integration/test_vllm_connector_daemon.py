@@ -435,6 +435,9 @@ def test_a_forward_that_outlives_its_store_leases_changes_no_other_block(daemon_
     assert engine.worker.counters.save_dropped_blocks == 2
     # The daemon was fine: the link and the cache stay up.
     assert engine.worker.session.connected and engine.worker.session.failures == 0
+    # The other client's get released its pins without waiting for the answer: with
+    # them still held the tier is all pinned and the late reservation is refused.
+    _wait_until(lambda: engine.worker.session.client().stats().active_leases == 0)
     late = engine.worker.session.call_in(
         "prepare store", spec, lambda c, n: c.prepare_store(n, [77], lease_ttl_s=0.2)
     )
