@@ -159,7 +159,11 @@ class LocalIndex:
 
     def follow(self, specs: Sequence[SourceSpec]) -> None:
         """Make the followed streams ``specs``: new or changed ones added, gone ones
-        removed with their entries (as the indexer drops a lapsed registration)."""
+        removed with their entries (as the indexer drops a lapsed registration).
+        A dropped copy follows nothing: ``refresh`` may have read the list before the
+        drop, and following it again would refill tables that nothing measures."""
+        if self.dropped:
+            return
         sub = self.indexer.subscriber
         current = {s.key: s for s in sub.sources()}
         wanted = {s.key: s for s in specs}

@@ -11,6 +11,7 @@ indexer's own code in the router, fed by the daemons' event streams.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import re
 from pathlib import Path
@@ -20,6 +21,8 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.hashing import BlockHasher
+from kvstore.router.local_index import LocalIndex
+from kvstore_router_client.scorer import AsyncIndexClient
 from tests.conftest import make_spec
 from tests.integration._engine_http import Engine
 from tests.integration.test_router_ha import completion, healthy, start_indexer, wait_for
@@ -256,3 +259,43 @@ def test_an_event_stream_down_falls_back_to_the_indexer_and_memory_is_bounded(
             stop(p)
         for e in engines.values():
             e.close()
+
+
+def test_a_copy_dropped_while_the_source_list_is_read_follows_nothing(tmp_path):
+    """The cause of a CI failure of the test above (the 1 KiB router kept following
+    its sources for 60 s): the router re-reads the indexer's source list (refresh)
+    while its checker drops the copy; the list answered after the drop was followed
+    again, and a dropped copy is never measured again, so its tables could grow
+    without bound. Here the drop happens while a real indexer's ListNodes is in
+    flight: the answer must not bring any source back."""
+    ix, addr = start_indexer(
+        tmp_path,
+        "indexer",
+        ["--source", "node=n1,endpoint=tcp://127.0.0.1:9,replay_endpoint=tcp://127.0.0.1:9"],
+    )
+    li = LocalIndex(max_bytes=1024)
+    li.start()
+    try:
+        li.memory.add("tiny", "n0", "CPU", np.arange(1, 1001, dtype=np.uint64))
+
+        async def run() -> None:
+            catalog = AsyncIndexClient(addr)
+            try:
+                # the first read follows the list (the copy is not dropped yet)
+                await li.refresh(catalog, 10.0)
+                assert [s.node for s in li.indexer.subscriber.sources()] == ["n1"]
+                li.listed_at = None
+                reading = asyncio.create_task(li.refresh(catalog, 10.0))
+                await asyncio.sleep(0)  # the refresh now waits for ListNodes' answer
+                assert li.check()[0] is False and "outgrew" in li.dropped
+                assert li.indexer.subscriber.sources() == []
+                await reading  # the answer lists n1 again
+            finally:
+                await catalog.close()
+
+        asyncio.run(run())
+        assert li.indexer.subscriber.sources() == []
+        assert li.check() == (False, li.dropped)
+    finally:
+        li.close()
+        stop(ix)
