@@ -132,6 +132,24 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def needs_checkout(command: str) -> bool:
+    """Make the checkout's ``tests`` package importable (the tiny Llama and its vLLM
+    runner live in tests/integration/vllm_model.py); False, said on stdout, when
+    this is no repository checkout."""
+    root = str(repo_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)  # a console script's path starts at its bin/, not here
+    try:
+        import tests.integration.vllm_model  # noqa: F401
+    except ImportError:
+        print(
+            f"kvstore-bench {command} runs from a repository checkout "
+            "(it uses tests/integration/vllm_model.py)"
+        )
+        return False
+    return True
+
+
 def env_python(venv: str) -> str | None:
     """The interpreter of a peer's virtual environment (see kvstore_bench/setup_peers.sh)."""
     override = os.environ.get(f"KVSTORE_BENCH_{venv.upper()}_PYTHON")

@@ -1032,6 +1032,8 @@ def live_replay(args: argparse.Namespace, tmp: Path, progress: _common.Progress)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.engine != "off" or args.replay == "on") and not _common.needs_checkout("router"):
+        return 2
     progress_on = {"auto": None, "on": True, "off": False}[args.progress]
     total = (
         (args.samples if args.decision == "on" else 0)
