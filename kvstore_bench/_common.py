@@ -8,6 +8,7 @@ and reports ratios, medians and spread (p10..p90) rather than a best case.
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import sys
@@ -140,7 +141,7 @@ def needs_checkout(command: str) -> bool:
     if root not in sys.path:
         sys.path.insert(0, root)  # a console script's path starts at its bin/, not here
     try:
-        import tests.integration.vllm_model  # noqa: F401
+        importlib.import_module("tests.integration.vllm_model")
     except ImportError:
         print(
             f"kvstore-bench {command} runs from a repository checkout "
