@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -76,8 +76,9 @@ class RequestView(Protocol):
     def cache_salt(self) -> str | None: ...
 
 
-@dataclass(frozen=True, slots=True)
-class NewRequest:
+# NamedTuples, not frozen dataclasses: the connector builds one per running
+# request every step (a frozen dataclass costs ~0.6 µs to build here, a tuple ~0.25).
+class NewRequest(NamedTuple):
     """A request scheduled for the first time (or resumed after preemption)."""
 
     req_id: str
@@ -85,8 +86,7 @@ class NewRequest:
     num_computed_tokens: int  # local + external hits, before this step
 
 
-@dataclass(frozen=True, slots=True)
-class RunningRequest:
+class RunningRequest(NamedTuple):
     req_id: str
     new_block_ids: Sequence[int] | None  # blocks added this step (all blocks when resumed)
     resumed: bool
@@ -354,12 +354,15 @@ class SchedulerSide:
             return
         request = tracked.request
         bs = self.block_size
-        hashes = tracked.hashes.update(request.block_hashes)
-        last = min(computed_after // bs, len(hashes), len(tracked.block_ids))
+        # How many KV-block hashes the request has (what hashes.update returns the
+        # length of), without converting them: most steps complete no block.
+        known = len(request.block_hashes) // self.hash_stride
+        last = min(computed_after // bs, known, len(tracked.block_ids))
         if not self.config.save_decode:
             last = min(last, request.num_prompt_tokens // bs)
         if last <= first:
             return
+        hashes = tracked.hashes.update(request.block_hashes)
         tracked.save_cursor = last
         tokens = np.asarray(request.all_token_ids[first * bs : last * bs], dtype=np.int32)
         plan.saves.append(

@@ -63,17 +63,42 @@ def _prom_name(key: str) -> str:
     return f"vllm:kvstore_{key}"
 
 
-class Deltas:
-    """Increases of cumulative counters since the previous ``take``."""
+# Hook time (``*_time_ns``) and ``worker_steps`` grow on every step, also on
+# one with nothing to do; reporting them alone would hand vLLM a stats object
+# to aggregate, log and export every step. They are held back until another
+# counter moves or this much hook time has piled up (so /metrics lags by at
+# most this much connector time, about 2000 idle steps here).
+HOLD_PROGRESS_NS = 10_000_000
 
-    def __init__(self) -> None:
+
+def is_progress_counter(key: str) -> bool:
+    """Counters that move on every step (held back by ``Deltas``)."""
+    return key.endswith("_time_ns") or key == "worker_steps"
+
+
+class Deltas:
+    """Increases of cumulative counters since the previous ``take`` that reported.
+
+    Increases of progress counters only (``is_progress_counter``) are not
+    reported until another counter moves or their time reaches ``hold_ns``;
+    they are not lost: the next report carries them.
+    """
+
+    def __init__(self, hold_ns: int = HOLD_PROGRESS_NS) -> None:
         self._last: dict[str, int] = {}
+        self.hold_ns = hold_ns
 
     def take(self, counters: dict[str, int]) -> KVStoreConnectorStats | None:
         changed = {k: v - self._last.get(k, 0) for k, v in counters.items()}
-        self._last = dict(counters)
         changed = {k: v for k, v in changed.items() if v}
-        return KVStoreConnectorStats(data=changed) if changed else None
+        if not changed:
+            return None
+        if all(is_progress_counter(k) for k in changed) and (
+            sum(v for k, v in changed.items() if k.endswith("_time_ns")) < self.hold_ns
+        ):
+            return None  # kept in self._last's gap: the next report carries them
+        self._last = dict(counters)
+        return KVStoreConnectorStats(data=changed)
 
 
 @dataclass

@@ -72,3 +72,22 @@ def test_stats_are_per_step_increases_that_aggregate_and_reduce() -> None:
     assert {"scheduler_hit_blocks", "worker_loaded_blocks", "worker_checksum_failures"} <= set(
         COUNTER_NAMES
     )
+
+
+def test_a_step_that_moved_only_hook_time_and_steps_reports_nothing_until_it_adds_up() -> None:
+    """Hook time and the step count move every step, also on one with nothing to do:
+    alone they must not hand vLLM a stats object per step; they are carried by the
+    next report, and reported alone once the held-back time reaches hold_ns."""
+    pytest.importorskip("vllm")
+    from kvstore_connectors.vllm.stats import Deltas
+
+    d = Deltas(hold_ns=1_000_000)
+    quiet = {"worker_saved_blocks": 0, "worker_time_ns": 5_000, "worker_steps": 1}
+    assert d.take(quiet) is None
+    assert d.take({**quiet, "worker_time_ns": 9_000, "worker_steps": 2}) is None
+    moved = d.take({"worker_saved_blocks": 2, "worker_time_ns": 20_000, "worker_steps": 3})
+    assert moved is not None
+    assert moved.data == {"worker_saved_blocks": 2, "worker_time_ns": 20_000, "worker_steps": 3}
+    assert d.take({"worker_saved_blocks": 2, "worker_time_ns": 30_000, "worker_steps": 4}) is None
+    held = d.take({"worker_saved_blocks": 2, "worker_time_ns": 1_020_000, "worker_steps": 9})
+    assert held is not None and held.data == {"worker_time_ns": 1_000_000, "worker_steps": 6}

@@ -1,0 +1,57 @@
+"""A decode step with nothing to load or save costs the connector next to nothing.
+
+vLLM calls the connector's hooks on every step; most decode steps complete no
+block. Such a step must make no daemon call (test_local_channel) and do no
+per-request hash work: the scheduler side must not read a request's block
+hashes (only their count) until a block is complete.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.integration.test_vllm_connector_daemon import (
+    BS,
+    Engine,
+    Req,
+    RunningRequest,
+    _tokens,
+)
+
+
+class _CountingHashes(list[bytes]):
+    """vLLM's per-request hash list, counting the reads of its entries."""
+
+    reads = 0
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        type(self).reads += 1
+        return super().__getitem__(index)
+
+
+def test_an_idle_decode_step_reads_no_block_hash(daemon):
+    eng = Engine(daemon.address, seed=3)
+    req = Req("r", _tokens(3, 2 * BS + 1))  # 2 full blocks + 1 token
+    eng.prefill(req, [1, 2, 3])
+    assert eng.worker.counters.saved_blocks == 2
+
+    def decode() -> None:
+        req.all_token_ids.append(5)
+        req.rehash()
+        req.block_hashes = _CountingHashes(req.block_hashes)
+        plan = eng.step(
+            running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1}
+        )
+        assert eng.worker.take_load_errors() == set()
+        return plan
+
+    _CountingHashes.reads = 0
+    for _ in range(BS - 2):  # decode tokens that complete no block
+        assert not decode()
+    assert _CountingHashes.reads == 0
+    # The step that completes the third block converts its hash and saves it.
+    assert decode().saves
+    assert _CountingHashes.reads > 0
+    assert eng.worker.counters.saved_blocks == 3
