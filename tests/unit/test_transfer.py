@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +13,13 @@ import pytest
 from kvstore.errors import InvalidRequest
 from kvstore.transfer.base import ReadBatch
 from kvstore.transfer.grpc_stream import iter_chunks
-from kvstore.transfer.puller import MAX_PIECES, PIECE_MIN_BYTES, _pieces
+from kvstore.transfer.puller import (
+    MAX_PIECES,
+    PIECE_MIN_BYTES,
+    _PieceHasher,
+    _pieces,
+    checksums_of,
+)
 
 
 def test_read_batch_checks_shapes_and_bounds() -> None:
@@ -58,3 +67,36 @@ def test_pieces_cover_every_block_once(n: int, block_bytes: int, expect: int) ->
     assert all(p[1] == q[0] for p, q in itertools.pairwise(pieces))
     if len(pieces) > 1:
         assert min(b - a for a, b in pieces) * block_bytes >= PIECE_MIN_BYTES // 2
+
+
+def test_piece_hasher_hands_the_gil_over_while_it_hashes_small_blocks() -> None:
+    """python-xxhash keeps the GIL while it hashes a 64 KiB block, so a thread
+    hashing a piece of them kept it for the whole piece, and the event loop
+    (posting the next READs) waited a switch interval each time it wanted it
+    back. With the switch interval made huge, only the hasher's own hand-offs
+    let the loop's thread run while a piece is hashed."""
+    block = 64 << 10
+    region = np.random.default_rng(3).integers(0, 256, 32 << 20, dtype=np.uint8)
+    offsets = np.arange(0, len(region), block, dtype=np.uint64)
+    out = np.zeros(len(offsets), dtype=np.uint64)
+
+    async def main() -> int:
+        hasher = _PieceHasher(region, offsets, block, out)
+        turns = 0
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)  # no forced switch during the test: hand-offs only
+        try:
+            hasher.submit(0, len(offsets))
+            while hasher.pending:
+                time.sleep(0.0001)  # drops the GIL; coming back needs the hasher to hand it over
+                turns += 1
+        finally:
+            sys.setswitchinterval(old)
+        await hasher.finish()
+        return turns
+
+    turns = asyncio.run(main())
+    assert out.tolist() == checksums_of(region, offsets.tolist(), block)
+    # 32 MiB in 1 MiB runs: ~32 hand-offs; before, the loop's thread got the GIL
+    # back only once the whole piece was hashed (1-2 turns).
+    assert turns >= 8, turns
