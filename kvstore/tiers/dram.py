@@ -463,6 +463,13 @@ class SlabAllocator:
         out: list[int] = []
         while len(out) < n:
             cls = self._classes.get(slot_bytes)
+            if cls is not None and not cls.partial and self._free_chunks:
+                # Whole free chunks, as many as the rest fills (what alloc() does
+                # one slot at a time: pop a chunk, hand out its slots lowest
+                # first). Large slots have few per chunk (2 MiB in 4 MiB: 32
+                # chunks for 64 blocks), so this is most of their cost per step.
+                self._take_chunks(cls, n - len(out), out)
+                continue
             if cls is None or not cls.partial:
                 offset = self.alloc(slot_bytes)  # makes the class, or takes a chunk
                 if offset is None:
@@ -480,6 +487,32 @@ class SlabAllocator:
                 cls.partial.discard(chunk)
             self.used_bytes += slot_bytes * take
         return out
+
+    def _take_chunks(self, cls: _SizeClass, n: int, out: list[int]) -> None:
+        """Up to ``n`` slots of ``cls`` from whole free chunks, appended to ``out`` in
+        alloc()'s order; the last chunk, if not used up, is left partial (as alloc()
+        leaves it). Needs ``cls.partial`` empty and a free chunk."""
+        per, slot_bytes, free_chunks = cls.slots_per_chunk, cls.slot_bytes, self._free_chunks
+        taken = 0
+        while taken < n and free_chunks:
+            chunk = free_chunks.pop()
+            base = chunk * self.chunk_bytes
+            take = min(per, n - taken)
+            out += range(base, base + take * slot_bytes, slot_bytes)
+            # the rest of the chunk, a stack popped from its end (lowest first)
+            cls.free_by_chunk[chunk] = list(
+                range(base + (per - 1) * slot_bytes, base + (take - 1) * slot_bytes, -slot_bytes)
+            )
+            cls.used_by_chunk[chunk] = take
+            self._chunk_class[chunk] = slot_bytes
+            # Added and, used up, discarded, as alloc() does: the set's history
+            # (so its iteration order, which picks the next partial chunk) stays
+            # the one per-slot allocs would leave.
+            cls.partial.add(chunk)
+            if take == per:
+                cls.partial.discard(chunk)
+            taken += take
+        self.used_bytes += slot_bytes * taken
 
     def free(self, offset: int) -> None:
         chunk = offset // self.chunk_bytes

@@ -91,3 +91,40 @@ def test_alloc_many_gives_what_as_many_allocs_would_give():
             rest.append(offset)
         assert many.alloc_many(4096, 10**6) == rest
         assert many.alloc(4096) is None and many.used_bytes == one.used_bytes
+
+
+def test_alloc_many_of_large_slots_takes_whole_chunks_as_allocs_would():
+    """Slots of half a chunk and a whole chunk (2 MiB blocks in 4 MiB chunks): taken
+    from whole free chunks in bulk, the same offsets and the same state as one
+    alloc() per slot, a chunk left half used included, with frees in between."""
+    import random
+
+    rng = random.Random(11)
+    chunk = 65536
+    one, many = SlabAllocator(40 * chunk, chunk), SlabAllocator(40 * chunk, chunk)
+    held: list[int] = []
+    for _ in range(400):
+        size = rng.choice([chunk // 2, chunk // 2, chunk, chunk // 4])
+        if held and rng.random() < 0.4:
+            for offset in rng.sample(held, rng.randint(1, len(held))):
+                one.free(offset)
+                many.free(offset)
+                held.remove(offset)
+            continue
+        n = rng.randint(1, 25)
+        expected = []
+        for _ in range(n):
+            offset = one.alloc(size)
+            if offset is None:
+                break
+            expected.append(offset)
+        assert many.alloc_many(size, n) == expected
+        assert many.used_bytes == one.used_bytes
+        assert many.free_chunks == one.free_chunks
+        held += expected
+    for size in (chunk // 4, chunk // 2, chunk):  # what is left, size by size
+        rest = []
+        while (offset := one.alloc(size)) is not None:
+            rest.append(offset)
+        assert many.alloc_many(size, 10**6) == rest
+    assert many.used_bytes == one.used_bytes
