@@ -53,6 +53,17 @@ def test_region_is_shared_memory_visible_to_a_second_mapping(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def _one_by_one(alloc, size: int, n: int, part: int = 0) -> list[int]:  # type: ignore[no-untyped-def]
+    """What ``n`` alloc() calls give (until one answers None)."""
+    out = []
+    for _ in range(n):
+        offset = alloc.alloc(size, part)
+        if offset is None:
+            break
+        out.append(offset)
+    return out
+
+
 def test_alloc_many_gives_what_as_many_allocs_would_give():
     """Same offsets, same order, same state after (a chunk's slice at a time), across
     chunk boundaries, a mixed size in between, frees in between, and running out."""
@@ -77,12 +88,7 @@ def test_alloc_many_gives_what_as_many_allocs_would_give():
                     held.remove(offset)
                 continue
             n = rng.randint(1, 40)
-            expected = []
-            for _ in range(n):
-                offset = one.alloc(size, part)
-                if offset is None:
-                    break
-                expected.append(offset)
+            expected = _one_by_one(one, size, n, part)
             assert many.alloc_many(size, n, part) == expected
             assert many.used_bytes == one.used_bytes
             held += expected
@@ -112,12 +118,7 @@ def test_alloc_many_of_large_slots_takes_whole_chunks_as_allocs_would():
                 held.remove(offset)
             continue
         n = rng.randint(1, 25)
-        expected = []
-        for _ in range(n):
-            offset = one.alloc(size)
-            if offset is None:
-                break
-            expected.append(offset)
+        expected = _one_by_one(one, size, n)
         assert many.alloc_many(size, n) == expected
         assert many.used_bytes == one.used_bytes
         assert many.free_chunks == one.free_chunks
