@@ -30,7 +30,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstore_bench._common import env_python, repo_root, results_dir, summarize, write_json
+from kvstore_bench._common import (
+    env_python,
+    needs_checkout,
+    results_dir,
+    summarize,
+    write_json,
+)
 
 CPU_NOTE = (
     "NOTE: CPU build of vLLM with a tiny random model: these figures show the connector's "
@@ -119,17 +125,10 @@ def _fmt_ms(s: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    root = str(repo_root())
-    if root not in sys.path:
-        sys.path.insert(0, root)  # the engine runner lives in the checkout's tests/
-    try:
-        from tests.integration import vllm_model as vm
-    except ImportError:
-        print(
-            "kvstore-bench vllm runs from a repository checkout (it uses tests/integration/vllm_model.py)"
-        )
+    if not needs_checkout("vllm"):
         return 2
     from kvstore.process import DaemonProcess
+    from tests.integration import vllm_model as vm
 
     if args.quick:
         args.prompts, args.prompt_tokens, args.max_model_len = 3, 480, 512
