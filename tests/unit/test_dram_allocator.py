@@ -53,6 +53,14 @@ def test_region_is_shared_memory_visible_to_a_second_mapping(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def _free_some(rng, held: list[int], *allocs) -> None:  # type: ignore[no-untyped-def]
+    """Free a random sample of ``held`` in each of ``allocs`` (and drop it from ``held``)."""
+    for offset in rng.sample(held, rng.randint(1, len(held))):
+        for alloc in allocs:
+            alloc.free(offset)
+        held.remove(offset)
+
+
 def _one_by_one(alloc, size: int, n: int, part: int = 0) -> list[int]:  # type: ignore[no-untyped-def]
     """What ``n`` alloc() calls give (until one answers None)."""
     out = []
@@ -82,10 +90,7 @@ def test_alloc_many_gives_what_as_many_allocs_would_give():
             size = rng.choice([4096, 4096, 8192])
             part = rng.choice([0, 1]) if isinstance(one, PartitionedAllocator) else 0
             if held and rng.random() < 0.4:
-                for offset in rng.sample(held, rng.randint(1, len(held))):
-                    one.free(offset)
-                    many.free(offset)
-                    held.remove(offset)
+                _free_some(rng, held, one, many)
                 continue
             n = rng.randint(1, 40)
             expected = _one_by_one(one, size, n, part)
@@ -112,10 +117,7 @@ def test_alloc_many_of_large_slots_takes_whole_chunks_as_allocs_would():
     for _ in range(400):
         size = rng.choice([chunk // 2, chunk // 2, chunk, chunk // 4])
         if held and rng.random() < 0.4:
-            for offset in rng.sample(held, rng.randint(1, len(held))):
-                one.free(offset)
-                many.free(offset)
-                held.remove(offset)
+            _free_some(rng, held, one, many)
             continue
         n = rng.randint(1, 25)
         expected = _one_by_one(one, size, n)
