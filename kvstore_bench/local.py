@@ -89,8 +89,7 @@ def _transfer(
     # The first rounds warm up and are dropped: two, since the first kept one of
     # a fresh run was still slow for memcpy and kvstore alike (1.3x, 1.7x the
     # median: fresh pages behind the arrays and the region, no page faults seen).
-    warmup = WARMUP_ROUNDS
-    for rep in range(repeats + warmup):
+    for rep in range(repeats + WARMUP_ROUNDS):
         hashes = np.arange(n, dtype=np.uint64) + np.uint64(rep * n + 1)
         store_hashes = np.ascontiguousarray(hashes[order])
         t = time.perf_counter()
@@ -112,7 +111,7 @@ def _transfer(
         # two more round trips (NamespaceNotFound, declare again) that no workload
         # without clears pays (~0.7 ms a round here).
         client.delete(ns, hashes)
-        if rep >= warmup:
+        if rep >= WARMUP_ROUNDS:
             mem.append(t_mem)
             store.append(t_store)
             load.append(t_load)

@@ -26,6 +26,7 @@ import time
 from kvstore.client import Client
 from kvstore.namespace import NamespaceSpec
 from kvstore.process import DaemonProcess
+from kvstore_bench._common import summarize
 
 BLOCK_BYTES = 4096
 ECHO_SERVER = r"""
@@ -52,11 +53,6 @@ if sys.argv[2] == "uvloop":
 else:
     asyncio.run(main())
 """
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def main() -> None:
@@ -109,7 +105,7 @@ def main() -> None:
                             time.sleep(g / 1000)
                             t = time.perf_counter()
                             call()
-                            res[g][name].append((time.perf_counter() - t) * 1e3)
+                            res[g][name].append(time.perf_counter() - t)
                     c.delete(ns, list(range(1, first)))  # the region stays small
                     first = 1
             sock.close()
@@ -118,8 +114,9 @@ def main() -> None:
             echo.wait()
     print(f"loop={loop} rounds={rounds} (ms; 'store' = prepare_store + commit_store, 8 blocks)")
     for g in gaps_ms:
+        sums = {k: summarize(v) for k, v in res[g].items()}
         cols = "  ".join(
-            f"{k} p50 {_pct(v, 0.5):6.3f} p90 {_pct(v, 0.9):6.3f}" for k, v in res[g].items()
+            f"{k} p50 {1e3 * m.median_s:6.3f} p90 {1e3 * m.p90_s:6.3f}" for k, m in sums.items()
         )
         print(f"gap {g:4d} ms  {cols}")
 

@@ -417,9 +417,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         None on a step that moved only the hook time and the step count (``Deltas``
         holds those back)."""
         now = self._counter_values()
-        if now == self._reported and (
-            self._time_ns - self._reported_time_ns < self._deltas.hold_ns
-        ):
+        if now == self._reported and self._deltas.holds(self._time_ns - self._reported_time_ns):
             return None  # what Deltas.take would answer, without building the counters
         stats = self._deltas.take(self.counters())
         if stats is not None:

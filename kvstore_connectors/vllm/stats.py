@@ -88,13 +88,17 @@ class Deltas:
         self._last: dict[str, int] = {}
         self.hold_ns = hold_ns
 
+    def holds(self, time_ns: int) -> bool:
+        """Whether progress of ``time_ns`` hook time alone is still held back."""
+        return time_ns < self.hold_ns
+
     def take(self, counters: dict[str, int]) -> KVStoreConnectorStats | None:
         changed = {k: v - self._last.get(k, 0) for k, v in counters.items()}
         changed = {k: v for k, v in changed.items() if v}
         if not changed:
             return None
-        if all(is_progress_counter(k) for k in changed) and (
-            sum(v for k, v in changed.items() if k.endswith("_time_ns")) < self.hold_ns
+        if all(is_progress_counter(k) for k in changed) and self.holds(
+            sum(v for k, v in changed.items() if k.endswith("_time_ns"))
         ):
             return None  # kept in self._last's gap: the next report carries them
         self._last = dict(counters)
