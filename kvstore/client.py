@@ -1549,14 +1549,15 @@ def gather(
     valid: the lease may have lapsed and the slots been reused meanwhile).
     """
     offs = offsets.tolist()
-    for s, e in _chunked(_runs(offsets, None, block_bytes), block_bytes):
-        if clock() > deadline_s:
-            return s
-        o = offs[s]
-        memcopy.copy(out[s:e], region[o : o + (e - s) * block_bytes])
-        if clock() > deadline_s:
-            return s  # this piece may have been read after the lease ran out
-    return len(offs)
+    _check_bounds(region, offs, block_bytes)
+    _check_rows(out, len(offs), block_bytes)
+    spans = _chunked(_runs(offsets, None, block_bytes), block_bytes)
+    base, dst = _base(region, writable=False), _base(out, writable=True)
+    pieces = [(dst + s * block_bytes, base + offs[s], (e - s) * block_bytes) for s, e in spans]
+    # A piece that finished after the deadline may have been read after the
+    # lease ran out: it does not count (fence_reads).
+    done = memcopy.copy_pieces(pieces, deadline_s=deadline_s, clock=clock, fence_reads=True)
+    return len(offs) if done == len(spans) else spans[done][0]
 
 
 def scatter(
@@ -1577,9 +1578,37 @@ def scatter(
     """
     offs = offsets.tolist()
     rws = rows.tolist()
-    for s, e in _chunked(_runs(offsets, rows, block_bytes), block_bytes):
-        if clock() > deadline_s:
-            return s
-        o, r = offs[s], rws[s]
-        memcopy.copy(region[o : o + (e - s) * block_bytes], data[r : r + (e - s)])
-    return len(offs)
+    _check_bounds(region, offs, block_bytes)
+    if rws and (min(rws) < 0 or max(rws) >= len(data)):
+        raise errors.InvalidRequest(f"rows outside the {len(data)} blocks given")
+    _check_rows(data, len(data), block_bytes)
+    spans = _chunked(_runs(offsets, rows, block_bytes), block_bytes)
+    base, src = _base(region, writable=True), _base(data, writable=False)
+    pieces = [(base + offs[s], src + rws[s] * block_bytes, (e - s) * block_bytes) for s, e in spans]
+    done = memcopy.copy_pieces(pieces, deadline_s=deadline_s, clock=clock)
+    return len(offs) if done == len(spans) else spans[done][0]
+
+
+def _check_bounds(region: np.ndarray, offs: list[int], block_bytes: int) -> None:
+    """Every slot lies inside the mapped region (the copies below use raw addresses)."""
+    if offs and (min(offs) < 0 or max(offs) + block_bytes > region.nbytes):
+        raise errors.InvalidRequest(
+            f"a slot offset outside the {region.nbytes}-byte region "
+            f"(offsets {min(offs)}..{max(offs)}, {block_bytes}-byte blocks)"
+        )
+
+
+def _check_rows(arr: np.ndarray, n: int, block_bytes: int) -> None:
+    if arr.nbytes < n * block_bytes:
+        raise errors.BlockSizeMismatch(
+            f"{arr.nbytes} bytes for {n} blocks of {block_bytes} bytes (need {n * block_bytes})"
+        )
+
+
+def _base(arr: np.ndarray, *, writable: bool) -> int:
+    """The address of a C-contiguous array's first byte (checked: raw copies follow)."""
+    if not arr.flags.c_contiguous:
+        raise errors.InvalidRequest("block copies need C-contiguous arrays")
+    if writable and not arr.flags.writeable:
+        raise errors.InvalidRequest("block copies: the destination is read-only")
+    return int(arr.__array_interface__["data"][0])

@@ -503,7 +503,8 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_VLLM_PYTHON",
         "KVSTORE_VLLM_ANY_VERSION",  # no longer read; still tolerated where set
         "KVSTORE_TEST_RUN",  # names a test run's regions (kvstore.process)
-        "KVSTORE_NT_COPY",  # 0: block copies by plain memmove (kvstore.memcopy)
+        "KVSTORE_NT_COPY",  # 0 / 1 / auto: how block copies are made (kvstore.memcopy)
+        "KVSTORE_COPY_THREADS",  # 1: large block batches copied by one thread (kvstore.memcopy)
         "KVSTORE_NATIVE_WALK",  # 0: the index Score walks in numpy (kvstore.indexer.walk)
     }
 )

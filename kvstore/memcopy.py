@@ -1,33 +1,58 @@
-"""Block copies near memcpy speed: non-temporal stores for large copies.
+"""Block copies near memcpy speed: the fastest of three copy methods, measured.
 
-glibc's ``memcpy`` switches to non-temporal (cache-bypassing) stores only for
-copies above ``x86_non_temporal_threshold``, derived from the shared cache
-size: with this VM's 480 MiB L3 that is far above any block, so 2 MiB block
-copies go through the cache, pay a read-for-ownership per line and evict
-everything, and run at ~0.6x of one large copy of the same bytes. The
-``GLIBC_TUNABLES`` knob fixes it, but a library cannot set it for the engine's
-process (it is read at startup). So large copies here use a copy loop of their
-own with non-temporal stores, the way glibc's ``large_memcpy_4x`` does: four
-4 KiB pages interleaved, ``movdqu`` loads, ``movntdq`` stores, ``sfence`` at
-the end (SSE2 only: every x86-64 has it, no CPU probe needed).
+Three ways to copy a large block, and which is fastest depends on the machine:
 
-The loops are 0x171 bytes of machine code (``kvstore/memcopy_x86_64.S``)
-placed in an anonymous mapping made executable with ``mprotect`` and called
-through ctypes, which releases the GIL for the call. No compiler at
-install time, no new package. Where that is unavailable (not x86-64 Linux, an
-exec mapping refused by a hardened kernel, the self-test failing, or
-``KVSTORE_NT_COPY=0``) every copy is a plain ``memmove``, and a log line says
+- ``memmove`` (glibc). It streams (non-temporal stores) only above
+  ``x86_non_temporal_threshold``, derived from the shared cache size, and
+  below that takes ``rep movsb`` or a vector loop as its tunables say.
+- ``nt``: a loop of our own with non-temporal stores, the way glibc's
+  ``large_memcpy_4x`` does it (four 4 KiB pages interleaved, ``movdqu``
+  loads, ``movntdq`` stores, ``sfence`` at the end). On the Intel VMs of the
+  first sessions (480 MiB L3, so glibc never streamed a block) it ran 2 MiB
+  blocks at 1.7x of memmove.
+- ``vec``: the same 64-byte loop with ordinary stores, what glibc's vector path
+  does. On the AMD EPYC VMs of 2026-12-02 (Zen, 32 MiB L3) glibc copies 64 KiB
+  with ``rep movsb``, which reads the 4 KiB-paged shared region at 1.8 GB/s
+  against 5.5 GB/s for this loop, and non-temporal stores run at a third of
+  memmove's speed there (2.3 GB/s against 10 GB/s on 256 MiB).
+
+So the first copy of ``NT_MIN_BYTES`` or more in a process times all three,
+in both directions, between a shared anonymous mapping (what the region is)
+and private memory, on 64 KiB and on 2 MiB pieces (~20-60 ms, once), and
+keeps the fastest for each of the two size classes; a log line says what was
+chosen and the figures. ``KVSTORE_NT_COPY=1`` takes the non-temporal loop for
+every large copy without measuring, ``0`` never loads the loops (memmove).
+The ``GLIBC_TUNABLES`` knobs would fix glibc's own choice, but a library cannot
+set them for the engine's process (they are read at startup).
+
+The loops are machine code (``kvstore/memcopy_x86_64.S``, SSE2 only: every
+x86-64 has it, no CPU probe needed) placed in an anonymous mapping made
+executable with ``mprotect`` and called through ctypes, which releases the
+GIL for the call. No compiler at install time, no new package. Where that is
+unavailable (not x86-64 Linux, an exec mapping refused by a hardened kernel,
+the self-test failing) every copy is a plain ``memmove``, and a log line says
 so once.
 
 Copies below ``NT_MIN_BYTES``, overlapping copies and the unaligned head and
 tail of a large one stay plain ``memmove``: below 64 KiB the ctypes call and
-the alignment split cost more than the stores save, and ``memmove`` is the
+the alignment split cost more than the loops save, and ``memmove`` is the
 one correct answer for overlap. Measurements: docs/tiers.md "Block copies".
+
+Large batches are also split between the calling thread and one helper thread
+(``copy_pieces``): on these VMs one core does not saturate memory bandwidth
+(2 MiB blocks, 128 MiB: 1.5x of one thread). Only batches of at least
+``PARALLEL_MIN_BYTES`` whose pieces average ``PARALLEL_MIN_PIECE_BYTES`` are
+split (below that the hand-off costs more than it saves: one 2 MiB block, or
+64 KiB pieces that each take the GIL between copies); ``KVSTORE_COPY_THREADS=1``
+turns it off.
 
 Primitives:
     copy(dst, src)       dst[...] = src bytes (C-contiguous arrays, same nbytes)
     copy_raw(dst_address, src_address, nbytes)
-    fast_copy_available() -> bool
+    copy_pieces(pieces, deadline_s=..., fence_reads=...) -> pieces copied in time
+    copy_with(method, dst_address, src_address, nbytes)   one named method
+    fast_copy_available() -> bool   the loops are loaded and run here
+    copy_methods() -> (small, large)   the methods chosen (measured on first call)
 """
 
 from __future__ import annotations
@@ -35,11 +60,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import mmap
 import os
 import platform
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -80,7 +110,8 @@ _LINE_BYTES = 64
 # reassembles it where binutils are installed and compares):
 #   nt_copy_4x(dst rdi, src rsi, n rdx) at +0x000: n > 0, n % 16384 == 0
 #   nt_copy_64(dst rdi, src rsi, n rdx) at +0x139: n > 0, n % 64 == 0
-# both: dst 16-byte aligned, src any; sfence before ret.
+#   vec_copy_64(dst rdi, src rsi, n rdx) at +0x171: n > 0, n % 64 == 0 (ordinary stores)
+# all: dst 16-byte aligned, src any; the two nt_ ones sfence before ret.
 _CODE = bytes.fromhex(
     "48c7c1400000000f188e800000000f188e801000000f188e802000000f188e803000"
     "00f30f6f06f30f6f4e10f30f6f5620f30f6f5e30f30f6fa600100000f30f6fae1010"
@@ -91,11 +122,13 @@ _CODE = bytes.fromhex(
     "8700200000660fe78f10200000660fe79720200000660fe79f30200000660fe7a700"
     "300000660fe7af10300000660fe7b720300000660fe7bf303000004883c6404883c7"
     "4048ffc90f85edfeffff4881c6003000004881c7003000004881ea004000000f85cb"
-    "feffff0faef8c3"
-    "f30f6f06f30f6f4e10f30f6f5620f30f6f5e30660fe707660fe74f10660fe7572066"
-    "0fe75f304883c6404883c7404883ea4075cc0faef8c3"
+    "feffff0faef8c3f30f6f06f30f6f4e10f30f6f5620f30f6f5e30660fe707660fe74f"
+    "10660fe75720660fe75f304883c6404883c7404883ea4075cc0faef8c3f30f6f06f3"
+    "0f6f4e10f30f6f5620f30f6f5e30660f7f07660f7f4f10660f7f5720660f7f5f3048"
+    "83c6404883c7404883ea4075ccc3"
 )
 NT_COPY_64_OFFSET = 0x139
+VEC_COPY_64_OFFSET = 0x171
 
 _Copy = Callable[[int, int, int], object]
 _CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
@@ -106,13 +139,19 @@ def _address(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
-def _load() -> tuple[_Copy, _Copy] | None:
-    """The two loops, callable, or None (and why, logged once) where not available."""
-    if os.environ.get("KVSTORE_NT_COPY", "1") == "0":
+class Loops(NamedTuple):
+    nt_4x: _Copy
+    nt_64: _Copy
+    vec_64: _Copy
+
+
+def _load() -> Loops | None:
+    """The loops, callable, or None (and why, logged once) where not available."""
+    if os.environ.get("KVSTORE_NT_COPY", "auto") == "0":
         log.info("block copies: plain memmove (KVSTORE_NT_COPY=0)")
         return None
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
-        log.info("block copies: plain memmove (non-temporal copy is x86-64 Linux only)")
+        log.info("block copies: plain memmove (the copy loops are x86-64 Linux only)")
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -129,15 +168,15 @@ def _load() -> tuple[_Copy, _Copy] | None:
         log.warning("block copies: plain memmove (no executable mapping: %s)", exc)
         return None
     # The mapping is never unmapped: the functions live as long as the process.
-    loops = (_CFUNC(page), _CFUNC(page + NT_COPY_64_OFFSET))
-    if not _self_test(*loops):
-        log.warning("block copies: plain memmove (the non-temporal copy failed its self-test)")
+    loops = Loops(_CFUNC(page), _CFUNC(page + NT_COPY_64_OFFSET), _CFUNC(page + VEC_COPY_64_OFFSET))
+    if not (_self_test(loops.nt_4x, loops.nt_64) and _self_test(loops.vec_64, loops.vec_64)):
+        log.warning("block copies: plain memmove (a copy loop failed its self-test)")
         return None
     return loops
 
 
 def _self_test(x4: _Copy, x64: _Copy) -> bool:
-    """Both loops copy a known pattern exactly, and write nothing past the end."""
+    """The loops copy a known pattern exactly, and write nothing past the end."""
     n = 2 * _CHUNK_4X_BYTES + 3 * _LINE_BYTES
     src = np.random.default_rng(12).integers(0, 256, n, dtype=np.uint8)
     dst = np.zeros(n + 2 * _LINE_BYTES, dtype=np.uint8)
@@ -153,12 +192,123 @@ def _self_test(x4: _Copy, x64: _Copy) -> bool:
     )
 
 
-_LOOPS = _load()
+_LOADED = _load()
+
+MEMMOVE, NT, VEC = "memmove", "nt", "vec"
+METHODS = (MEMMOVE, NT, VEC)
+# Copies of at least this many bytes are "large" (timed on 2 MiB pieces);
+# from NT_MIN_BYTES up to it "small" (timed on 64 KiB pieces).
+LARGE_MIN_BYTES = 1 << 20
+# Bytes copied per method, direction and round: the large pieces' working set
+# (3x this) is past a 32 MiB L3, so they are timed as they run on a region.
+SMALL_CALIBRATION_BYTES = 4 << 20
+LARGE_CALIBRATION_BYTES = 16 << 20
+CALIBRATION_ROUNDS = 2
+# A loop is chosen over memmove only when at least 5% faster (memmove is the
+# safe answer: it is what every other program on the machine uses).
+MUST_WIN_BY = 0.95
+
+# The methods chosen for small and large copies: memmove until measured, then
+# set once by _measure() (a plain read per copy: no lock on the copy path).
+_small_method = _large_method = MEMMOVE
+_settled = _LOADED is None
+_measuring: threading.Thread | None = None
+_settle_lock = threading.Lock()
+
+
+def _forget_measuring() -> None:
+    # a fork keeps the flag but not the thread: the child measures anew
+    global _measuring, _settle_lock
+    _measuring, _settle_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_measuring)
 
 
 def fast_copy_available() -> bool:
-    """Whether large copies use the non-temporal loop (else all are memmove)."""
-    return _LOOPS is not None
+    """Whether the copy loops are loaded and passed their self-tests here."""
+    return _LOADED is not None
+
+
+def copy_methods() -> tuple[str, str]:
+    """The methods of small and of large copies (waits for the measurement)."""
+    thread = _start_measuring()
+    if thread is not None:
+        thread.join()
+    return _small_method, _large_method
+
+
+def _start_measuring() -> threading.Thread | None:
+    """Start the one measurement of this process (in the background: copies use
+    memmove until it is done, ~0.1 s, rather than stall the first store)."""
+    global _measuring
+    if _settled:
+        return None
+    with _settle_lock:
+        if _measuring is None and not _settled:
+            _measuring = threading.Thread(target=_measure, name="kvstore-copy-measure", daemon=True)
+            _measuring.start()
+        return _measuring
+
+
+def _measure() -> None:
+    global _small_method, _large_method, _settled
+    assert _LOADED is not None
+    if os.environ.get("KVSTORE_NT_COPY", "auto") == "1":
+        small_m = large_m = NT
+        log.info("block copies: non-temporal loop (KVSTORE_NT_COPY=1)")
+    else:
+        small = _calibrate(_LOADED, 64 << 10, SMALL_CALIBRATION_BYTES)
+        large = _calibrate(_LOADED, 2 << 20, LARGE_CALIBRATION_BYTES)
+        small_m, large_m = _fastest(small), _fastest(large)
+        log.info(
+            "block copies: %s below %d KiB, %s from there (GB/s measured on 64 KiB / "
+            "2 MiB pieces: %s; KVSTORE_NT_COPY=0/1 overrides)",
+            small_m,
+            LARGE_MIN_BYTES >> 10,
+            large_m,
+            ", ".join(
+                f"{m} {SMALL_CALIBRATION_BYTES * 2 / small[m] / 1e9:.1f} / "
+                f"{LARGE_CALIBRATION_BYTES * 2 / large[m] / 1e9:.1f}"
+                for m in METHODS
+            ),
+        )
+    _small_method, _large_method = small_m, large_m
+    _settled = True
+
+
+def _fastest(times: dict[str, float]) -> str:
+    best = min((NT, VEC), key=lambda m: times[m])
+    return best if times[best] < MUST_WIN_BY * times[MEMMOVE] else MEMMOVE
+
+
+def _calibrate(loops: Loops, piece: int, nbytes: int) -> dict[str, float]:
+    """Best time of each method copying ``nbytes`` of ``piece``-byte pieces out
+    of a shared anonymous mapping and back into it (what the region is: shared
+    memory in 4 KiB pages, read and written at scattered slots)."""
+    n = nbytes // piece
+    shared = mmap.mmap(-1, 2 * nbytes)
+    try:
+        region = np.frombuffer(shared, np.uint8)
+        region[:] = 1  # every page touched first: no page faults timed
+        private = np.ones(nbytes, np.uint8)
+        r0, p0 = _address(region), _address(private)
+        # every other slot of the shared mapping, so reads and writes skip around
+        pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(n)]
+        best = dict.fromkeys(METHODS, math.inf)
+        for _ in range(CALIBRATION_ROUNDS):
+            for method in METHODS:
+                t0 = time.perf_counter()
+                for p, r in pairs:
+                    copy_with(method, p, r, piece)
+                for p, r in pairs:
+                    copy_with(method, r, p, piece)
+                best[method] = min(best[method], time.perf_counter() - t0)
+        del region
+    finally:
+        shared.close()
+    return best
 
 
 def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:
@@ -169,24 +319,44 @@ def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:
     """
     if nbytes <= 0:
         return
-    overlap = dst_address < src_address + nbytes and src_address < dst_address + nbytes
-    if _LOOPS is None or nbytes < NT_MIN_BYTES or overlap:
+    if nbytes < NT_MIN_BYTES:
         _memmove(dst_address, src_address, nbytes)
         return
-    x4, x64 = _LOOPS
-    # Align the destination to a cache line (movntdq needs 16 B; full lines
+    if not _settled:
+        _start_measuring()  # memmove meanwhile
+    if dst_address < src_address + nbytes and src_address < dst_address + nbytes:
+        _memmove(dst_address, src_address, nbytes)  # overlap
+        return
+    copy_with(
+        _large_method if nbytes >= LARGE_MIN_BYTES else _small_method,
+        dst_address,
+        src_address,
+        nbytes,
+    )
+
+
+def copy_with(method: str, dst_address: int, src_address: int, nbytes: int) -> None:
+    """A copy of non-overlapping ranges by the named method (one of ``METHODS``;
+    the loops' fall back to memmove where they are not loaded): what copy_raw
+    does once it has chosen, and what the tests check each method with."""
+    loops = _LOADED
+    if method == MEMMOVE or loops is None:
+        _memmove(dst_address, src_address, nbytes)
+        return
+    # Align the destination to a cache line (the stores need 16 B; full lines
     # keep the write-combining buffers whole), then 16 KiB chunks, then lines.
     head = (-dst_address) % _LINE_BYTES
     if head:
         _memmove(dst_address, src_address, head)
     d, s, left = dst_address + head, src_address + head, nbytes - head
-    big = left - left % _CHUNK_4X_BYTES
-    if big:
-        x4(d, s, big)
-        d, s, left = d + big, s + big, left - big
+    if method == NT:
+        big = left - left % _CHUNK_4X_BYTES
+        if big:
+            loops.nt_4x(d, s, big)
+            d, s, left = d + big, s + big, left - big
     lines = left - left % _LINE_BYTES
     if lines:
-        x64(d, s, lines)
+        (loops.nt_64 if method == NT else loops.vec_64)(d, s, lines)
         d, s, left = d + lines, s + lines, left - lines
     if left:
         _memmove(d, s, left)
@@ -206,3 +376,113 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
             f"memcopy.copy: {src.nbytes} bytes into a {dst.nbytes}-byte destination"
         )
     copy_raw(_address(dst), _address(src), dst.nbytes)
+
+
+# ------------------------------------------------------------ batches
+
+PARALLEL_MIN_BYTES = 8 << 20
+PARALLEL_MIN_PIECE_BYTES = 512 << 10
+# A piece larger than this is cut so that both threads get a share of one long run.
+_SPLIT_BYTES = 4 << 20
+
+Piece = tuple[int, int, int]  # (dst_address, src_address, nbytes)
+
+
+def _copy_threads() -> int:
+    raw = os.environ.get("KVSTORE_COPY_THREADS", "2")
+    try:
+        want = int(raw)
+    except ValueError:
+        raise errors.ConfigError(f"KVSTORE_COPY_THREADS={raw!r}: expected 1 or 2") from None
+    if want not in (1, 2):
+        raise errors.ConfigError(f"KVSTORE_COPY_THREADS={raw!r}: expected 1 or 2")
+    return min(want, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+
+
+class _Helper:
+    """The one helper thread of a process, started on first use, dropped in a forked
+    child (a fork keeps the executor but not its thread: a job would never run)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._pool = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], int]) -> Future[int]:
+        pool = self._pool
+        if pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-copy")
+                pool = self._pool
+        return pool.submit(fn)
+
+
+_helper = _Helper()
+_THREADS = _copy_threads()
+
+
+def _run(
+    pieces: Sequence[Piece],
+    deadline_s: float,
+    clock: Callable[[], float],
+    fence_reads: bool,
+) -> int:
+    """Copy pieces in order; how many leading ones were copied in time."""
+    for k, (d, s, n) in enumerate(pieces):
+        if clock() > deadline_s:
+            return k
+        copy_raw(d, s, n)
+        if fence_reads and clock() > deadline_s:
+            return k  # read (in part) after the deadline: not valid
+    return len(pieces)
+
+
+def copy_pieces(
+    pieces: Sequence[Piece],
+    *,
+    deadline_s: float = math.inf,
+    clock: Callable[[], float] = time.monotonic,
+    fence_reads: bool = False,
+) -> int:
+    """Copy each ``(dst_address, src_address, nbytes)`` piece, in order, until the deadline.
+
+    Returns how many leading pieces were copied entirely in time: no piece is
+    started after ``deadline_s`` (by ``clock``), and with ``fence_reads`` a piece
+    that finished after it does not count either (its source may have changed
+    under it). Large batches are split between this thread and a helper thread;
+    the answer is the same as one thread's would be (the pieces are disjoint).
+    """
+    total = sum(p[2] for p in pieces)
+    if _THREADS < 2 or total < PARALLEL_MIN_BYTES or total < PARALLEL_MIN_PIECE_BYTES * len(pieces):
+        return _run(pieces, deadline_s, clock, fence_reads)
+    # Sub-pieces of at most max(_SPLIT_BYTES, a quarter of the batch), each
+    # remembering its piece, then cut in two halves of about equal bytes.
+    cut = max(_SPLIT_BYTES, total // 4)
+    subs: list[Piece] = []
+    owner: list[int] = []
+    for k, (d, s, n) in enumerate(pieces):
+        for o in range(0, n, cut):
+            subs.append((d + o, s + o, min(cut, n - o)))
+            owner.append(k)
+    half, acc = 0, 0
+    while half < len(subs) and acc + subs[half][2] <= total // 2:
+        acc += subs[half][2]
+        half += 1
+    half = max(1, min(half, len(subs) - 1))
+    first, second = subs[:half], subs[half:]
+    later = _helper.submit(lambda: _run(second, deadline_s, clock, fence_reads))
+    try:
+        done = _run(first, deadline_s, clock, fence_reads)
+    finally:
+        done_later = later.result()  # never leave a copy running past the return
+    if done == len(first):
+        done += done_later
+    if done == len(subs):
+        return len(pieces)
+    return owner[done]  # the piece of the first sub-piece not copied in time

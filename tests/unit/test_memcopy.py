@@ -8,6 +8,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +122,166 @@ def test_machine_code_is_the_assembly_source(tmp_path):
     assert raw.read_bytes() == code
     nm = subprocess.run(["nm", str(obj)], capture_output=True, text=True, check=True).stdout
     assert f"{memcopy.NT_COPY_64_OFFSET:016x} T nt_copy_64" in nm
+    assert f"{memcopy.VEC_COPY_64_OFFSET:016x} T vec_copy_64" in nm
+
+
+# ------------------------------------------------------------ the method, measured
+
+
+def test_auto_mode_measures_both_methods_once_and_says_which_it_keeps():
+    code = (
+        "import logging, numpy as np; logging.basicConfig(level=logging.INFO);"
+        "from kvstore import memcopy; a = np.arange(1 << 21, dtype=np.uint8); b = np.empty_like(a);"
+        "memcopy.copy(b, a); memcopy.copy(b, a); assert (a == b).all();"
+        "print(memcopy.fast_copy_available(), *memcopy.copy_methods())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("KVSTORE_NT_COPY", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    loaded, small, large = out.stdout.split()
+    assert loaded == str(X86_LINUX)
+    lines = [ln for ln in out.stderr.splitlines() if "measured on 64 KiB / 2 MiB" in ln]
+    if not X86_LINUX:
+        assert (small, large) == ("memmove", "memmove") and not lines
+        return
+    assert len(lines) == 1, out.stderr  # measured once, on the first large copy
+    assert small in memcopy.METHODS and large in memcopy.METHODS
+    assert f"block copies: {small} below 1024 KiB, {large} from there" in lines[0]
+    for method in memcopy.METHODS:  # every figure is printed
+        assert re.search(rf"{method} [0-9.]+ / [0-9.]+", lines[0]), lines[0]
+
+
+def test_forced_on_takes_the_loop_without_measuring():
+    code = (
+        "import logging, numpy as np; logging.basicConfig(level=logging.INFO);"
+        "from kvstore import memcopy; a = np.arange(1 << 21, dtype=np.uint8); b = np.empty_like(a);"
+        "memcopy.copy(b, a); assert (a == b).all(); print(*memcopy.copy_methods())"
+    )
+    env = {**os.environ, "KVSTORE_NT_COPY": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == (["nt", "nt"] if X86_LINUX else ["memmove", "memmove"])
+    assert "measured on" not in out.stderr
+
+
+@pytest.mark.parametrize("method", ["memmove", "nt", "vec"])
+@pytest.mark.parametrize("nbytes", [T, T + 1, T + 16385, (1 << 20) + 4097, (2 << 20) + 129])
+@pytest.mark.parametrize("dst_skew", [0, 1, 63])
+def test_every_method_is_bit_exact_and_stays_inside_the_destination(method, nbytes, dst_skew):
+    # Whichever the measurement picks on a machine, each one is checked here.
+    src_buf = _src(nbytes + 128, nbytes + dst_skew)
+    dst_buf = np.full(nbytes + 128 + 2 * GUARD, 0xA5, np.uint8)
+    d0 = GUARD + (-(dst_buf.ctypes.data + GUARD)) % 64 + dst_skew
+    memcopy.copy_with(method, dst_buf.ctypes.data + d0, src_buf.ctypes.data + 3, nbytes)
+    np.testing.assert_array_equal(dst_buf[d0 : d0 + nbytes], src_buf[3 : 3 + nbytes])
+    assert (dst_buf[:d0] == 0xA5).all() and (dst_buf[d0 + nbytes :] == 0xA5).all()
+
+
+# ------------------------------------------------------------ batches in two threads
+
+MIB = 1 << 20
+
+
+def _pieces(dst: np.ndarray, src: np.ndarray, sizes: list[int], order: list[int]):
+    """Pieces of the given sizes, taken from src in `order` and laid out in dst in turn."""
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    out, pos = [], 0
+    for k in order:
+        out.append((dst.ctypes.data + pos, src.ctypes.data + int(starts[k]), sizes[k]))
+        pos += sizes[k]
+    return out
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [2 * MIB] * 8,  # split between the threads
+        [2 * MIB] * 3,  # under PARALLEL_MIN_BYTES: one thread
+        [64 << 10] * 160,  # small pieces: one thread
+        [40 * MIB + 4097],  # one long run, cut into sub-pieces
+        [3 * MIB + 5, 7 * MIB + 1, MIB - 3, 5 * MIB],
+    ],
+)
+def test_batches_copy_every_byte_exactly_wherever_they_run(sizes):
+    src = _src(sum(sizes), len(sizes))
+    dst = np.full(sum(sizes) + GUARD, 0xA5, np.uint8)
+    order = list(range(len(sizes)))[::-1]
+    assert memcopy.copy_pieces(_pieces(dst, src, sizes, order)) == len(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    want = np.concatenate([src[starts[k] : starts[k] + sizes[k]] for k in order])
+    np.testing.assert_array_equal(dst[: sum(sizes)], want)
+    assert (dst[sum(sizes) :] == 0xA5).all()
+
+
+def test_a_split_batch_counts_only_leading_pieces_copied_in_time():
+    # 8 pieces of 2 MiB: two threads, 4 each. The clock passes the deadline at
+    # its 4th reading; whichever thread reads it, the answer is a leading count
+    # of pieces all of whose bytes were copied, and no piece starts late.
+    sizes = [2 * MIB] * 8
+    src = _src(sum(sizes), 3)
+    dst = np.zeros(sum(sizes), np.uint8)
+    reads = iter(range(1000))
+    lock = threading.Lock()
+
+    def clock() -> float:
+        with lock:
+            return float(next(reads))
+
+    got = memcopy.copy_pieces(
+        _pieces(dst, src, sizes, list(range(8))), deadline_s=3.0, clock=clock, fence_reads=True
+    )
+    assert got < 8
+    np.testing.assert_array_equal(dst[: got * 2 * MIB], src[: got * 2 * MIB])
+    # at most 4 clock readings were in time: no more than 4 pieces were started
+    started = sum(bool(dst[k * 2 * MIB : (k + 1) * 2 * MIB].any()) for k in range(8))
+    assert started <= 4
+
+
+def test_one_thread_when_switched_off():
+    code = (
+        "import numpy as np, threading; from kvstore import memcopy;"
+        "a = np.ones(32 << 20, np.uint8); b = np.zeros_like(a);"
+        "p = [(b.ctypes.data + i * (2 << 20), a.ctypes.data + i * (2 << 20), 2 << 20) for i in range(16)];"
+        "assert memcopy.copy_pieces(p) == 16 and (b == 1).all();"
+        "print(any(t.name.startswith('kvstore-copy_') for t in threading.enumerate()))"
+    )
+    for threads, helper in (("1", False), ("2", len(os.sched_getaffinity(0)) > 1)):
+        env = {**os.environ, "KVSTORE_COPY_THREADS": threads, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == str(helper), out.stdout
+
+
+def test_a_bad_thread_count_is_a_config_error():
+    env = {**os.environ, "KVSTORE_COPY_THREADS": "8", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", "import kvstore.memcopy"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "KVSTORE_COPY_THREADS='8': expected 1 or 2" in out.stderr
+
+
+def test_a_forked_child_copies_without_the_parents_helper_thread():
+    # The parent's helper thread does not survive fork: the child must start its
+    # own, not queue work for a thread that is not there (it would hang).
+    sizes = [2 * MIB] * 8
+    src = _src(sum(sizes), 5)
+    dst = np.zeros(sum(sizes), np.uint8)
+    assert memcopy.copy_pieces(_pieces(dst, src, sizes, list(range(8)))) == 8
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        dst[:] = 0
+        ok = memcopy.copy_pieces(_pieces(dst, src, sizes, list(range(8)))) == 8
+        os._exit(0 if ok and np.array_equal(dst, src) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    pytest.fail("the forked child's copy hung")
