@@ -193,13 +193,14 @@ class PresenceTable:
             words = np.broadcast_to(words, keys.shape)
         b1, b2 = buckets_of(keys, self.buckets)
         rows = self.rows
+        placed = np.zeros(len(keys), dtype=bool)
         for b in (b1, b2):
             match = (rows[b] ^ keys[:, None]) < np.uint64(4)
-            at = np.flatnonzero(match.any(axis=1))
+            at = np.flatnonzero(match.any(axis=1) & ~placed)
             if at.size:
                 rows[b[at], match[at].argmax(axis=1)] = words[at]
-                keys[at] = 0  # placed: matches nothing further
-        rest = np.flatnonzero(keys)
+                placed[at] = True
+        rest = np.flatnonzero(~placed)
         added = 0
         # A new key goes to the emptier of its two buckets (two choices keep every
         # bucket under WAYS at loads one choice overflows at). Keys of one batch
