@@ -529,7 +529,7 @@ class Placement:
                 self.abort(block)
         self.counters.stored_blocks += len(committed)
         if self.presence is not None and committed:
-            self.presence.stored(ns, committed, tier)
+            self.presence.stored(ns, committed, tier, new=True)
         for hashes, parent, token_ids in batches:
             self.sink.blocks_stored(ns, hashes, tier.medium, parent, token_ids)
         if self.disk is not None and committed and tier is Tier.DRAM:
@@ -878,7 +878,7 @@ class Placement:
             self._charge(ns, Tier.DISK, align_up(ns.block_bytes))
             adopted.append(h)
         if self.presence is not None and fresh:
-            self.presence.stored(ns, fresh, Tier.DISK)
+            self.presence.stored(ns, fresh, Tier.DISK, new=True)
         if adopted:
             self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
         return adopted
@@ -1037,7 +1037,7 @@ class Placement:
                     dropped.append(block.block_hash)
         if promoted:
             if self.presence is not None:
-                self.presence.stored(ns, promoted, Tier.DRAM)
+                self.presence.stored(ns, promoted, Tier.DRAM, new=False)
             self.counters.promoted_blocks += len(promoted)
             self.sink.blocks_stored(
                 ns, [b.block_hash for b in promoted], Tier.DRAM.medium, None, None

@@ -67,6 +67,7 @@ MAX_BUCKETS = 1 << 20
 # A probe of a long prefix looks at this many hashes first, then 4x more each
 # round, stopping at the first miss: a request with no hit costs one small round.
 FIRST_ROUND = 64
+PYTHON_PROBES = 16  # hashes probed in Python ints before numpy takes over
 MAX_OPEN_ATTEMPTS = 8
 
 _M64 = (1 << 64) - 1
@@ -82,17 +83,16 @@ def namespace_salt(namespace_id: str) -> int:
 
 
 def mix_keys(salt: int, hashes: np.ndarray) -> np.ndarray:
-    """fmix64(hash ^ salt) for each hash, low 2 bits cleared (the tier's place);
-    never 0 (an empty slot). numpy's uint64 arithmetic wraps, as fmix64 wants."""
-    x = hashes.astype(np.uint64, copy=True)
-    x ^= np.uint64(salt)
+    """fmix64(hash ^ salt) for each hash, low 2 bits cleared (the tier's place), bit 2
+    set (never 0: an empty slot). numpy's uint64 arithmetic wraps, as fmix64 wants."""
+    x = np.bitwise_xor(hashes, np.uint64(salt), dtype=np.uint64)
     x ^= x >> np.uint64(33)
     x *= np.uint64(_C1)
     x ^= x >> np.uint64(33)
     x *= np.uint64(_C2)
     x ^= x >> np.uint64(33)
     x &= ~_LOW
-    x[x == 0] = np.uint64(4)
+    x |= np.uint64(4)  # bit 2 always set: never 0 (61 bits of identity are plenty)
     return x
 
 
@@ -104,7 +104,7 @@ def mix_key(salt: int, block_hash: int) -> int:
     x ^= x >> 33
     x = (x * _C2) & _M64
     x ^= x >> 33
-    return (x & ~3) or 4
+    return (x & ~3) | 4
 
 
 def buckets_of(keys: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,6 +139,9 @@ class PresenceTable:
         self.header = words[: HEADER_BYTES // 8]
         self.flat = words[HEADER_BYTES // 8 :]
         self.rows = self.flat.reshape(buckets, WAYS)
+        # One word at a time from Python ints (one aligned 8-byte store each).
+        self._view = memoryview(mapping).cast("Q")
+        self._words = self._view[HEADER_BYTES // 8 :]
         self.refused = 0
         self._warned = False
 
@@ -182,59 +185,86 @@ class PresenceTable:
 
     # ------------------------------------------------------------ writes
 
-    def put(self, salt: int, hashes: np.ndarray, tiers: np.ndarray | int) -> None:
+    def put(
+        self, salt: int, hashes: np.ndarray, tiers: np.ndarray | int, *, new: bool = False
+    ) -> None:
         """Record distinct blocks of one namespace as present in ``tiers`` (or move
-        ones already recorded there): one word each, written in place."""
+        ones already recorded there): one word each, written in place. ``new``: the
+        caller knows none is recorded (they just entered the index), so no look for
+        them is made."""
         if not len(hashes):
             return
         keys = mix_keys(salt, hashes)
         words = keys | np.asarray(tiers, dtype=np.uint64)
-        if words.shape != keys.shape:
-            words = np.broadcast_to(words, keys.shape)
-        b1, b2 = buckets_of(keys, self.buckets)
-        rows = self.rows
-        placed = np.zeros(len(keys), dtype=bool)
-        for b in (b1, b2):
-            match = (rows[b] ^ keys[:, None]) < np.uint64(4)
-            at = np.flatnonzero(match.any(axis=1) & ~placed)
-            if at.size:
-                rows[b[at], match[at].argmax(axis=1)] = words[at]
-                placed[at] = True
-        rest = np.flatnonzero(~placed)
-        added = 0
-        # A new key goes to the emptier of its two buckets (two choices keep every
-        # bucket under WAYS at loads one choice overflows at). Keys of one batch
-        # aiming at one bucket take turns: one per bucket a round, so each round's
-        # empty slot is still empty when written.
+        if new and self._put_new(keys, words):
+            return
+        rest = np.arange(len(keys))
+        first_round = not new
+        # Rounds: a new key goes to the emptier of its two buckets (two choices keep
+        # buckets under WAYS); keys of a batch aiming at one bucket take turns, one
+        # per bucket a round, so each round's empty slot is still empty when written.
         while rest.size:
-            free1 = (rows[b1[rest]] == 0).sum(axis=1)
-            free2 = (rows[b2[rest]] == 0).sum(axis=1)
-            target = np.where(free2 > free1, b2[rest], b1[rest])
+            k = keys[rest]
+            b1, b2 = buckets_of(k, self.buckets)
+            r1, r2 = np.take(self.rows, b1, axis=0), np.take(self.rows, b2, axis=0)
+            if first_round:
+                first_round = False
+                # word ^ key < 4 where the identity matches (PresenceProbe._rounds)
+                known = ((r1 ^ k[:, None]).min(axis=1) < 4) | ((r2 ^ k[:, None]).min(axis=1) < 4)
+                if known.any():  # moves (a promotion's batch): word by word
+                    for i in rest[known].tolist():
+                        self.put_one(salt, int(hashes[i]), int(words[i]) & 3)
+                    rest, k, b1, b2 = rest[~known], k[~known], b1[~known], b2[~known]
+                    r1, r2 = r1[~known], r2[~known]
+                    if not rest.size:
+                        break
+            free1, free2 = (r1 == 0).sum(axis=1), (r2 == 0).sum(axis=1)
             room = np.maximum(free1, free2) > 0
-            self._refuse(int(rest.size - np.count_nonzero(room)))
-            rest, target = rest[room], target[room]
-            if not rest.size:
-                break
+            if not room.all():
+                self._refuse(int(room.size - np.count_nonzero(room)))
+                rest, b1, b2, r1, r2 = rest[room], b1[room], b2[room], r1[room], r2[room]
+                free1, free2 = free1[room], free2[room]
+            use2 = free2 > free1
+            target = np.where(use2, b2, b1)
+            slot = np.where(use2, (r2 == 0).argmax(axis=1), (r1 == 0).argmax(axis=1))
             _, first = np.unique(target, return_index=True)
-            take, into = rest[first], target[first]
-            rows[into, (rows[into] == 0).argmax(axis=1)] = words[take]
-            added += take.size
+            if first.size == rest.size:
+                self.rows[target, slot] = words[rest]
+                self.header[_ENTRIES] += rest.size
+                break
+            self.rows[target[first], slot[first]] = words[rest[first]]
+            self.header[_ENTRIES] += first.size
             rest = np.delete(rest, first)
-        self.header[_ENTRIES] += added
+
+    def _put_new(self, keys: np.ndarray, words: np.ndarray) -> bool:
+        """The common case of a commit in few numpy calls: every key has room and no
+        two aim at one bucket. False (nothing written) otherwise: put's rounds then."""
+        b1, b2 = buckets_of(keys, self.buckets)
+        z1 = np.take(self.rows, b1, axis=0) == 0
+        z2 = np.take(self.rows, b2, axis=0) == 0
+        free1, free2 = z1.sum(axis=1), z2.sum(axis=1)
+        use2 = free2 > free1  # the emptier bucket
+        target = np.where(use2, b2, b1)
+        ordered = np.sort(target)
+        if not (free1 | free2).all() or (ordered[1:] == ordered[:-1]).any():
+            return False
+        self.rows[target, np.where(use2, z2.argmax(axis=1), z1.argmax(axis=1))] = words
+        self.header[_ENTRIES] += len(keys)
+        return True
 
     def _rows_of(self, key: int) -> tuple[int, int]:
         return (key >> self._shift) * WAYS, ((key >> 2) & (self.buckets - 1)) * WAYS
 
     def put_one(self, salt: int, block_hash: int, tier: int) -> None:
         key = mix_key(salt, block_hash)
-        flat = self.flat
+        words = self._words
         base1, base2 = self._rows_of(key)
-        row1 = flat[base1 : base1 + WAYS].tolist()
-        row2 = flat[base2 : base2 + WAYS].tolist()
+        row1 = words[base1 : base1 + WAYS].tolist()
+        row2 = words[base2 : base2 + WAYS].tolist()
         for base, row in ((base1, row1), (base2, row2)):
             for i, word in enumerate(row):
                 if word ^ key < 4:
-                    flat[base + i] = key | tier
+                    words[base + i] = key | tier
                     return
         base, row = (base2, row2) if row2.count(0) > row1.count(0) else (base1, row1)
         try:
@@ -242,16 +272,16 @@ class PresenceTable:
         except ValueError:
             self._refuse(1)
             return
-        flat[base + i] = key | tier
+        words[base + i] = key | tier
         self.header[_ENTRIES] += 1
 
     def remove_one(self, salt: int, block_hash: int) -> None:
         key = mix_key(salt, block_hash)
-        flat = self.flat
+        words = self._words
         for base in self._rows_of(key):
-            for i, word in enumerate(flat[base : base + WAYS].tolist()):
+            for i, word in enumerate(words[base : base + WAYS].tolist()):
                 if word ^ key < 4:
-                    flat[base + i] = 0
+                    words[base + i] = 0
                     self.header[_ENTRIES] -= 1
                     return
 
@@ -284,6 +314,7 @@ class PresenceTable:
                     namespace_salt(ns.namespace_id),
                     block_hashes(blocks),
                     np.fromiter((int(b.tier) for b in blocks), np.uint64, len(blocks)),
+                    new=True,  # the table was just emptied
                 )
 
     def close(self, *, unlink: bool = True) -> None:
@@ -292,6 +323,8 @@ class PresenceTable:
         self.header = self.flat = np.empty(0, dtype=np.uint64)
         self.rows = np.empty((0, WAYS), dtype=np.uint64)
         try:
+            self._words.release()
+            self._view.release()
             self._mmap.close()
         except BufferError:
             pass  # a view is still alive: unmapped with the process
@@ -343,12 +376,13 @@ class PresenceRecorder:
     def __init__(self, table: PresenceTable) -> None:
         self.table = table
 
-    def stored(self, ns: Namespace, blocks: Sequence[Block], tier: Tier) -> None:
-        """Blocks entered the index, or moved to ``tier``, all of them there."""
+    def stored(self, ns: Namespace, blocks: Sequence[Block], tier: Tier, *, new: bool) -> None:
+        """Blocks entered the index (``new``), or moved to ``tier``, all of them there."""
         if len(blocks) == 1:
             self.table.put_one(namespace_salt(ns.namespace_id), blocks[0].block_hash, tier)
         elif blocks:
-            self.table.put(namespace_salt(ns.namespace_id), block_hashes(blocks), int(tier))
+            salt = namespace_salt(ns.namespace_id)
+            self.table.put(salt, block_hashes(blocks), int(tier), new=new)
 
     def moved(self, block: Block) -> None:
         """A block's fastest copy changed tier (a demotion, a promotion, a GPU move)."""
@@ -371,6 +405,9 @@ class PresenceProbe:
         buckets = int(self.header[_BUCKETS])
         self.rows = words[HEADER_BYTES // 8 :].reshape(buckets, WAYS)
         self.buckets = buckets
+        self._shift_int = 64 - (buckets.bit_length() - 1)
+        self._view = memoryview(mapping).cast("Q")
+        self._words = self._view[HEADER_BYTES // 8 :]  # the table, one word at a time
         self.region_id = region_id
         self.generation = int(self.header[_GENERATION])
 
@@ -420,45 +457,81 @@ class PresenceProbe:
             and int(h[_GENERATION]) == self.generation
         )
 
-    def lookup(self, salt: int, hashes: np.ndarray) -> tuple[int, dict[Tier, int]] | None:
+    def lookup(
+        self, salt: int, hashes: Sequence[int] | np.ndarray
+    ) -> tuple[int, dict[Tier, int]] | None:
         """The longest present prefix of ``hashes`` and its blocks by fastest tier, as the
         daemon's Lookup answers; None when the table is no longer current."""
         if not self.current:
             return None
-        rows = self.rows
         n = len(hashes)
-        found = 0
-        tiers: list[np.ndarray] = []
-        size = FIRST_ROUND
+        counts = [0, 0, 0, 0]
+        # The first hashes in Python ints (a numpy call costs ~1-2 us here: a short
+        # lookup, or one that misses early, is done before numpy would start).
+        found = self._scan(salt, hashes, min(n, PYTHON_PROBES), counts)
+        if found == PYTHON_PROBES and n > found:
+            found += self._rounds(salt, np.asarray(hashes[found:], np.uint64), counts)
+        if not self.current:  # retired or rebuilt while we read: nothing to trust
+            return None
+        by_tier = {tier: counts[bits] for bits, tier in _TIER_OF_BITS.items() if counts[bits]}
+        return found, by_tier
+
+    def _scan(
+        self, salt: int, hashes: Sequence[int] | np.ndarray, n: int, counts: list[int]
+    ) -> int:
+        words, shift, mask = self._words, self._shift_int, self.buckets - 1
+        for i in range(n):
+            key = mix_key(salt, int(hashes[i]))
+            for base in ((key >> shift) * WAYS, ((key >> 2) & mask) * WAYS):
+                row = words[base : base + WAYS].tolist()
+                # `in` runs in C: one look per tier, DRAM (the usual one) first
+                if key | 2 in row:
+                    counts[2] += 1
+                elif key | 3 in row:
+                    counts[3] += 1
+                elif key | 1 in row:
+                    counts[1] += 1
+                else:
+                    continue
+                break
+            else:
+                return i
+        return n
+
+    def _rounds(self, salt: int, hashes: np.ndarray, counts: list[int]) -> int:
+        """numpy, over rounds of FIRST_ROUND, then 4x more hashes, to the first miss."""
+        rows, n, found, size = self.rows, len(hashes), 0, FIRST_ROUND
         while found < n:
             part = hashes[found : found + size]
             keys = mix_keys(salt, part)
             b1, b2 = buckets_of(keys, self.buckets)
-            got = np.concatenate((rows[b1], rows[b2]), axis=1)  # (n, 2 * WAYS)
-            match = (got ^ keys[:, None]) < np.uint64(4)
-            hit = match.any(axis=1)
-            k = len(part) if hit.all() else int(hit.argmin())
+            # word ^ key is the word's tier (< 4) where the identity matches, >= 4
+            # elsewhere (an empty slot gives the key): a row's minimum says both.
+            got = np.take(rows, b1, axis=0)
+            np.bitwise_xor(got, keys[:, None], out=got)
+            tiers = got.min(axis=1)
+            second = np.flatnonzero(tiers >= 4)  # the second bucket, for those only
+            if second.size:
+                got = np.take(rows, b2[second], axis=0)
+                np.bitwise_xor(got, keys[second, None], out=got)
+                tiers[second] = got.min(axis=1)
+            miss = np.flatnonzero(tiers >= 4)
+            k = int(miss[0]) if miss.size else len(part)
             if k:
-                words = got[np.arange(k), match[:k].argmax(axis=1)]
-                tiers.append(words & _LOW)
+                for bits, c in enumerate(np.bincount(tiers[:k].astype(np.intp), minlength=4)):
+                    counts[bits] += int(c)
             found += k
             if k < len(part):
                 break
             size *= 4
-        if not self.current:  # retired or rebuilt while we read: nothing to trust
-            return None
-        by_tier: dict[Tier, int] = {}
-        if found:
-            counts = np.bincount(np.concatenate(tiers).astype(np.intp), minlength=4)
-            for bits, tier in _TIER_OF_BITS.items():
-                if counts[bits]:
-                    by_tier[tier] = int(counts[bits])
-        return found, by_tier
+        return found
 
     def close(self) -> None:
         self.header = np.empty(0, dtype=np.uint64)
         self.rows = np.empty((0, WAYS), dtype=np.uint64)
         try:
+            self._words.release()
+            self._view.release()
             self._mmap.close()
         except BufferError:
-            pass
+            pass  # another thread is probing it: unmapped when its views go
