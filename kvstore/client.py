@@ -353,7 +353,11 @@ class Client:
         """A lookup answered from the presence table, or None: call the daemon."""
         probe = self._presence
         if probe is None:
-            if not self.info.presence_path or time.monotonic() < self._presence_retry_at:
+            if (
+                not self._map_region
+                or not self.info.presence_path
+                or time.monotonic() < self._presence_retry_at
+            ):
                 return None
             self._map_presence()
             probe = self._presence
@@ -365,7 +369,7 @@ class Client:
         n = len(hashes)
         if n > self.info.max_blocks_per_request:
             return None  # the daemon's InvalidRequest, word for word
-        answer = probe.lookup(namespace_salt(ns.namespace_id), np.asarray(hashes, np.uint64))
+        answer = probe.lookup(namespace_salt(ns.namespace_id), hashes)  # converts what it needs
         if answer is None:  # retired (the daemon stopped) or rebuilt: call until remapped
             self._presence = None
             self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S

@@ -290,3 +290,34 @@ def test_long_and_short_lookups_agree(daemon_factory, blocks):
         prober.put(ns, hashes[i : min(i + 1000, n)], _data(min(1000, n - i)))
     _same(prober, caller, ns, hashes)
     assert prober.lookup(ns, hashes).prefix_blocks == n
+
+
+def test_the_connectors_session_never_probes_a_dead_daemons_table(daemon_factory):
+    """The vLLM connector's DaemonSession: kill -9 and a cold restart between two
+    lookups; the one after the restart answers from the new daemon (nothing held),
+    never from the table the dead one left mapped in this process."""
+    from kvstore_connectors.vllm.session import DaemonSession
+
+    d = daemon_factory(dram_bytes=2 * MiB, chunk_bytes=1 * MiB)
+    session = DaemonSession(d.address, timeout_s=2.0, retry_initial_s=0.1, retry_max_s=0.5)
+    spec = make_spec(BLOCK)
+    hashes = list(range(1, 33))
+    try:
+        assert session.call_in("put", spec, lambda c, ns: c.put(ns, hashes, _data(32))) is not None
+        first = session.client()
+        assert first is not None and first.probes_lookups
+        look = lambda c, ns: c.lookup(ns, hashes).prefix_blocks  # noqa: E731
+        assert session.call_in("lookup", spec, look) == 32
+        assert first.probed_lookups == 1
+        d.kill()
+        d.start()
+        deadline = time.monotonic() + 10
+        while session.call_in("lookup", spec, look) != 0:
+            assert time.monotonic() < deadline, "still answering from the dead daemon"
+            time.sleep(0.05)
+        current = session.client()
+        assert current is not None and current is not first and current.probes_lookups
+        assert session.call_in("lookup", spec, look) == 0
+        assert current.probed_lookups >= 1
+    finally:
+        session.close()
