@@ -52,6 +52,7 @@ from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.identity import client_token, token_metadata
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
+from kvstore.presence import PresenceProbe, namespace_salt
 from kvstore.tiers.dram import PAGE_BYTES, map_file_at, reserve_addresses
 from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import store_pb2 as pb
@@ -327,8 +328,61 @@ class Client:
             self.local = self._open_local(self.info.socket_path)
             if self.local is None:
                 self._local_retry_at = time.monotonic() + LOCAL_RETRY_S
+        # The daemon's presence table (kvstore.presence), mapped read-only: lookups
+        # probe it instead of calling. None: not published, not mappable here, or
+        # no longer current (then mapped again at most every LOCAL_RETRY_S).
+        self._presence: PresenceProbe | None = None
+        self._presence_retry_at = 0.0
+        self.probed_lookups = 0  # lookups answered by the table (the daemon never saw them)
         if map_region:
             self._map_whole_region()
+            self._map_presence()
+
+    def _map_presence(self) -> None:
+        """(Re)map the presence table of the daemon Hello answered, if it publishes one."""
+        old, self._presence = self._presence, None
+        if old is not None:
+            old.close()
+        path = self.info.presence_path
+        if path and self._map_region:
+            self._presence = PresenceProbe.open(path, int(self.info.region_id))
+        if self._presence is None:
+            self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
+
+    def _probe(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LookupResult | None:
+        """A lookup answered from the presence table, or None: call the daemon."""
+        probe = self._presence
+        if probe is None:
+            if (
+                not self._map_region
+                or not self.info.presence_path
+                or time.monotonic() < self._presence_retry_at
+            ):
+                return None
+            self._map_presence()
+            probe = self._presence
+            if probe is None:
+                return None
+        local = self.local
+        if local is not None and local.unanswered:
+            return None  # commits sent without waiting: the call is ordered after them
+        n = len(hashes)
+        if n > self.info.max_blocks_per_request:
+            return None  # the daemon's InvalidRequest, word for word
+        answer = probe.lookup(namespace_salt(ns.namespace_id), hashes)  # converts what it needs
+        if answer is None:  # retired (the daemon stopped) or rebuilt: call until remapped
+            self._presence = None
+            self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
+            probe.close()
+            return None
+        self.probed_lookups += 1
+        found, by_tier = answer
+        return LookupResult(found, {t.name.lower(): c for t, c in by_tier.items()})
+
+    @property
+    def probes_lookups(self) -> bool:
+        """Whether lookups are answered from the daemon's presence table now."""
+        return self._presence is not None and self._presence.current
 
     def _map_whole_region(self) -> None:
         """Map the region file of the daemon Hello answered (tenant ranges come later)."""
@@ -565,6 +619,7 @@ class Client:
         self._gpu_mmap = None
         if not self._map_region:
             return
+        self._map_presence()  # never the old daemon's table past this point
         if self._tenants is not None or self.region is None:
             # Tenant ranges: their files and layout are the new daemon's; all mapped anew.
             self._map_whole_region()
@@ -678,6 +733,9 @@ class Client:
             with self._lock:
                 local.close()
         self._flush_releases()
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            presence.close()
         self.region = None
         self._gpu_pool = None
         for mapping in (self._mmap, self._gpu_mmap):
@@ -727,7 +785,13 @@ class Client:
         peer_timeout_s: float = 0.0,
     ) -> LookupResult:
         """Longest present prefix. peer_hint (node id or host:port): the daemon first
-        pulls what it lacks from that peer (needs peer.enabled)."""
+        pulls what it lacks from that peer (needs peer.enabled).
+
+        Without a peer hint, a client that maps the daemon's presence table answers
+        from it, without a call (docs/presence.md): a hint, as any lookup is (the
+        blocks may go before the load; PrepareLoad is the authority)."""
+        if not peer_hint and (probed := self._probe(ns, hashes)) is not None:
+            return probed
         if not peer_hint and self._local() is not None:
             packed = pack_hashes(hashes)
             looked = self._local_call(

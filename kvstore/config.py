@@ -61,6 +61,10 @@ class ServerConfig(_Section):
     file_group: str = ""
     """Group whose members may map the DRAM region (it becomes 0660, of this group). "" =
     the daemon's user only (0600). Manifest, disk and lock files are always 0600."""
+    presence_table: bool = True
+    """Publish which blocks this daemon holds in <dram.path>.presence (the region's mode and
+    group), so local clients answer Lookup by probing it instead of calling
+    (docs/presence.md). Never with dram.tenant_regions: lookups stay calls there."""
 
 
 class DramConfig(_Section):

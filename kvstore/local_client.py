@@ -74,6 +74,7 @@ class LocalChannel:
         self.region_id = 0
         self.node_id = ""
         self.ops: frozenset[str] = frozenset()  # optional ops the daemon serves (HelloReply.ops)
+        self.presence_path = ""  # the daemon's presence table (HelloReply.presence_path)
         self._pending: collections.deque[Any] = collections.deque()  # read, not yet consumed
         self.broken: errors.KVStoreError | None = None
         # broken while sending: the daemon never got the frame (safe to send again)
@@ -97,6 +98,7 @@ class LocalChannel:
         ch.region_id = reply.region_id
         ch.node_id = reply.node_id
         ch.ops = frozenset(reply.ops)
+        ch.presence_path = reply.presence_path
         return ch
 
     def map_tenant(self, namespace_id: str) -> tuple[TenantRange, int | None]:

@@ -367,8 +367,10 @@ class LocalServer:
         policy: FilePolicy,
         metrics: RpcMetrics | None = None,
         fetch: Callable[..., Awaitable[Any]] | None = None,
+        presence_path: str = "",
     ) -> None:
         self.requests = requests
+        self.presence_path = presence_path  # the presence table, for hello ("" = none)
         # PeerFetchService.fetch when peers are enabled: FetchFromPeer is served here.
         self._fetch = fetch
         self.path = path
@@ -500,7 +502,14 @@ class LocalServer:
                 f"({PROTOCOL_VERSION} is)",
             )
         ops = ["fetch_from_peer"] if self._fetch is not None else []
-        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes, ops)
+        return HelloReply(
+            message.seq,
+            self.node_id,
+            self._region_id(),
+            self.max_frame_bytes,
+            ops,
+            self.presence_path,
+        )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
         if self._fetch is None:

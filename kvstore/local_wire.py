@@ -165,6 +165,8 @@ class HelloReply(_Message, frozen=True, tag="hello"):
     # The OPTIONAL_OPS this daemon serves. Last and defaulted: an older client
     # ignores it, an older daemon's reply reads as none (the client uses gRPC).
     ops: list[str] = []
+    # The presence table's path (as gRPC HelloResponse.presence_path); "" = none.
+    presence_path: str = ""
 
 
 class Declared(_Message, frozen=True, tag="declared"):

@@ -68,6 +68,7 @@ from kvstore.movers import warm
 from kvstore.movers.disk import DiskLayer
 from kvstore.namespace import Block, Namespace, NamespaceSpec
 from kvstore.placement import Counters, Placement, StoredBatch
+from kvstore.presence import PresenceRecorder, PresenceTable
 from kvstore.quotas import QuotaTable, TenantStats, tenant_regions
 from kvstore.tiers import Tier
 from kvstore.tiers.dram import PartitionedAllocator, Region, SlabAllocator, slot_bytes_for
@@ -203,6 +204,8 @@ class BlockManager:
             clock=clock,  # ages what pulls taught about peers' copies
         )
         self.counters: Counters = self.placement.counters
+        # The presence table local clients probe (publish_presence); None: not published.
+        self.presence: PresenceTable | None = None
         self._started_s = time.monotonic()
         # The disk tier below DRAM (recovered from its journal), if configured.
         self.disk: DiskLayer | None = None
@@ -796,8 +799,18 @@ class BlockManager:
         if restored and self.disk is not None:
             self.disk.wake()  # the restored blocks are dirty: copy them down
 
+    def publish_presence(self, table: PresenceTable) -> None:
+        """Keep ``table`` in step with the index from now on, for local clients to
+        probe instead of calling Lookup (docs/presence.md); retired at close."""
+        self.placement.attach_presence(PresenceRecorder(table), self.namespaces.values())
+        self.presence = table
+
     async def close(self) -> None:
         """Stop background work and close the other tiers (the region is the daemon's)."""
+        if self.presence is not None:
+            self.placement.presence = None
+            self.presence.close()  # retired first: no client probes a stopping daemon
+            self.presence = None
         if self.disk is not None:
             await self.disk.close()
         if self.gpu is not None:

@@ -42,6 +42,7 @@ from kvstore.errors import ConfigError
 from kvstore.events.sink import EventSink
 from kvstore.eviction.base import EvictionPolicy
 from kvstore.namespace import Block, BlockState, Namespace, TenantAccount, Tier
+from kvstore.presence import PresenceRecorder
 from kvstore.quotas import QuotaTable, TenantStats
 from kvstore.tiers.disk import DiskEntry, DiskTier, align_up
 from kvstore.tiers.dram import PART_KEY_STRIDE, SlabAllocator
@@ -184,6 +185,14 @@ class Placement:
         # that left the store (a mover forgets what it remembered of them).
         self.on_dirty: Callable[[], None] | None = None
         self.on_leave: Callable[[Block], None] | None = None
+        # The presence table local clients probe (kvstore.presence), told of every
+        # change to an index entry or its tier; None: none published.
+        self.presence: PresenceRecorder | None = None
+
+    def attach_presence(self, recorder: PresenceRecorder, namespaces: Iterable[Namespace]) -> None:
+        """Publish the index of ``namespaces`` in a presence table, and keep it so."""
+        recorder.table.rebuild(namespaces)
+        self.presence = recorder
 
     def attach_gpu(self, allocator: SlabAllocator) -> GpuSlabPool:
         self.gpu = GpuSlabPool(allocator, self.eviction_policy)
@@ -519,6 +528,8 @@ class Placement:
             else:
                 self.abort(block)
         self.counters.stored_blocks += len(committed)
+        if self.presence is not None and committed:
+            self.presence.stored(ns, committed, tier, new=True)
         for hashes, parent, token_ids in batches:
             self.sink.blocks_stored(ns, hashes, tier.medium, parent, token_ids)
         if self.disk is not None and committed and tier is Tier.DRAM:
@@ -605,6 +616,8 @@ class Placement:
         ns = block.namespace
         if ns.blocks.get(block.block_hash) is block:
             del ns.blocks[block.block_hash]
+            if self.presence is not None:
+                self.presence.left(block)
         media = []
         # The tenant's own orders, where it has caps (inline: every removal passes here).
         orders = ns.account.order if ns.account is not None else _NO_ORDERS
@@ -841,6 +854,7 @@ class Placement:
             return []
         assert self.disk is not None
         adopted = []
+        fresh: list[Block] = []  # in no tier before (the others keep a faster copy)
         for h, entry in entries.items():
             if entry.nbytes != ns.block_bytes:
                 self.disk.free(entry.slot)  # a block of another layout: stale
@@ -858,10 +872,13 @@ class Placement:
                 block = Block(ns, h, state=BlockState.COMMITTED, checksum=entry.checksum)
                 block.disk_slot = entry.slot
                 ns.blocks[h] = block
+                fresh.append(block)
             self.disk_policy(ns).insert(block)
             self._resident(block, Tier.DISK)
             self._charge(ns, Tier.DISK, align_up(ns.block_bytes))
             adopted.append(h)
+        if self.presence is not None and fresh:
+            self.presence.stored(ns, fresh, Tier.DISK, new=True)
         if adopted:
             self.sink.blocks_stored(ns, adopted, Tier.DISK.medium, None, None)
         return adopted
@@ -875,6 +892,8 @@ class Placement:
         self._free_dram_slot(block)
         self.clean_bytes -= ns.slot_bytes
         self.counters.demoted_blocks += 1
+        if self.presence is not None:
+            self.presence.moved(block)  # on disk only now
         self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
 
     def drop_disk_copy(self, block: Block, *, emit: bool) -> None:
@@ -1017,6 +1036,8 @@ class Placement:
                     self.doom(block)
                     dropped.append(block.block_hash)
         if promoted:
+            if self.presence is not None:
+                self.presence.stored(ns, promoted, Tier.DRAM, new=False)
             self.counters.promoted_blocks += len(promoted)
             self.sink.blocks_stored(
                 ns, [b.block_hash for b in promoted], Tier.DRAM.medium, None, None
@@ -1079,6 +1100,8 @@ class Placement:
             self._into_dram(block, dram_offset)
             self.sink.blocks_stored(ns, [block.block_hash], Tier.DRAM.medium, None, None)
         # else: DRAM full of pinned blocks: the disk copy remains
+        if self.presence is not None:
+            self.presence.moved(block)
         self.counters.demoted_blocks += 1
         self.sink.blocks_removed(ns, [block.block_hash], Tier.GPU.medium)
 
@@ -1101,6 +1124,8 @@ class Placement:
         block.gpu_offset = gpu_offset
         self.gpu.policy(ns.slot_bytes).insert(block)
         self._resident(block, Tier.GPU)
+        if self.presence is not None:
+            self.presence.moved(block)
         self.counters.promoted_blocks += 1
         self.sink.blocks_stored(ns, [block.block_hash], Tier.GPU.medium, None, None)
         self.sink.blocks_removed(ns, [block.block_hash], Tier.DRAM.medium)
@@ -1155,6 +1180,9 @@ class Placement:
             restored.append(block)
             if self.disk is not None:
                 self.dirty[block] = None
+        if self.presence is not None:
+            for block in restored:
+                self.presence.moved(block)  # at start: before a table is attached, as a rule
         return restored, dropped
 
     def announce(self, ns: Namespace, blocks: Sequence[int], tier: Tier) -> None:

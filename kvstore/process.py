@@ -81,7 +81,8 @@ class DaemonProcess:
         """Delete the region file and its warm-restart manifest (after the daemon stopped)."""
         region = str(self.settings["dram.path"])
         tenant_files = glob.glob(glob.escape(region) + ".tenant-*")  # dram.tenant_regions
-        for path in (region, region + ".manifest", region + ".gpu", *tenant_files):
+        extra = (".manifest", ".gpu", ".presence")  # warm restart, GPU host mode, lookups
+        for path in (region, *(region + x for x in extra), *tenant_files):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -39,6 +39,7 @@ from kvstore.metrics import (
     RpcMetrics,
     serve_metrics,
 )
+from kvstore.presence import PresenceTable, presence_path
 from kvstore.quotas import tenant_regions
 from kvstore.rpc_guard import ParseGuardInterceptor
 from kvstore.sdnotify import SdNotifier
@@ -123,6 +124,17 @@ class Daemon:
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
+        if cfg.server.presence_table and not cfg.dram.tenant_regions:
+            # One table for every tenant would tell a client whether another tenant
+            # holds a prefix: with tenant regions, lookups stay calls (docs/presence.md).
+            self.manager.publish_presence(
+                PresenceTable.create(
+                    presence_path(cfg.dram.path),
+                    cfg.dram.capacity_bytes + (cfg.disk.capacity_bytes if cfg.disk.path else 0),
+                    FilePolicy.from_group(cfg.server.file_group),
+                    self.region.region_id,
+                )
+            )
         peer_metrics: PeerMetrics | None = None
         if cfg.peer.enabled:
             from kvstore.peer_service import PeerNode  # imports NIXL only when enabled
@@ -214,6 +226,7 @@ class Daemon:
                 policy=FilePolicy.from_group(cfg.server.file_group),
                 metrics=rpc_metrics,
                 fetch=self.peer.fetch_service.fetch if self.peer is not None else None,
+                presence_path=self.manager.presence.path if self.manager.presence else "",
             )
             try:
                 await self.local.start()

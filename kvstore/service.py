@@ -200,6 +200,7 @@ class StoreService(pb_grpc.StoreServiceServicer):
             max_block_bytes=self.config.dram.chunk_bytes,
             max_blocks_per_request=self.config.limits.max_blocks_per_request,
             region_id=region.region_id,
+            presence_path=presence.path if (presence := self.manager.presence) else "",
         )
 
     async def DeclareNamespace(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

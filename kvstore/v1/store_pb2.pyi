@@ -64,7 +64,7 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "socket_path", "tcp_address", "metrics_address", "events_publish_address", "events_replay_address", "peer_transport", "region_id")
+    __slots__ = ("node_id", "version", "region_path", "region_bytes", "max_message_bytes", "default_lease_ttl_s", "max_block_bytes", "max_blocks_per_request", "gpu_device", "gpu_pool_bytes", "gpu_ipc_handle", "gpu_region_path", "socket_path", "tcp_address", "metrics_address", "events_publish_address", "events_replay_address", "peer_transport", "region_id", "presence_path")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     REGION_PATH_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class HelloResponse(_message.Message):
     EVENTS_REPLAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PEER_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PATH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     version: str
     region_path: str
@@ -103,7 +104,8 @@ class HelloResponse(_message.Message):
     events_replay_address: str
     peer_transport: str
     region_id: int
-    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., socket_path: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., events_publish_address: _Optional[str] = ..., events_replay_address: _Optional[str] = ..., peer_transport: _Optional[str] = ..., region_id: _Optional[int] = ...) -> None: ...
+    presence_path: str
+    def __init__(self, node_id: _Optional[str] = ..., version: _Optional[str] = ..., region_path: _Optional[str] = ..., region_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., default_lease_ttl_s: _Optional[float] = ..., max_block_bytes: _Optional[int] = ..., max_blocks_per_request: _Optional[int] = ..., gpu_device: _Optional[str] = ..., gpu_pool_bytes: _Optional[int] = ..., gpu_ipc_handle: _Optional[bytes] = ..., gpu_region_path: _Optional[str] = ..., socket_path: _Optional[str] = ..., tcp_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., events_publish_address: _Optional[str] = ..., events_replay_address: _Optional[str] = ..., peer_transport: _Optional[str] = ..., region_id: _Optional[int] = ..., presence_path: _Optional[str] = ...) -> None: ...
 
 class DeclareNamespaceRequest(_message.Message):
     __slots__ = ("spec",)

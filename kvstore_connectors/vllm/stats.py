@@ -38,7 +38,7 @@ COUNTER_NAMES: tuple[str, ...] = (
 )
 
 _DOCS = {
-    "scheduler_lookups": "Lookups the scheduler sent to the daemon.",
+    "scheduler_lookups": "Lookups the scheduler made (presence table or daemon call).",
     "scheduler_lookup_blocks": "Blocks asked for by those lookups.",
     "scheduler_hit_blocks": "Blocks the daemon had (external prefix hits).",
     "scheduler_peer_fetches": "FetchFromPeer calls made for hinted requests.",

@@ -1,0 +1,232 @@
+"""The presence table (kvstore.presence): its writes and probes against a model, its
+header checks, its file rules, and a BlockManager keeping it in step with Lookup."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from kvstore.config import load_config
+from kvstore.errors import ConfigError
+from kvstore.files import FilePolicy
+from kvstore.manager import BlockManager
+from kvstore.presence import (
+    HEADER_BYTES,
+    MAX_BUCKETS,
+    MIN_BUCKETS,
+    PresenceProbe,
+    PresenceTable,
+    mix_key,
+    mix_keys,
+    namespace_salt,
+    table_buckets,
+)
+from kvstore.tiers import Tier
+from kvstore.tiers.dram import Region
+from tests.conftest import make_spec
+
+REGION_ID = 12345
+
+
+@pytest.fixture
+def table(tmp_path):
+    made: list[PresenceTable] = []
+
+    def make(capacity_bytes: int = 1 << 20, region_id: int = REGION_ID) -> PresenceTable:
+        t = PresenceTable.create(
+            str(tmp_path / "t.presence"), capacity_bytes, FilePolicy(), region_id
+        )
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close()
+
+
+def _probe(t: PresenceTable) -> PresenceProbe:
+    p = PresenceProbe.open(t.path, REGION_ID)
+    assert p is not None
+    return p
+
+
+def test_mixing_is_the_same_in_numpy_and_python():
+    salt = namespace_salt("ns-0123456789abcdef")
+    hashes = np.array([0, 1, 2**63, 2**64 - 1, 12345678901234567], dtype=np.uint64)
+    assert [int(k) for k in mix_keys(salt, hashes)] == [mix_key(salt, int(h)) for h in hashes]
+    assert all(int(k) & 3 == 0 and int(k) for k in mix_keys(salt, hashes))
+    assert namespace_salt("ns-a") != namespace_salt("ns-b")
+
+
+def test_sizing_is_bounded():
+    assert table_buckets(0) == MIN_BUCKETS
+    assert table_buckets(1 << 30) * 8 >= 2 * (1 << 30) // 4096
+    assert table_buckets(1 << 50) == MAX_BUCKETS
+
+
+def test_probe_answers_as_a_model_through_random_puts_moves_and_removes(table):
+    t = table()
+    p = _probe(t)
+    rng = np.random.default_rng(7)
+    salts = [namespace_salt("ns-a"), namespace_salt("ns-b")]
+    model: dict[tuple[int, int], int] = {}
+    universe = rng.integers(1, 2**63, 3000).astype(np.uint64)
+    for step in range(300):
+        salt = salts[step % 2]
+        pick = rng.choice(universe, int(rng.integers(1, 80)), replace=False)
+        tier = int(rng.integers(1, 4))
+        op = rng.integers(0, 4)
+        if op == 0:  # a batch (a commit)
+            t.put(salt, pick, tier)
+            model.update({(salt, int(h)): tier for h in pick})
+        elif op == 1:  # one by one (a demotion, a GPU move)
+            for h in pick[:5]:
+                t.put_one(salt, int(h), tier)
+                model[(salt, int(h))] = tier
+        else:
+            for h in pick:
+                t.remove_one(salt, int(h))
+                model.pop((salt, int(h)), None)
+        seq = rng.choice(universe, 50, replace=False)
+        expect = 0
+        tiers: dict[Tier, int] = {}
+        for h in seq:
+            got = model.get((salt, int(h)))
+            if got is None:
+                break
+            expect += 1
+            tiers[Tier(got)] = tiers.get(Tier(got), 0) + 1
+        assert p.lookup(salt, seq) == (expect, tiers)
+    assert t.refused == 0
+    # the header counts what is in
+    assert int(t.header[6]) == len(model)
+
+
+def test_a_full_table_only_misses_never_invents(table):
+    t = table(capacity_bytes=0)  # the smallest table: 1,024 buckets of 8
+    salt = namespace_salt("ns-x")
+    stored = np.arange(1, 20001, dtype=np.uint64) * 2  # far more than 8,192 slots
+    for i in range(0, len(stored), 500):
+        t.put(salt, stored[i : i + 500], 2)
+    assert t.refused > 0 and int(t.header[7]) == t.refused
+    p = _probe(t)
+    present = sum(p.lookup(salt, stored[i : i + 1])[0] for i in range(len(stored)))
+    assert present == len(stored) - t.refused
+    never = stored + 1
+    assert all(p.lookup(salt, never[i : i + 1])[0] == 0 for i in range(0, len(never), 7))
+
+
+def test_long_prefixes_are_probed_in_rounds(table):
+    t = table(capacity_bytes=1 << 30)
+    salt = namespace_salt("ns-long")
+    hashes = np.arange(1, 12001, dtype=np.uint64)
+    t.put(salt, hashes[:9000], 2)
+    t.put(salt, hashes[:100], 3)  # moved to disk (in place)
+    p = _probe(t)
+    assert p.lookup(salt, hashes) == (9000, {Tier.DRAM: 8900, Tier.DISK: 100})
+    assert p.lookup(salt, hashes[8999:]) == (1, {Tier.DRAM: 1})
+    assert p.lookup(salt, hashes[:0]) == (0, {})
+    assert p.lookup(namespace_salt("ns-other"), hashes) == (0, {})
+
+
+def test_header_checks_retire_and_rebuild(table, tmp_path):
+    t = table()
+    salt = namespace_salt("ns-h")
+    t.put(salt, np.array([5, 6], dtype=np.uint64), 2)
+    assert PresenceProbe.open(t.path, REGION_ID + 1) is None  # another daemon's
+    assert PresenceProbe.open(str(tmp_path / "missing"), REGION_ID) is None
+    p = _probe(t)
+    assert p.lookup(salt, np.array([5, 6], dtype=np.uint64)) == (2, {Tier.DRAM: 2})
+    t.rebuild([])  # a new generation: the old mapping is not current
+    assert not p.current and p.lookup(salt, np.array([5], dtype=np.uint64)) is None
+    p2 = _probe(t)
+    assert p2.lookup(salt, np.array([5], dtype=np.uint64)) == (0, {})
+    for offset, garbage in ((0, b"notmagic"), (8, b"\x09" * 8), (24, b"\x03" + b"\0" * 7)):
+        with open(t.path, "r+b") as f:
+            f.seek(offset)
+            saved = f.read(8)
+            f.seek(offset)
+            f.write(garbage)
+        assert PresenceProbe.open(t.path, REGION_ID) is None, offset
+        with open(t.path, "r+b") as f:
+            f.seek(offset)
+            f.write(saved)
+    with open(t.path, "r+b") as f:
+        f.truncate(HEADER_BYTES + 64)  # geometry and size disagree
+    assert PresenceProbe.open(t.path, REGION_ID) is None
+
+
+def test_close_retires_and_a_left_behind_file_is_retired_then_replaced(tmp_path):
+    path = str(tmp_path / "t.presence")
+    first = PresenceTable.create(path, 1 << 20, FilePolicy(), REGION_ID)
+    p = PresenceProbe.open(path, REGION_ID)
+    assert p is not None and p.current
+    # a daemon killed -9 leaves its file; the next one retires it, then replaces it
+    second = PresenceTable.create(path, 1 << 20, FilePolicy(), REGION_ID + 1)
+    assert not p.current
+    assert p.lookup(1, np.array([1], dtype=np.uint64)) is None
+    assert PresenceProbe.open(path, REGION_ID + 1) is not None
+    st = os.stat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    q = PresenceProbe.open(path, REGION_ID + 1)
+    assert q is not None
+    second.close()
+    assert not q.current and not os.path.exists(path)
+    first.close(unlink=False)
+
+
+def test_a_symlink_at_the_path_is_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"x" * 10)
+    os.symlink(target, tmp_path / "t.presence")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        PresenceTable.create(str(tmp_path / "t.presence"), 1 << 20, FilePolicy(), REGION_ID)
+    assert target.read_bytes() == b"x" * 10
+
+
+def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
+    """Stores, deletes, evictions (4x the capacity) and a clear, through the manager's
+    own paths: after each, the probe answers what Lookup answers."""
+    config = load_config(
+        environ={},
+        assignments=[
+            "dram.capacity_bytes=1MiB",
+            "dram.chunk_bytes=256KiB",
+            f"dram.path={tmp_path}/r",
+        ],
+    )
+    region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
+    m = BlockManager(config, region)
+    t = PresenceTable.create(str(tmp_path / "r.presence"), 1 << 20, FilePolicy(), region.region_id)
+    try:
+        ns = m.declare_namespace(make_spec(4096))
+        m.publish_presence(t)
+        p = PresenceProbe.open(t.path, region.region_id)
+        assert p is not None
+        salt = namespace_salt(ns.namespace_id)
+        rng = np.random.default_rng(3)
+        universe = np.arange(1, 1001, dtype=np.uint64)
+
+        def check() -> None:
+            for start in range(0, 1000, 97):
+                seq = universe[start : start + 40]
+                want = m.lookup(ns.namespace_id, [int(h) for h in seq])
+                assert p.lookup(salt, seq) == (want.prefix_blocks, want.by_tier)
+
+        for _ in range(40):
+            pick = [int(h) for h in rng.choice(universe, 64, replace=False)]
+            plan = m.prepare_store(ns.namespace_id, pick)
+            if plan.lease_id:
+                m.commit_store(plan.lease_id)
+            m.delete(ns.namespace_id, pick[:4])
+            check()
+        m.clear(ns.namespace_id)  # drops the emptied namespace: declared again
+        m.declare_namespace(make_spec(4096))
+        check()
+        assert int(t.header[6]) == 0
+    finally:
+        t.close()
+        region.close(unlink=True)
