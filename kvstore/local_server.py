@@ -67,6 +67,7 @@ from kvstore.local_wire import (
     PrepareStore,
     Release,
     Released,
+    ReserveStore,
     StorePrepared,
     TenantRange,
     raw_decoder,
@@ -81,6 +82,7 @@ _RPC_NAMES: dict[type, str] = {
     Declare: "DeclareNamespace",
     Lookup: "Lookup",
     PrepareStore: "PrepareStore",
+    ReserveStore: "PrepareStore",
     CommitStore: "CommitStore",
     PrepareLoad: "PrepareLoad",
     Release: "Release",
@@ -500,7 +502,9 @@ class LocalServer:
                 f"({PROTOCOL_VERSION} is)",
             )
         ops = ["fetch_from_peer"] if self._fetch is not None else []
-        return HelloReply(message.seq, self.node_id, self._region_id(), self.max_frame_bytes, ops)
+        return HelloReply(
+            message.seq, self.node_id, self._region_id(), self.max_frame_bytes, ops, reserves=True
+        )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
         if self._fetch is None:
@@ -589,8 +593,16 @@ class LocalServer:
                     [Chain(c.blocks, c.parent_block_hash, c.token_ids) for c in m.chains],
                     owner,
                     who,
+                    m.positions,
                 )
                 return Committed(m.seq, n)
+            if isinstance(m, ReserveStore):
+                p = r.reserve_store(
+                    m.namespace_id, m.blocks, m.lease_ttl_s, m.tier, owner, client, who
+                )
+                return StorePrepared(
+                    m.seq, p.lease_id, p.statuses, p.offsets, p.tier, p.lease_ttl_s, p.region_id
+                )
             if isinstance(m, PrepareLoad):  # nothing to move on this node: no await
                 q = r.load_now(
                     m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, owner, client, who
