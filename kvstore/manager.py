@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvstore.config import Config
 from kvstore.errors import (
     CapacityExhausted,
@@ -404,10 +406,11 @@ class BlockManager:
         ttl_s = self._ttl(ttl_s)
         expires_at_s = time.monotonic() + ttl_s
         placeholders: dict[int, None] = {}
-        while len(placeholders) < blocks:
-            h = secrets.randbits(64)
-            if h not in ns.blocks and h not in ns.pending and h not in ns.reserved:
-                placeholders[h] = None
+        while len(placeholders) < blocks:  # (a draw that is taken: drawn again)
+            need = blocks - len(placeholders)
+            for h in np.frombuffer(secrets.token_bytes(8 * need), dtype="<u8").tolist():
+                if h not in ns.blocks and h not in ns.pending and h not in ns.reserved:
+                    placeholders[h] = None
         statuses, offsets, reserved = self._reserve_slots(
             ns, list(placeholders), tier, gpu, ahead=True
         )
