@@ -582,12 +582,11 @@ class WorkerSide:
             self.session.call("release", lambda c: _release_all(c, handles))
 
     def _reserve_size(self, client: Client, block_bytes: int) -> int:
-        """Slots to ask for: the most blocks of recent store steps that a reserve can
-        hold, within store_reserve_blocks and a small share of the region; 0 = none."""
-        cap = self.config.store_reserve_blocks
+        """Slots to ask for: the most blocks of recent store steps, at most
+        store_reserve_blocks and a small share of the region (a request's first
+        step may be far bigger than the decode steps after it: those still fit)."""
         share = client.info.region_bytes // RESERVE_REGION_SHARE // max(block_bytes, 1)
-        fits = [n for n in self._store_sizes if n <= min(cap, share)]
-        return max(fits, default=0)
+        return min(max(self._store_sizes, default=0), self.config.store_reserve_blocks, share)
 
     def _on_reserved(self, tenant: str, generation: int) -> Any:
         def done(result: StoreHandle | KVStoreError) -> None:
