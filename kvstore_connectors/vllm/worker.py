@@ -582,11 +582,17 @@ class WorkerSide:
             self.session.call("release", lambda c: _release_all(c, handles))
 
     def _reserve_size(self, client: Client, block_bytes: int) -> int:
-        """Slots to ask for: the most blocks of recent store steps, at most
-        store_reserve_blocks and a small share of the region (a request's first
-        step may be far bigger than the decode steps after it: those still fit)."""
+        """Slots to ask for: the most blocks among recent store steps that a reserve
+        can hold (at most store_reserve_blocks and a small share of the region);
+        the bound itself when none can (a request's first step, far bigger than
+        the decode steps after it). Every slot asked costs the daemon work on a
+        machine whose cores the engine needs: no more than recent steps used."""
         share = client.info.region_bytes // RESERVE_REGION_SHARE // max(block_bytes, 1)
-        return min(max(self._store_sizes, default=0), self.config.store_reserve_blocks, share)
+        limit = min(self.config.store_reserve_blocks, share)
+        fits = [n for n in self._store_sizes if n <= limit]
+        if fits:
+            return max(fits)
+        return limit if self._store_sizes else 0
 
     def _on_reserved(self, tenant: str, generation: int) -> Any:
         def done(result: StoreHandle | KVStoreError) -> None:
@@ -644,14 +650,18 @@ class WorkerSide:
 
         def send(c: Client) -> bool:
             # The tenant's next reserve rides in the commit's frame (one send).
+            # (also when the one held is smaller than recent steps: the answer
+            # replaces it, _on_reserved releases the old one)
             ask = 0
             if (
-                tenant not in self._reserves
-                and tenant not in self._reserve_asked
+                tenant not in self._reserve_asked
                 and self.config.store_reserve_blocks
                 and c.reserves
             ):
                 ask = self._reserve_size(c, handle.namespace.block_bytes)
+                held = self._reserves.get(tenant)
+                if held is not None and len(held.handle.allocated) >= ask:
+                    ask = 0
             c.commit_store_later(
                 handle,
                 hashes,
