@@ -158,6 +158,9 @@ class StoreHandle:
     tier: str = "dram"  # "dram": the region; "gpu": the GPU pool
     # By the client's clock: writes into the slots must be done before this.
     deadline_s: float = math.inf
+    # Slots reserved ahead (reserve_store): ``hashes`` are zeros, the commit names
+    # the real ones and the positions (indexes into ``offsets``) they went to.
+    reserve: bool = False
 
     @property
     def allocated(self) -> np.ndarray:
@@ -864,6 +867,7 @@ class Client:
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | np.ndarray | None = None,
         chains: Sequence[tuple[int, int | None]] | None = None,
+        positions: Sequence[int] | np.ndarray | None = None,
     ) -> int:
         """Commit the lease's blocks (``hashes``; None = all of them).
 
@@ -871,11 +875,18 @@ class Client:
         each one sequence (one BlockStored event each, in order), for a commit
         holding several requests' blocks; ``token_ids`` follow ``hashes`` and
         travel split per chain (``parent_block_hash`` must then be None).
+
+        ``positions`` (a reserve's handle, and only then): the index into
+        ``handle.offsets`` each of ``hashes`` was written at. Blocks the daemon
+        already has (or another client is storing) are not committed: the count
+        says so; slots not named are freed.
         """
         if not handle.lease_id:
             return 0
-        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains)
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions)
         try:
+            if fields.positions is not None:
+                return int(self._local_call(_local_commit(handle.lease_id, fields)).committed)
             if self._local() is not None:
                 message = _local_commit(handle.lease_id, fields)
                 return int(self._local_call(message).committed)
@@ -894,6 +905,10 @@ class Client:
         token_ids: Sequence[int] | np.ndarray | None = None,
         chains: Sequence[tuple[int, int | None]] | None = None,
         on_done: Callable[[int | errors.KVStoreError], None] | None = None,
+        positions: Sequence[int] | np.ndarray | None = None,
+        reserve_blocks: int = 0,
+        reserve_ttl_s: float = 0.0,
+        on_reserved: Callable[[StoreHandle | errors.KVStoreError], None] | None = None,
     ) -> None:
         """commit_store without waiting for the answer (over the lean channel).
 
@@ -903,13 +918,32 @@ class Client:
         one connection's requests in order, so this client's later calls see
         the blocks committed. Over gRPC it is commit_store, answered at once.
         Errors sending it raise here (on_done is not called then).
+
+        ``positions``: as for commit_store (a reserve). ``reserve_blocks``: ask
+        in the same frame for the next reserve of that many slots in the handle's
+        namespace and tier, for ``reserve_ttl_s`` (as reserve_store_later;
+        ``on_reserved`` gets it).
         """
         if not handle.lease_id:
             if on_done is not None:
                 on_done(0)
+            if reserve_blocks:
+                self.reserve_store_later(
+                    handle.namespace,
+                    reserve_blocks,
+                    reserve_ttl_s,
+                    tier=handle.tier,
+                    on_done=on_reserved,
+                )
             return
-        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains)
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions)
         local = self._local()
+        if (fields.positions is not None or reserve_blocks) and (
+            local is None or not local.reserves
+        ):
+            raise errors.StateConflict(
+                "reserves need the lean local channel to a daemon that serves them"
+            )
         if local is None:
             n = self.commit_store(
                 handle,
@@ -930,8 +964,115 @@ class Client:
                     else int(reply.committed)
                 )
 
+        calls: list[tuple[Callable[[int], Any], Callable[[Any], None] | None]] = [
+            (_local_commit(handle.lease_id, fields), done)
+        ]
+        if reserve_blocks:
+            calls.append(
+                self._reserve_call(
+                    handle.namespace, reserve_blocks, reserve_ttl_s, handle.tier, on_reserved
+                )
+            )
         with self._lock:
-            local.call_later(_local_commit(handle.lease_id, fields), done)
+            local.calls_later(calls)
+
+    # ------------------------------------------------------------ reserves
+
+    @property
+    def reserves(self) -> bool:
+        """Whether reserve_store is served: the lean channel, to a daemon that has it."""
+        local = self._local()
+        return local is not None and local.reserves
+
+    def reserve_store(
+        self, ns: Namespace, blocks: int, lease_ttl_s: float = 0.0, *, tier: str = "dram"
+    ) -> StoreHandle:
+        """``blocks`` slots in ``tier`` reserved before their blocks are known: write
+        them, then commit with the real hashes and the positions written (fewer
+        slots than asked when the tier runs out: ``handle.allocated``). Lean
+        channel only (``reserves``); StateConflict otherwise."""
+        self._check_reach(ns, tier)
+        if not self.reserves:
+            raise errors.StateConflict(
+                "reserves need the lean local channel to a daemon that serves them"
+            )
+        tier_value = _tier_value(tier)
+        sent_s = self._clock()
+        reply = self._local_call(
+            lambda seq: local_wire.ReserveStore(
+                seq, ns.namespace_id, blocks, lease_ttl_s, tier_value
+            ),
+            ns=ns,
+        )
+        self._follow_for(reply.region_id, reply.lease_id, ns, tier)
+        return self._reserve_handle(reply, ns, sent_s, lease_ttl_s)
+
+    def reserve_store_later(
+        self,
+        ns: Namespace,
+        blocks: int,
+        lease_ttl_s: float = 0.0,
+        *,
+        tier: str = "dram",
+        on_done: Callable[[StoreHandle | errors.KVStoreError], None] | None = None,
+    ) -> None:
+        """reserve_store without waiting: ``on_done`` gets the handle (or the error)
+        when the answer is read (the next call, ``flush()``, ``close()``). Its
+        deadline counts from before the send, as a waited-for one's does."""
+        self._check_reach(ns, tier)
+        local = self._local()
+        if local is None or not local.reserves:
+            raise errors.StateConflict(
+                "reserves need the lean local channel to a daemon that serves them"
+            )
+        call = self._reserve_call(ns, blocks, lease_ttl_s, tier, on_done)
+        with self._lock:
+            local.calls_later([call])
+
+    def _reserve_call(
+        self,
+        ns: Namespace,
+        blocks: int,
+        lease_ttl_s: float,
+        tier: str,
+        on_done: Callable[[StoreHandle | errors.KVStoreError], None] | None,
+    ) -> tuple[Callable[[int], Any], Callable[[Any], None]]:
+        tier_value = _tier_value(tier)
+        sent_s = self._clock()  # before the send: the deadline never outruns the daemon's
+
+        def make(seq: int) -> Any:
+            return local_wire.ReserveStore(seq, ns.namespace_id, blocks, lease_ttl_s, tier_value)
+
+        def done(reply: Any) -> None:
+            if isinstance(reply, errors.KVStoreError):
+                result: StoreHandle | errors.KVStoreError = reply
+            elif reply.region_id and reply.region_id != self.info.region_id:
+                # Offsets of a daemon this client does not map (it restarted since):
+                # unusable; given back (an answer is read inside a call: post only).
+                if self.local is not None and self.local.broken is None:
+                    self.local.post(local_wire.Release(0, [reply.lease_id]))
+                result = errors.Unavailable("the daemon restarted since; reserve again")
+            else:
+                result = self._reserve_handle(reply, ns, sent_s, lease_ttl_s)
+            if on_done is not None:
+                on_done(result)
+
+        return make, done
+
+    def _reserve_handle(
+        self, reply: Any, ns: Namespace, sent_s: float, lease_ttl_s: float
+    ) -> StoreHandle:
+        statuses = np.frombuffer(reply.statuses, dtype=np.uint8)
+        return StoreHandle(
+            reply.lease_id,
+            ns,
+            np.zeros(len(statuses), dtype=np.uint64),
+            statuses,
+            _u64(reply.offsets),
+            _tier_name(reply.tier),
+            self._deadline(sent_s, reply.lease_ttl_s, lease_ttl_s),
+            reserve=True,
+        )
 
     def flush(self) -> None:
         """Send everything queued and wait for every answer not waited for yet
@@ -1480,6 +1621,7 @@ class _CommitFields:
     parent_block_hash: int | None
     token_ids: bytes
     chains: list[tuple[int, int | None, bytes]]  # (blocks, parent, packed token ids)
+    positions: bytes | None = None  # packed uint32: a reserve's commit (lean only)
 
 
 def _commit_fields(
@@ -1487,9 +1629,16 @@ def _commit_fields(
     parent_block_hash: int | None,
     token_ids: Sequence[int] | np.ndarray | None,
     chains: Sequence[tuple[int, int | None]] | None,
+    positions: Sequence[int] | np.ndarray | None = None,
 ) -> _CommitFields:
     """A commit's fields packed as both channels send them."""
     packed_hashes = b"" if hashes is None else pack_hashes(hashes)
+    packed_positions = None
+    if positions is not None:
+        where = np.asarray(positions)
+        if len(where) and (where.min() < 0 or where.max() >= 1 << 32):
+            raise errors.InvalidRequest("a reserve's positions are lease indexes (uint32)")
+        packed_positions = where.astype("<u4").tobytes()
     packed = b"" if token_ids is None else np.asarray(token_ids, dtype="<i4").tobytes()
     split: list[tuple[int, int | None, bytes]] = []
     if chains:
@@ -1506,7 +1655,7 @@ def _commit_fields(
             split.append((count, parent, packed[start : start + count * per_block]))
             start += count * per_block
         packed = b""
-    return _CommitFields(packed_hashes, parent_block_hash, packed, split)
+    return _CommitFields(packed_hashes, parent_block_hash, packed, split, packed_positions)
 
 
 def _pb_commit(lease_id: int, f: _CommitFields) -> Any:
@@ -1530,7 +1679,7 @@ def _pb_commit(lease_id: int, f: _CommitFields) -> Any:
 def _local_commit(lease_id: int, f: _CommitFields) -> Callable[[int], Any]:
     chains = [local_wire.Chain(n, p, t) for n, p, t in f.chains]
     return lambda seq: local_wire.CommitStore(
-        seq, lease_id, f.block_hashes, f.parent_block_hash, f.token_ids, chains
+        seq, lease_id, f.block_hashes, f.parent_block_hash, f.token_ids, chains, f.positions
     )
 
 

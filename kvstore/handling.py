@@ -63,6 +63,14 @@ def unpack_i32(data: bytes, what: str) -> list[int]:
     return np.frombuffer(data, dtype="<i4").tolist()
 
 
+def unpack_u32(data: bytes, what: str) -> list[int]:
+    if len(data) % 4:
+        raise errors.InvalidRequest(
+            f"{what} must be packed uint32 (a multiple of 4 bytes), got {len(data)} bytes"
+        )
+    return np.frombuffer(data, dtype="<u4").tolist()
+
+
 def tier_of(value: int) -> Tier:
     """The tier a store or load asks for: UNSPECIFIED (0) means DRAM."""
     if value == TIER_UNSPECIFIED:
@@ -293,6 +301,31 @@ class StoreRequests:
             self.manager.region.region_id,
         )
 
+    def reserve_store(
+        self,
+        namespace_id: str,
+        blocks: int,
+        lease_ttl_s: float,
+        tier: int,
+        owner: str,
+        client: str,
+        who: Caller | None = None,
+    ) -> PreparedStore:
+        """Slots reserved ahead (BlockManager.reserve_store): a PrepareStore's answer."""
+        self.allow_namespace(who, namespace_id, "PrepareStore")
+        want = tier_of(tier)
+        plan = self.manager.reserve_store(
+            namespace_id, blocks, lease_ttl_s, want, owner, client=client
+        )
+        return PreparedStore(
+            plan.lease_id,
+            bytes(plan.statuses),
+            pack_u64(plan.offsets),
+            int(want),
+            plan.ttl_s,
+            self.manager.region.region_id,
+        )
+
     def commit_store(
         self,
         lease_id: int,
@@ -302,9 +335,12 @@ class StoreRequests:
         chains: list[Chain],
         owner: str,
         who: Caller | None = None,
+        positions: bytes | None = None,
     ) -> int:
+        """``positions``: packed uint32 lease indexes, one per hash (a reserve's commit)."""
         self.allow_leases(who, "CommitStore")
         hashes = self.hashes(block_hashes) if block_hashes else None
+        where = None if positions is None else unpack_u32(positions, "positions")
         tokens = unpack_i32(token_ids, "token_ids") if token_ids else None
         store_chains = [
             StoreChain(
@@ -320,6 +356,7 @@ class StoreRequests:
             parent_block_hash=parent_block_hash,
             token_ids=tokens,
             chains=store_chains or None,
+            positions=where,
             owner=owner,
         )
 

@@ -57,6 +57,9 @@ class Lease:
     owner: str = ""
     client: str | None = None  # the client it counts against (None: the daemon's own)
     by_hash: dict[int, Block] = field(default_factory=dict)
+    # A store lease of slots reserved ahead (placeholder hashes): its commit binds
+    # real hashes to lease positions (BlockManager.reserve_store).
+    reserve: bool = False
 
 
 class LeaseIds:
@@ -107,8 +110,11 @@ class LeaseTable:
         expires_at_s: float,
         owner: str = "",
         client: str | None = None,
+        *,
+        reserve: bool = False,
     ) -> Lease:
         lease = Lease(self._ids.next(), kind, namespace, blocks, expires_at_s, owner, client)
+        lease.reserve = reserve
         if kind is LeaseKind.STORE:
             lease.by_hash = {b.block_hash: b for b in blocks}
         self._leases[lease.lease_id] = lease

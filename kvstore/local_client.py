@@ -9,6 +9,7 @@ opened, goes over gRPC.
     reply = ch.call(lambda seq: Lookup(seq, ns_id, packed))      # one round trip
     ch.post(Release(0, [lease_id]))                              # no answer wanted
     ch.call_later(lambda seq: CommitStore(seq, ...), on_done)    # answer read later
+    ch.calls_later([(commit, on_done), (reserve, on_reserved)])  # both in one frame
     ch.collect()                                                 # wait for those answers
 
 Requests queued by ``post`` ride in the next frame (or go at ``flush``). An
@@ -80,6 +81,8 @@ class LocalChannel:
         # broken while sending: the daemon never got the frame (safe to send again)
         self.failed_unsent = False
         self.frames_sent = 0  # request frames written (tests count them)
+        self.waits = 0  # calls that waited for their answer (tests count them)
+        self.reserves = False  # the daemon serves reserve_store (HelloReply.reserves)
 
     @classmethod
     def open(cls, path: str, client_id: str, timeout_s: float, token: str = "") -> LocalChannel:
@@ -99,6 +102,7 @@ class LocalChannel:
         ch.node_id = reply.node_id
         ch.ops = frozenset(reply.ops)
         ch.presence_path = reply.presence_path
+        ch.reserves = reply.reserves
         return ch
 
     def map_tenant(self, namespace_id: str) -> tuple[TenantRange, int | None]:
@@ -189,6 +193,7 @@ class LocalChannel:
         ``timeout_s`` bounds each read instead of the channel's own (a peer pull)."""
         seq = self._next_seq()
         self._send(self._take_queued(make(seq)))
+        self.waits += 1
         if timeout_s is None:
             return self._read_until(seq)
         self._sock.settimeout(timeout_s)
@@ -200,11 +205,22 @@ class LocalChannel:
 
     def call_later(self, make: Callable[[int], msgspec.Struct], on_done: OnDone | None) -> None:
         """Send a request now; its answer goes to ``on_done`` when read (see module doc)."""
-        while len(self._unanswered) >= MAX_UNANSWERED:
+        self.calls_later([(make, on_done)])
+
+    def calls_later(
+        self, calls: list[tuple[Callable[[int], msgspec.Struct], OnDone | None]]
+    ) -> None:
+        """call_later for several requests, sent in one frame (a commit and the
+        next reserve: one send, one wake-up of the daemon)."""
+        assert 0 < len(calls) <= MAX_UNANSWERED, "a bounded batch of calls"
+        while len(self._unanswered) + len(calls) > MAX_UNANSWERED:
             self._read_one()
-        seq = self._next_seq()
-        self._send(self._take_queued(make(seq)))
-        self._unanswered.append((seq, on_done))
+        seqs = [self._next_seq() for _ in calls]
+        queued, self._queued = self._queued, []
+        self._send(queued + [make(seq) for seq, (make, _) in zip(seqs, calls, strict=True)])
+        self._unanswered.extend(
+            (seq, on_done) for seq, (_, on_done) in zip(seqs, calls, strict=True)
+        )
 
     def collect(self) -> None:
         """Send what is queued, then read every outstanding answer (commits have landed)."""

@@ -67,6 +67,7 @@ from kvstore.local_wire import (
     PrepareStore,
     Release,
     Released,
+    ReserveStore,
     StorePrepared,
     TenantRange,
     raw_decoder,
@@ -81,6 +82,7 @@ _RPC_NAMES: dict[type, str] = {
     Declare: "DeclareNamespace",
     Lookup: "Lookup",
     PrepareStore: "PrepareStore",
+    ReserveStore: "PrepareStore",
     CommitStore: "CommitStore",
     PrepareLoad: "PrepareLoad",
     Release: "Release",
@@ -509,6 +511,7 @@ class LocalServer:
             self.max_frame_bytes,
             ops,
             self.presence_path,
+            reserves=True,
         )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
@@ -598,8 +601,16 @@ class LocalServer:
                     [Chain(c.blocks, c.parent_block_hash, c.token_ids) for c in m.chains],
                     owner,
                     who,
+                    m.positions,
                 )
                 return Committed(m.seq, n)
+            if isinstance(m, ReserveStore):
+                p = r.reserve_store(
+                    m.namespace_id, m.blocks, m.lease_ttl_s, m.tier, owner, client, who
+                )
+                return StorePrepared(
+                    m.seq, p.lease_id, p.statuses, p.offsets, p.tier, p.lease_ttl_s, p.region_id
+                )
             if isinstance(m, PrepareLoad):  # nothing to move on this node: no await
                 q = r.load_now(
                     m.namespace_id, m.block_hashes, m.lease_ttl_s, m.tier, owner, client, who

@@ -77,6 +77,17 @@ class PrepareStore(_Message, frozen=True, tag="prepare_store"):
     tier: Tier = 0
 
 
+class ReserveStore(_Message, frozen=True, tag="reserve_store"):
+    """Slots reserved ahead of their blocks (answered ``store_prepared``): the
+    commit binds the real hashes to lease positions (CommitStore.positions).
+    Lean channel only; HelloReply.ops names it."""
+
+    namespace_id: Id
+    blocks: Annotated[int, msgspec.Meta(ge=1, lt=1 << 32)]
+    lease_ttl_s: Ttl = 0.0
+    tier: Tier = 0
+
+
 class Chain(msgspec.Struct, array_like=True, frozen=True):
     blocks: Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
     parent_block_hash: U64 | None
@@ -89,6 +100,9 @@ class CommitStore(_Message, frozen=True, tag="commit_store"):
     parent_block_hash: U64 | None = None
     token_ids: bytes = b""
     chains: list[Chain] = []
+    # A reserve's commit: packed little-endian uint32 lease positions, one per
+    # hash (None: not a reserve). Last and defaulted: older clients still decode.
+    positions: bytes | None = None
 
 
 class PrepareLoad(_Message, frozen=True, tag="prepare_load"):
@@ -133,6 +147,7 @@ Request = (
     | Declare
     | Lookup
     | PrepareStore
+    | ReserveStore
     | CommitStore
     | PrepareLoad
     | Release
@@ -145,6 +160,7 @@ REQUEST_TAGS = (
     "declare",
     "lookup",
     "prepare_store",
+    "reserve_store",
     "commit_store",
     "prepare_load",
     "release",
@@ -167,6 +183,9 @@ class HelloReply(_Message, frozen=True, tag="hello"):
     ops: list[str] = []
     # The presence table's path (as gRPC HelloResponse.presence_path); "" = none.
     presence_path: str = ""
+    # Whether it serves ``reserve_store`` (and CommitStore.positions): an older
+    # daemon's reply reads as False (the client prepares every store).
+    reserves: bool = False
 
 
 class Declared(_Message, frozen=True, tag="declared"):

@@ -4,6 +4,7 @@ Primitives (all batched; one call per request-step, never one per block):
 
     declare_namespace(spec)               -> Namespace
     prepare_store(ns_id, hashes, ttl_s)   -> StorePlan   slots reserved, lease issued
+    reserve_store(ns_id, blocks, ttl_s)   -> StorePlan   slots reserved ahead, hashes at commit
     commit_store(lease_id, hashes, ...)   -> int         reserved blocks become loadable
     lookup(ns_id, hashes)                 -> LookupResult longest present prefix, per tier
     prepare_load(ns_id, hashes, ttl_s)    -> LoadPlan    prefix pinned, lease issued
@@ -45,11 +46,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvstore.config import Config
 from kvstore.errors import (
@@ -276,7 +280,7 @@ class BlockManager:
     @staticmethod
     def _is_empty(ns: Namespace) -> bool:
         """No block in any tier and nothing reserved: no lease or pin can name it."""
-        return not ns.blocks and not ns.pending
+        return not ns.blocks and not ns.pending and not ns.reserved
 
     def _drop_namespace(self, ns: Namespace) -> None:
         assert self._is_empty(ns), "dropping a namespace that holds blocks"
@@ -370,6 +374,66 @@ class BlockManager:
         self._check_lease_room(client)
         ttl_s = self._ttl(ttl_s)
         expires_at_s = time.monotonic() + ttl_s
+        statuses, offsets, reserved = self._reserve_slots(ns, hashes, tier, gpu, ahead=False)
+        if not reserved:
+            return StorePlan(0, statuses, offsets)
+        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s, owner, client)
+        return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
+
+    def reserve_store(
+        self,
+        ns_id: str,
+        blocks: int,
+        ttl_s: float = 0.0,
+        tier: Tier = Tier.DRAM,
+        owner: str = "",
+        *,
+        client: str | None = None,
+    ) -> StorePlan:
+        """A store lease of ``blocks`` slots reserved ahead, before the client knows
+        which blocks go there: its commit names the real hashes and the lease
+        positions they were written at (``commit_store(..., positions=)``).
+
+        Same admission, eviction, quotas and lease limits as prepare_store (the
+        same code); the slots are held under placeholder hashes (random 64-bit,
+        drawn again if taken) that no lookup, load, delete, event or block count
+        ever shows. Fewer slots than asked when the tier runs out (statuses say
+        which: a tail of STORE_NO_ROOM); none at all: CapacityExhausted.
+        """
+        ns = self.namespace(ns_id)
+        if blocks <= 0:
+            raise InvalidRequest(f"a reserve needs >= 1 block; got {blocks}")
+        self._check_count(blocks)
+        gpu = self._gpu_for(tier)
+        self._check_lease_room(client)
+        ttl_s = self._ttl(ttl_s)
+        expires_at_s = time.monotonic() + ttl_s
+        placeholders: dict[int, None] = {}
+        while len(placeholders) < blocks:  # (a draw that is taken: drawn again)
+            need = blocks - len(placeholders)
+            for h in np.frombuffer(secrets.token_bytes(8 * need), dtype="<u8").tolist():
+                if h not in ns.blocks and h not in ns.pending and h not in ns.reserved:
+                    placeholders[h] = None
+        statuses, offsets, reserved = self._reserve_slots(
+            ns, list(placeholders), tier, gpu, ahead=True
+        )
+        lease = self.leases.add(
+            LeaseKind.STORE, ns, reserved, expires_at_s, owner, client, reserve=True
+        )
+        return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
+
+    def _reserve_slots(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int],
+        tier: Tier,
+        gpu: GpuLayer | None,
+        *,
+        ahead: bool,
+    ) -> tuple[bytearray, list[int], list[Block]]:
+        """Slots in ``tier`` for the blocks of ``hashes`` not present or in flight:
+        (statuses, offsets, the new pending blocks); CapacityExhausted when none
+        could be had and some were wanted. ``ahead``: placeholders (reserve_store)."""
         n = len(hashes)
         statuses = bytearray(n)
         offsets = [0] * n
@@ -413,42 +477,38 @@ class BlockManager:
                 if offset is None:
                     statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
                     break
-                placement.occupy(block, tier, offset)
+                placement.occupy(block, tier, offset, ahead=ahead)
                 reserved.append(block)
                 seen.add(h)
                 offsets[i] = offset
         finally:
             for block in held:
                 placement.unpin(block)
-        if not reserved:
-            if STORE_NO_ROOM in statuses:
-                if gpu is None and self.disk is not None and self.disk.keeps_dirty():
-                    raise CapacityExhausted(
-                        f"no room for {n} blocks of {ns.block_bytes} bytes: "
-                        + self.disk.full_message()
-                    )
-                capacity = self.allocator.capacity_bytes if gpu is None else gpu.capacity_bytes
-                account = placement.account(ns)
-                if account.over(tier, ns.slot_bytes):
-                    # The same answer as a full tier: the tenant's own share is full.
-                    raise CapacityExhausted(
-                        f"no room for {n} blocks of {ns.block_bytes} bytes: tenant "
-                        f"{account.label!r} is at its {tier.name} quota "
-                        f"({account.quota_bytes[tier]} bytes) and its blocks there are "
-                        "pinned or in flight"
-                    )
+        if not reserved and STORE_NO_ROOM in statuses:
+            if gpu is None and self.disk is not None and self.disk.keeps_dirty():
                 raise CapacityExhausted(
-                    f"no room for {n} blocks of {ns.block_bytes} bytes: the {tier.name} tier "
-                    f"({capacity} bytes) is full of pinned or in-flight blocks"
-                    + (
-                        " or the namespace quota is reached"
-                        if self.config.limits.namespace_quota_bytes
-                        else ""
-                    )
+                    f"no room for {n} blocks of {ns.block_bytes} bytes: " + self.disk.full_message()
                 )
-            return StorePlan(0, statuses, offsets)
-        lease = self.leases.add(LeaseKind.STORE, ns, reserved, expires_at_s, owner, client)
-        return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
+            capacity = self.allocator.capacity_bytes if gpu is None else gpu.capacity_bytes
+            account = placement.account(ns)
+            if account.over(tier, ns.slot_bytes):
+                # The same answer as a full tier: the tenant's own share is full.
+                raise CapacityExhausted(
+                    f"no room for {n} blocks of {ns.block_bytes} bytes: tenant "
+                    f"{account.label!r} is at its {tier.name} quota "
+                    f"({account.quota_bytes[tier]} bytes) and its blocks there are "
+                    "pinned or in flight"
+                )
+            raise CapacityExhausted(
+                f"no room for {n} blocks of {ns.block_bytes} bytes: the {tier.name} tier "
+                f"({capacity} bytes) is full of pinned or in-flight blocks"
+                + (
+                    " or the namespace quota is reached"
+                    if self.config.limits.namespace_quota_bytes
+                    else ""
+                )
+            )
+        return statuses, offsets, reserved
 
     def commit_store(
         self,
@@ -458,6 +518,7 @@ class BlockManager:
         parent_block_hash: int | None = None,
         token_ids: Sequence[int] | None = None,
         chains: Sequence[StoreChain] | None = None,
+        positions: Sequence[int] | None = None,
         owner: str = "",
     ) -> int:
         """Make a store lease's blocks loadable; what is not committed is freed.
@@ -468,8 +529,15 @@ class BlockManager:
         ``parent_block_hash``/``token_ids`` must be None): a step's saves from
         several requests committed in one call still reach consumers that
         re-hash tokens from the parent (llm-d) as chains.
+
+        ``positions`` (a reserve_store lease, and only then): the lease index
+        each of ``hashes`` was written at (see _commit_reserve).
         """
         lease = self._lease(lease_id, LeaseKind.STORE, owner)
+        if lease.reserve or positions is not None:
+            return self._commit_reserve(
+                lease, hashes or [], positions, parent_block_hash, token_ids, chains, owner
+            )
         ns = lease.namespace
         if hashes:
             missing = [h for h in hashes if h not in lease.by_hash]
@@ -516,6 +584,83 @@ class BlockManager:
         self.placement.commit(lease.blocks, to_commit, tier, batches)
         if self.gpu is not None and to_commit and tier is Tier.GPU:
             self.gpu.wake()  # keep room in the pool for the next store
+        return len(to_commit)
+
+    def _commit_reserve(
+        self,
+        lease: Lease,
+        hashes: Sequence[int],
+        positions: Sequence[int] | None,
+        parent_block_hash: int | None,
+        token_ids: Sequence[int] | None,
+        chains: Sequence[StoreChain] | None,
+        owner: str,
+    ) -> int:
+        """Commit a reserve: ``hashes[i]`` was written at lease index ``positions[i]``.
+
+        A hash already committed or in flight in the namespace is not committed
+        (its slot is freed, no event: the "already there" of prepare_store);
+        positions not named are freed. Every check runs before anything changes,
+        so a refused commit loses nothing: the lease still stands.
+        """
+        lease_id = lease.lease_id
+        if not lease.reserve:
+            raise StateConflict(
+                f"lease {lease_id} is not a reserve (prepare_store): commit it by its "
+                "hashes, without positions"
+            )
+        if positions is None:
+            raise StateConflict(
+                f"lease {lease_id} is a reserve: its commit names the lease positions "
+                "its blocks were written at"
+            )
+        if len(positions) != len(hashes):
+            raise InvalidRequest(
+                f"a reserve's commit has {len(positions)} positions for {len(hashes)} hashes"
+            )
+        size = len(lease.blocks)
+        if len(set(positions)) != len(positions):
+            raise InvalidRequest("a reserve's commit names a position twice")
+        bad = [p for p in positions if not 0 <= p < size]
+        if bad:
+            raise InvalidRequest(f"position {bad[0]} is outside reserve {lease_id} of {size} slots")
+        if len(set(hashes)) != len(hashes):
+            raise InvalidRequest("a reserve's commit names a block hash twice")
+        ns = lease.namespace
+        block_size = ns.block_size_tokens
+        if token_ids is not None and len(token_ids) not in (0, len(hashes) * block_size):
+            raise InvalidRequest(
+                f"token_ids has {len(token_ids)} ids; expected {len(hashes)} blocks x "
+                f"{block_size} tokens"
+            )
+        if chains is not None:
+            if parent_block_hash is not None or token_ids:
+                raise InvalidRequest(
+                    "a commit with chains carries parents and token ids per chain, not overall"
+                )
+            _check_chains(chains, hashes, len(hashes), block_size)
+        else:
+            chains = [StoreChain(len(hashes), parent_block_hash, token_ids or None)]
+        self.leases.pop(lease_id, owner)
+        tier = lease.blocks[0].tier if lease.blocks else Tier.DRAM
+        placement = self.placement
+        keep: list[bool] = []
+        real: list[int | None] = [None] * size
+        for h, p in zip(hashes, positions, strict=True):
+            there = ns.blocks.get(h)
+            if there is not None:
+                placement.touch(there, load=False)  # as prepare_store's PRESENT does
+            fresh = there is None and h not in ns.pending
+            keep.append(fresh)
+            if fresh:
+                real[p] = h
+        placement.bind(lease.blocks, real)
+        to_commit = [lease.blocks[p] for p, k in zip(positions, keep, strict=True) if k]
+        placement.commit(
+            to_commit, to_commit, tier, _kept_batches(hashes, keep, chains, block_size)
+        )
+        if self.gpu is not None and to_commit and tier is Tier.GPU:
+            self.gpu.wake()
         return len(to_commit)
 
     # ----------------------------------------------------------------- load
@@ -645,6 +790,8 @@ class BlockManager:
         if lease.kind is LeaseKind.LOAD:
             for block in lease.blocks:
                 self.placement.unpin(block)
+        elif lease.reserve:
+            self.placement.bind(lease.blocks, [None] * len(lease.blocks))  # all given back
         else:
             ns = lease.namespace
             for block in lease.blocks:
@@ -838,3 +985,30 @@ def _check_chains(
             f"a commit with chains lists {len(order)} hashes but {committed} distinct "
             "blocks of the lease: each block once"
         )
+
+
+def _kept_batches(
+    hashes: Sequence[int], keep: Sequence[bool], chains: Sequence[StoreChain], block_size: int
+) -> list[StoredBatch]:
+    """The BlockStored batches of a reserve's commit: each chain's runs of kept
+    blocks, a run after a skipped block (already stored) parented on it."""
+    batches: list[StoredBatch] = []
+    start = 0
+    for chain in chains:
+        end = start + chain.blocks
+        i = start
+        while i < end:
+            if not keep[i]:
+                i += 1
+                continue
+            j = i
+            while j < end and keep[j]:
+                j += 1
+            parent = chain.parent_block_hash if i == start else hashes[i - 1]
+            tokens = chain.token_ids
+            if tokens is not None:
+                tokens = tokens[(i - start) * block_size : (j - start) * block_size]
+            batches.append((hashes[i:j], parent, tokens))
+            i = j
+        start = end
+    return batches

@@ -196,6 +196,9 @@ class Namespace:
     # committed blocks (loadable) and blocks reserved by a store lease
     blocks: dict[int, Block] = field(default_factory=dict)
     pending: dict[int, Block] = field(default_factory=dict)
+    # Slots reserved ahead (BlockManager.reserve_store) under placeholder hashes,
+    # bound to real hashes only at commit: seen by no lookup, load, delete or event.
+    reserved: dict[int, Block] = field(default_factory=dict)
     used_bytes: int = 0
     # Its tenant's usage and caps (set by kvstore.placement on first use).
     account: TenantAccount | None = None

@@ -491,13 +491,32 @@ class Placement:
             block.namespace.used_bytes -= block.namespace.slot_bytes
         self._charge(block.namespace, tier, -block.namespace.slot_bytes)
 
-    def occupy(self, block: Block, tier: Tier, offset: int) -> None:
-        """A new store's block takes its reserved slot (pending until commit)."""
+    def occupy(self, block: Block, tier: Tier, offset: int, *, ahead: bool = False) -> None:
+        """A new store's block takes its reserved slot (pending until commit).
+        ``ahead``: a slot reserved ahead under a placeholder hash (``bind`` at commit)."""
         if tier is Tier.GPU:
             block.gpu_offset = offset
         else:
             block.offset = offset
-        block.namespace.pending[block.block_hash] = block
+        if ahead:
+            block.namespace.reserved[block.block_hash] = block
+        else:
+            block.namespace.pending[block.block_hash] = block
+
+    def bind(self, blocks: Sequence[Block], real_hashes: Sequence[int | None]) -> None:
+        """Slots reserved ahead meet their blocks at commit: each block leaves the
+        placeholders and, where its real hash is given, takes it (pending, for
+        ``commit``); a None hash gives the slot back."""
+        ns = blocks[0].namespace if blocks else None
+        for block, real in zip(blocks, real_hashes, strict=True):
+            assert ns is not None
+            del ns.reserved[block.block_hash]
+            if real is None:
+                self.abort(block)
+                continue
+            assert real not in ns.pending and real not in ns.blocks, "binding a hash in use"
+            block.block_hash = real
+            ns.pending[real] = block
 
     # ---------------------------------------------------------- stores
 

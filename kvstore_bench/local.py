@@ -159,10 +159,34 @@ def _control_overhead(client: Any, repeats: int, blocks: int = 64) -> dict[str, 
         else:  # a client without it (an older checkout measured for reference)
             client.commit_store(h)
         later_s.append(time.perf_counter() - t)
+    # What the connector's worker does with reserves (store_reserve_blocks): the
+    # step's slots come from the reserve asked for with the last commit, whose
+    # answer is read (here at once: back to back, nothing between the steps); the
+    # commit names the positions and asks for the next reserve in one frame. Not
+    # Client.put: a put must skip blocks the daemon has, which only a prepare knows.
+    reserved_s = []
+    if getattr(client, "reserves", False):
+        got: list[Any] = []
+        client.reserve_store_later(ns, blocks, on_done=got.append)
+        positions = np.arange(blocks)
+        base += repeats * 20 * blocks
+        for rep in range(repeats * 20):
+            hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(base + rep * blocks)
+            t = time.perf_counter()
+            if not got:
+                client.flush()
+            h = got.pop()
+            client.commit_store_later(
+                h, hashes, positions=positions, reserve_blocks=blocks, on_reserved=got.append
+            )
+            reserved_s.append(time.perf_counter() - t)
+        client.flush()
+        client.release_all([h for h in got if not isinstance(h, Exception)])
     client.clear(ns)
     return {
         "store_step": summarize(store_s),
         "store_step_nowait": summarize(later_s),
+        **({"store_step_reserved": summarize(reserved_s)} if reserved_s else {}),
         "load_step": summarize(load_s),
         "lookup_rpc": summarize(lookup_s),
     }

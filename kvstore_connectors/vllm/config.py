@@ -20,6 +20,8 @@ DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
 # The daemon refuses pulls longer than its peer pin lifetime allows (puller's
 # MAX_PIN_TTL_S - PIN_TTL_MARGIN_S); a scheduler stall beyond this is never wanted.
 MAX_PEER_TIMEOUT_S = 30.0
+# Slots one namespace's reserve may hold: a bound on what an idle engine keeps.
+MAX_STORE_RESERVE_BLOCKS = 1024
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -54,6 +56,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     """Talk to a local daemon over its lean local channel (docs/local-channel.md) where it
     serves one: tens of microseconds a call instead of gRPC's ~0.7 ms; gRPC otherwise.
     false = gRPC only."""
+    store_reserve_blocks: int = 64
+    """Most slots the worker keeps reserved ahead per namespace (docs/vllm.md, "Store
+    steps"): a store step whose new blocks fit takes its slots from the reserve with
+    no call, and its commit asks for the next one in the same send. 0 = every store
+    step asks the daemon (PrepareStore) and waits for the answer."""
     tier: Literal["dram", "gpu"] = "dram"
     """Daemon tier the engine copies to and from: "gpu" = the daemon's GPU pool (device to
     device on a CUDA engine; needs gpu.device on the daemon), "dram" = its shared region."""
@@ -86,6 +93,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
             problems.append(f"peer_timeout_s must be in (0, {MAX_PEER_TIMEOUT_S:g}]")
         if config.lease_ttl_s < 0:
             problems.append("lease_ttl_s must be >= 0")
+        if not 0 <= config.store_reserve_blocks <= MAX_STORE_RESERVE_BLOCKS:
+            problems.append(f"store_reserve_blocks must be in [0, {MAX_STORE_RESERVE_BLOCKS}]")
         if problems:
             raise ConfigError("kv_connector_extra_config: " + "; ".join(problems))
         return config

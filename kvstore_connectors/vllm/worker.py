@@ -24,17 +24,18 @@ vLLM recomputes exactly them; saves that cannot be made are dropped.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
-from kvstore.client import Client, LoadHandle, StoreHandle
-from kvstore.errors import ConfigError
+from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
 from kvstore_connectors.vllm.metadata import SaveSpec, StepPlan
@@ -72,6 +73,7 @@ class _SaveBatch:
     handle: StoreHandle | None = None
     allocated: np.ndarray | None = None  # indices of the blocks to write
     generation: int = -1  # the daemon connection the slots belong to
+    reserved: bool = False  # the slots came from a reserve: the commit names positions
 
     @classmethod
     def of(cls, tenant: str, specs: list[SaveSpec], block_size: int) -> _SaveBatch:
@@ -180,6 +182,22 @@ class _Step:
     loaded: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Reserve:
+    """Slots reserved ahead for one namespace (kvstore.client.Client.reserve_store)."""
+
+    handle: StoreHandle
+    generation: int  # the daemon connection it was asked on
+    use_by_s: float  # by time.monotonic: past it, a step's forward might outlive the lease
+
+
+# Store steps remembered for sizing the next reserve (the most blocks among them).
+RECENT_STORE_STEPS = 32
+# A reserve holds at most this share of the region (1/64): an idle engine's
+# reserve never crowds out the blocks others store.
+RESERVE_REGION_SHARE = 64
+
+
 class WorkerSide:
     def __init__(
         self, config: ConnectorConfig, layout: EngineLayout, session: DaemonSession
@@ -203,6 +221,12 @@ class WorkerSide:
         # The copier was handed loads in this step (its per-layer waits and
         # wait_loads matter); cleared when the step finishes.
         self._loads_issued = False
+        # Store slots reserved ahead, per tenant (docs/vllm.md, "Store steps"), the
+        # tenants whose next reserve was asked for and not read yet, and the
+        # sizes of recent store steps (how many to ask for).
+        self._reserves: dict[str, _Reserve] = {}
+        self._reserve_asked: set[str] = set()
+        self._store_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_STORE_STEPS)
 
     # ------------------------------------------------------------ setup
 
@@ -240,7 +264,10 @@ class WorkerSide:
         """Loads (complete or queued) and save reservations, before the forward."""
         if not plan and not self._deferred and not self._step.saves and not self._step.leases:
             # Most decode steps: nothing to load, save or hand back, and no
-            # unfinished step to clean up after. No call, no allocation.
+            # unfinished step to clean up after. No call, no allocation (a
+            # reserve near its lease's end is given back: one message, no wait).
+            if self._reserves:
+                self._drop_reserves(time.monotonic())
             return
         unfinished, self._step = self._step, _Step()
         if unfinished.saves:
@@ -459,7 +486,11 @@ class WorkerSide:
                     batch = batch.only(~there, bs)
                     if not len(batch.block_hashes):
                         continue
-            handle = self._prepare_store(tenant, batch.block_hashes)
+            self._store_sizes.append(len(batch.block_hashes))
+            handle = self._take_reserve(tenant, len(batch.block_hashes))
+            batch.reserved = handle is not None
+            if handle is None:
+                handle = self._prepare_store(tenant, batch.block_hashes)
             if handle is None:
                 self.counters.save_dropped_blocks += len(batch.block_ids)
                 continue
@@ -501,6 +532,85 @@ class WorkerSide:
             lambda c, ns: c.prepare_store(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
         )
 
+    # ------------------------------------------------------------ reserves
+
+    def _take_reserve(self, tenant: str, blocks: int) -> StoreHandle | None:
+        """The slots of ``tenant``'s reserve for a step's ``blocks`` new blocks, when a
+        live one fits (same daemon connection, region current, lease far from its
+        end); None: the step asks the daemon (PrepareStore), which also skips the
+        blocks it has, which a reserve cannot know of."""
+        if not self.config.store_reserve_blocks:
+            return None
+        if tenant in self._reserve_asked:
+            # asked for with the last commit: its answer has arrived by now (read, no wait)
+            # (idempotent: a link found broken here reconnects at once, as a prepare would)
+            self.session.call("collect reserve", lambda c: c.flush())
+            self._reserve_asked.discard(tenant)  # a lost answer must not block the next ask
+        self._drop_reserves(time.monotonic())
+        reserve = self._reserves.get(tenant)
+        if reserve is None or blocks > len(reserve.handle.allocated):
+            return None
+        if not self.session.region_is_current():
+            return None  # (the step's own checks reconnect)
+        del self._reserves[tenant]
+        r = reserve.handle
+        return StoreHandle(
+            r.lease_id,
+            r.namespace,
+            np.zeros(blocks, dtype=np.uint64),
+            np.full(blocks, STORE_ALLOCATED, dtype=np.uint8),
+            r.offsets[:blocks],
+            r.tier,
+            r.deadline_s,
+            reserve=True,
+        )
+
+    def _drop_reserves(self, now_s: float) -> None:
+        """Give back reserves near their lease's end, forget those of another connection."""
+        stale = [
+            t
+            for t, r in self._reserves.items()
+            if r.generation != self.session.generation or now_s > r.use_by_s
+        ]
+        handles = []
+        for tenant in stale:
+            reserve = self._reserves.pop(tenant)
+            if reserve.generation == self.session.generation:
+                handles.append(reserve.handle)
+        if handles:
+            # retried on a fresh link: a release the new daemon does not know is ignored
+            self.session.call("release", lambda c: _release_all(c, handles))
+
+    def _reserve_size(self, client: Client, block_bytes: int) -> int:
+        """Slots to ask for: the most blocks among recent store steps that a reserve
+        can hold (at most store_reserve_blocks and a small share of the region);
+        the bound itself when none can (a request's first step, far bigger than
+        the decode steps after it). Every slot asked costs the daemon work on a
+        machine whose cores the engine needs: no more than recent steps used."""
+        share = client.info.region_bytes // RESERVE_REGION_SHARE // max(block_bytes, 1)
+        limit = min(self.config.store_reserve_blocks, share)
+        fits = [n for n in self._store_sizes if n <= limit]
+        if fits:
+            return max(fits)
+        return limit if self._store_sizes else 0
+
+    def _on_reserved(self, tenant: str, generation: int) -> Any:
+        def done(result: StoreHandle | KVStoreError) -> None:
+            self._reserve_asked.discard(tenant)
+            if isinstance(result, KVStoreError):
+                logger.debug("kvstore: no store reserve (%s)", result)
+                return
+            now_s = time.monotonic()
+            # usable while more than half of its life is left: a forward is far shorter
+            use_by_s = now_s + (result.deadline_s - now_s) / 2
+            old = self._reserves.get(tenant)
+            self._reserves[tenant] = _Reserve(result, generation, use_by_s)
+            if old is not None and old.generation == generation:
+                handles = [old.handle]
+                self.session.call("release", lambda c: _release_all(c, handles), retry=False)
+
+        return done
+
     def _commit(self, batch: _SaveBatch) -> None:
         handle, idx = batch.handle, batch.allocated
         assert handle is not None and idx is not None
@@ -522,17 +632,36 @@ class WorkerSide:
         # read by this client's next call, or at close (so it lands before exit).
         expected = len(idx)
         counters = self.counters
+        reserved = batch.reserved
+        tenant, generation = batch.tenant, batch.generation
 
         def done(result: int | Exception) -> None:
             committed = 0 if isinstance(result, Exception) else int(result)
             if committed != expected:
                 counters.saved_blocks -= expected - committed
-                counters.save_dropped_blocks += expected - committed
+                if reserved and not isinstance(result, Exception):
+                    # a reserve cannot know what the daemon has: those were there already
+                    counters.save_skipped_blocks += expected - committed
+                else:
+                    counters.save_dropped_blocks += expected - committed
                 logger.debug(
                     "kvstore: commit stored %d of %d blocks (%s)", committed, expected, result
                 )
 
         def send(c: Client) -> bool:
+            # The tenant's next reserve rides in the commit's frame (one send).
+            # (also when the one held is smaller than recent steps: the answer
+            # replaces it, _on_reserved releases the old one)
+            ask = 0
+            if (
+                tenant not in self._reserve_asked
+                and self.config.store_reserve_blocks
+                and c.reserves
+            ):
+                ask = self._reserve_size(c, handle.namespace.block_bytes)
+                held = self._reserves.get(tenant)
+                if held is not None and len(held.handle.allocated) >= ask:
+                    ask = 0
             c.commit_store_later(
                 handle,
                 hashes,
@@ -540,7 +669,13 @@ class WorkerSide:
                 token_ids=tokens,
                 chains=multi,
                 on_done=done,
+                positions=sel if reserved else None,
+                reserve_blocks=ask,
+                reserve_ttl_s=self.config.lease_ttl_s,
+                on_reserved=self._on_reserved(tenant, generation) if ask else None,
             )
+            if ask:
+                self._reserve_asked.add(tenant)
             return True
 
         if self.session.call("commit store", send, retry=False) is None:
@@ -596,6 +731,9 @@ class WorkerSide:
 
     def close(self) -> None:
         self._region_t = self._region_src = None
+        if self._reserve_asked:  # read the answers first: those reserves are held too
+            self.session.call("collect reserve", lambda c: c.flush(), retry=False)
+        self._drop_reserves(float("inf"))  # given back now, not at their leases' end
         self.session.close()
 
 

@@ -348,11 +348,15 @@ def test_a_decode_step_with_nothing_to_load_or_save_sends_nothing(daemon_factory
         assert eng.worker.take_load_errors() == set()
     assert (worker.local.frames_sent, scheduler.local.frames_sent) == sent
     assert _rpc_total(d) == calls  # nor a gRPC call (the daemon counts both channels)
-    # The step that completes the third block sends: one prepare, one commit.
+    # The step that completes the third block sends one frame: its slot came from
+    # the reserve asked for with the prefill's commit (no prepare, no wait), and
+    # its commit carries the next reserve's request.
+    waits = worker.local.waits
     req.all_token_ids.append(5)
     req.rehash()
     eng.step(running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1})
-    assert worker.local.frames_sent == sent[0] + 2
+    assert worker.local.frames_sent == sent[0] + 1
+    assert worker.local.waits == waits
     assert eng.worker.counters.saved_blocks == 3
 
 

@@ -1,0 +1,188 @@
+"""The connector's worker storing into slots reserved ahead (store_reserve_blocks),
+against a real daemon over the lean channel: decode store steps that wait for no
+answer, exact bytes, and every lease back after failed steps, idle reserves and
+a daemon killed mid-step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvstore.client import Client
+from tests.integration.test_vllm_connector_daemon import (
+    BLOCK_BYTES,
+    BS,
+    Engine,
+    Req,
+    RunningRequest,
+    _stored,
+    _tokens,
+)
+
+
+def _wait_until(cond, timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s}s"
+        time.sleep(0.02)
+
+
+def _decode(eng: Engine, req: Req, next_id: list[int]) -> None:
+    """One decode step of ``req``: one token appended and computed (a new block id
+    when the token opens a block)."""
+    req.all_token_ids.append(7)
+    req.rehash()
+    p = req.num_tokens - 1
+    new_ids = None
+    if p % BS == 0:
+        new_ids = [next_id[0]]
+        next_id[0] += 1
+    eng.step(running=[RunningRequest(req.request_id, new_ids, False, p)], scheduled={"r": 1})
+    assert eng.worker.take_load_errors() == set()
+
+
+def _active_leases(address: str) -> int:
+    with Client(address) as c:
+        return c.stats().active_leases
+
+
+def test_decode_store_steps_wait_for_no_answer_and_store_exact_bytes(daemon):
+    eng = Engine(daemon.address, seed=41)
+    req = Req("r", _tokens(41, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])  # PrepareStore (waited for); its commit asks for a reserve
+    worker = eng.worker.session.client()
+    assert worker is not None and worker.local is not None and worker.reserves
+    next_id = [3]
+    store_steps = 0
+    while req.num_tokens < 6 * BS + 1:  # four more blocks completed, one per store step
+        frames, waits = worker.local.frames_sent, worker.local.waits
+        saved = eng.worker.counters.saved_blocks
+        _decode(eng, req, next_id)
+        if eng.worker.counters.saved_blocks != saved:
+            store_steps += 1
+            # one send (the commit and the next reserve), not one wait
+            assert (worker.local.frames_sent, worker.local.waits) == (frames + 1, waits)
+        else:
+            assert (worker.local.frames_sent, worker.local.waits) == (frames, waits)
+    assert store_steps == 4
+    assert eng.worker.counters.saved_blocks == 6
+    assert eng.worker.counters.save_dropped_blocks == 0
+    ids = [0, 1, 2, 3, 4, 5]
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in ids]
+    eng.worker.close()  # the reserve held for the next step is given back
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="the reserve's release")
+
+
+def test_reserves_off_prepare_every_store_step(daemon):
+    eng = Engine(daemon.address, seed=42, store_reserve_blocks=0)
+    req = Req("r", _tokens(42, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])
+    worker = eng.worker.session.client()
+    assert worker is not None and worker.local is not None
+    waits = worker.local.waits
+    next_id = [3]
+    while req.num_tokens < 3 * BS + 1:
+        _decode(eng, req, next_id)
+    assert worker.local.waits == waits + 1  # the PrepareStore
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
+    assert _active_leases(daemon.address) == 0
+
+
+def test_a_block_the_daemon_has_is_skipped_not_dropped(daemon):
+    """A reserve cannot know what the daemon holds: a block another engine stored
+    meanwhile is not committed again, and counted as skipped."""
+    a, b = Engine(daemon.address, seed=43), Engine(daemon.address, seed=44)
+    tokens = _tokens(43, 2 * BS + 1)
+    ra = Req("r", list(tokens))
+    a.prefill(ra, [0, 1, 2])  # a holds a reserve now
+    # b completes the same third block first (same tokens, its own bytes)
+    rb = Req("r", list(tokens))
+    b.prefill(rb, [10, 11, 12], local_tokens=0)
+    for eng, req, first in ((b, rb, 13), (a, ra, 3)):
+        next_id = [first]
+        while req.num_tokens < 3 * BS + 1:
+            req.all_token_ids.append(9)
+            req.rehash()
+            p = req.num_tokens - 1
+            new_ids = None
+            if p % BS == 0:
+                new_ids = [next_id[0]]
+                next_id[0] += 1
+            eng.step(running=[RunningRequest("r", new_ids, False, p)], scheduled={"r": 1})
+    a.worker.session.client().flush()  # the commit's answer read
+    assert a.worker.counters.save_skipped_blocks == 1
+    assert a.worker.counters.save_dropped_blocks == 0
+    a.worker.close()
+    b.worker.close()
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="every lease back")
+
+
+def test_an_unfinished_step_gives_its_reserved_slots_back(daemon):
+    eng = Engine(daemon.address, seed=45)
+    req = Req("r", _tokens(45, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])
+    req.all_token_ids += [7] * (BS - 1)
+    req.rehash()
+    plan = eng.scheduler.build_plan([], [RunningRequest("r", None, False, 3 * BS - 1)], {"r": 1})
+    assert plan.saves
+    eng.worker.start_step(plan)  # slots taken from the reserve, no call
+    # the forward fails: no finish_step; the next step aborts the unfinished one
+    eng.worker.start_step(
+        eng.scheduler.build_plan([], [RunningRequest("r", [3], False, 3 * BS)], {"r": 1})
+    )
+    eng.worker.finish_step()
+    assert eng.worker.counters.save_dropped_blocks == 1
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="the reserve's release")
+    with Client(daemon.address) as c:
+        dram = c.stats().tiers[0]
+        assert dram.blocks == 2 and dram.used_bytes == 2 * BLOCK_BYTES  # no slot held
+        ns = c.declare_namespace(eng.layout.spec(None))
+        assert c.lookup(ns, req.int_hashes()).prefix_blocks == 2
+
+
+def test_an_idle_reserve_near_its_end_is_given_back(daemon_factory):
+    d = daemon_factory(settings={"leases.reap_interval_s": 0.02, "leases.quarantine_s": 0.0})
+    eng = Engine(d.address, seed=46, lease_ttl_s=0.8)
+    req = Req("r", _tokens(46, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])
+    eng.worker.session.client().flush()  # the reserve's answer read
+    assert _active_leases(d.address) == 1
+    time.sleep(0.5)  # past half of its life: not trusted for a forward any more
+    eng.step()  # an idle step: no call but the release (one message)
+    with Client(d.address) as c:
+        _wait_until(lambda: c.stats().active_leases == 0, what="the release")
+        assert c.stats().expired_leases == 0  # released, not left to expire
+    # the next store step prepares (and asks for a new reserve)
+    next_id = [3]
+    while req.num_tokens < 3 * BS + 1:
+        _decode(eng, req, next_id)
+    assert _stored(d.address, eng, req) == [eng.block_bytes(i) for i in (0, 1, 2)]
+
+
+def test_daemon_killed_mid_step_with_reserved_slots_degrades_to_recompute(daemon_factory):
+    d = daemon_factory("dies", tcp=False)
+    eng = Engine(d.address, seed=47)
+    req = Req("r", _tokens(47, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])
+    req.all_token_ids += [7] * (BS - 1)
+    req.rehash()
+    plan = eng.scheduler.build_plan([], [RunningRequest("r", None, False, 3 * BS - 1)], {"r": 1})
+    eng.worker.start_step(plan)  # slots from the reserve
+    d.kill()
+    eng.worker.finish_step()  # no exception: the save is dropped
+    assert eng.worker.counters.saved_blocks == 2
+    assert eng.worker.counters.save_dropped_blocks == 1
+    d.start()  # same socket and region file, empty
+    again = Req("again", _tokens(48, 2 * BS + 1))
+    deadline = time.monotonic() + 10
+    while True:  # the session comes back on its own; no reserve of the dead daemon is used
+        eng.prefill(Req("again", list(again.all_token_ids)), [10, 11, 12])
+        if _stored(d.address, eng, again) == [eng.block_bytes(i) for i in (10, 11)]:
+            break
+        assert time.monotonic() < deadline, "never stored again"
+        time.sleep(0.1)
+    eng.worker.close()
+    _wait_until(lambda: _active_leases(d.address) == 0, what="no lease left")
