@@ -87,8 +87,9 @@ def test_mp_server_serves_chunks_evicted_from_its_l1_out_of_kvstore(daemon_facto
         assert c.call("load", name="first", chunks=8) == {"exact": True}
         with Client(daemon.address) as k:
             after = k.stats()
-        # the bytes came out of kvstore: 8 more blocks loaded from the region
-        assert after.lookup_hit_blocks - before.lookup_hit_blocks >= 8
+        # the bytes came out of kvstore: 8 more blocks loaded from the region (the
+        # adapter's lookups are answered from the presence table it maps, which the
+        # daemon's lookup counters never see: docs/presence.md)
         assert after.loaded_blocks - before.loaded_blocks >= 8, (before, after)
 
         # A second server, its L1 empty, on the same daemon: served from kvstore alone.
