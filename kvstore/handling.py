@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstore import audit, errors
 from kvstore.identity import Authorizer, Caller
-from kvstore.manager import BlockManager, LookupResult, StoreChain
+from kvstore.manager import BlockManager, LookupResult, StoreChain, StorePlan
 from kvstore.namespace import NamespaceSpec
 from kvstore.tiers import Tier
 
@@ -292,11 +292,14 @@ class StoreRequests:
         plan = self.manager.prepare_store(
             namespace_id, hashes, lease_ttl_s, want, owner, client=client
         )
+        return self._prepared(plan, want)
+
+    def _prepared(self, plan: StorePlan, tier: Tier) -> PreparedStore:
         return PreparedStore(
             plan.lease_id,
             bytes(plan.statuses),
             pack_u64(plan.offsets),
-            int(want),
+            int(tier),
             plan.ttl_s,
             self.manager.region.region_id,
         )
@@ -317,14 +320,7 @@ class StoreRequests:
         plan = self.manager.reserve_store(
             namespace_id, blocks, lease_ttl_s, want, owner, client=client
         )
-        return PreparedStore(
-            plan.lease_id,
-            bytes(plan.statuses),
-            pack_u64(plan.offsets),
-            int(want),
-            plan.ttl_s,
-            self.manager.region.region_id,
-        )
+        return self._prepared(plan, want)
 
     def commit_store(
         self,
