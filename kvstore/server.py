@@ -124,9 +124,10 @@ class Daemon:
         self.region.warn_if_not_memory()
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
-        if cfg.server.presence_table and not cfg.dram.tenant_regions:
+        if cfg.server.presence_table and not cfg.dram.tenant_regions and not cfg.auth.principals:
             # One table for every tenant would tell a client whether another tenant
-            # holds a prefix: with tenant regions, lookups stay calls (docs/presence.md).
+            # holds a prefix, past the namespace check a Lookup call gets: with
+            # tenant regions or principals, lookups stay calls (docs/presence.md).
             self.manager.publish_presence(
                 PresenceTable.create(
                     presence_path(cfg.dram.path),
