@@ -367,8 +367,12 @@ class Client:
             if probe is None:
                 return None
         local = self.local
-        if local is not None and local.unanswered:
-            return None  # commits sent without waiting: the call is ordered after them
+        if local is not None and not local.quiet():
+            # Commits sent without waiting (the call is ordered after them), or the
+            # daemon's end readable or closed: a killed daemon's table still reads
+            # as current, so its answers would be hits no load can serve; the call
+            # meets the closed connection instead.
+            return None
         n = len(hashes)
         if n > self.info.max_blocks_per_request:
             return None  # the daemon's InvalidRequest, word for word

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,9 @@ class LocalChannel:
     def __init__(self, sock: socket.socket, timeout_s: float) -> None:
         self._sock = sock
         self._rfile = sock.makefile("rb")
+        # Readable or hung up (quiet()): polled with no wait before a presence probe.
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN | select.POLLPRI)
         self.timeout_s = timeout_s
         self._seq = 0
         self._queued: list[msgspec.Struct] = []
@@ -83,6 +87,12 @@ class LocalChannel:
         self.frames_sent = 0  # request frames written (tests count them)
         self.waits = 0  # calls that waited for their answer (tests count them)
         self.reserves = False  # the daemon serves reserve_store (HelloReply.reserves)
+
+    def quiet(self) -> bool:
+        """Nothing to read and not hung up: as far as this connection knows, the
+        daemon is up (a killed daemon's end is closed by the kernel at once: the
+        socket turns readable, at EOF). One poll(2), no wait."""
+        return self.broken is None and not self._unanswered and not self._poll.poll(0)
 
     @classmethod
     def open(cls, path: str, client_id: str, timeout_s: float, token: str = "") -> LocalChannel:

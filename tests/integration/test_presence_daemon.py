@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore import errors
 from kvstore.client import Client
 from kvstore.presence import HEADER_BYTES, MAGIC
 from tests.conftest import make_spec
@@ -173,6 +174,27 @@ def test_a_killed_daemons_table_is_retired_by_the_next_one(daemon_factory):
     caller = Client(d.address, map_region=False)
     assert prober.lookup(ns, hashes) == caller.lookup(ns, hashes)
     assert caller.lookup(ns, hashes).prefix_blocks == 0  # a cold start holds nothing
+
+
+def test_a_killed_daemons_table_answers_no_lookup_of_a_client_whose_channel_it_closed(
+    daemon_factory,
+):
+    # Between a kill -9 and the next start the table still reads as current; the
+    # lean connection's end is closed by the kernel at once, so the client calls
+    # (and meets the dead daemon) instead of reporting hits no load can serve.
+    d = daemon_factory(dram_bytes=2 * MiB, chunk_bytes=1 * MiB)
+    prober = Client(d.address, timeout_s=2.0)
+    ns = prober.declare_namespace(make_spec(BLOCK))
+    hashes = list(range(1, 17))
+    prober.put(ns, hashes, _data(16))
+    before = prober.probed_lookups
+    assert prober.lookup(ns, hashes).prefix_blocks == 16
+    assert prober.probed_lookups == before + 1
+    d.kill(keep_region=True)
+    with pytest.raises(errors.Unavailable):
+        prober.lookup(ns, hashes)
+    assert prober.probed_lookups == before + 1  # not answered by the dead daemon's table
+    prober.close()
 
 
 def test_the_file_is_the_regions_mode_and_owner(daemon_factory):
