@@ -352,20 +352,39 @@ class Client:
         if self._presence is None:
             self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
 
+    def _presence_probe(self) -> PresenceProbe | None:
+        """The mapped presence table, mapped now when there is one to map."""
+        if self._presence is None and (
+            self._map_region
+            and self.info.presence_path
+            and time.monotonic() >= self._presence_retry_at
+        ):
+            self._map_presence()
+        return self._presence
+
+    def _presence_gone(self, probe: PresenceProbe) -> None:
+        """The table was retired (the daemon stopped) or rebuilt: call until remapped."""
+        self._presence = None
+        self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
+        probe.close()
+
+    def present(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> np.ndarray | None:
+        """Which of ``hashes`` the daemon holds, read from its presence table without a
+        call (a bool per hash); None where no table is mapped (docs/presence.md).
+        A hint: a block may go or come right after; a commit is the authority."""
+        probe = self._presence_probe()
+        if probe is None:
+            return None
+        answer = probe.present(namespace_salt(ns.namespace_id), np.asarray(hashes, np.uint64))
+        if answer is None:
+            self._presence_gone(probe)
+        return answer
+
     def _probe(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LookupResult | None:
         """A lookup answered from the presence table, or None: call the daemon."""
-        probe = self._presence
+        probe = self._presence_probe()
         if probe is None:
-            if (
-                not self._map_region
-                or not self.info.presence_path
-                or time.monotonic() < self._presence_retry_at
-            ):
-                return None
-            self._map_presence()
-            probe = self._presence
-            if probe is None:
-                return None
+            return None
         local = self.local
         if local is not None and not local.quiet():
             # Commits sent without waiting (the call is ordered after them), or the
@@ -377,10 +396,8 @@ class Client:
         if n > self.info.max_blocks_per_request:
             return None  # the daemon's InvalidRequest, word for word
         answer = probe.lookup(namespace_salt(ns.namespace_id), hashes)  # converts what it needs
-        if answer is None:  # retired (the daemon stopped) or rebuilt: call until remapped
-            self._presence = None
-            self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
-            probe.close()
+        if answer is None:
+            self._presence_gone(probe)
             return None
         self.probed_lookups += 1
         found, by_tier = answer

@@ -476,6 +476,23 @@ class PresenceProbe:
         by_tier = {tier: counts[bits] for bits, tier in _TIER_OF_BITS.items() if counts[bits]}
         return found, by_tier
 
+    def present(self, salt: int, hashes: np.ndarray) -> np.ndarray | None:
+        """Which of ``hashes`` the table holds, in any tier (a bool per hash, not a
+        prefix); None when the table is no longer current."""
+        if not self.current:
+            return None
+        keys = mix_keys(salt, np.asarray(hashes, dtype=np.uint64))
+        b1, b2 = buckets_of(keys, self.buckets)
+        found = np.zeros(len(keys), dtype=bool)
+        for b in (b1, b2):
+            # word ^ key < 4 where a slot holds this key (its tier in the low bits)
+            got = np.take(self.rows, b, axis=0)
+            np.bitwise_xor(got, keys[:, None], out=got)
+            found |= got.min(axis=1) < 4
+        if not self.current:  # retired or rebuilt while we read
+            return None
+        return found
+
     def _scan(
         self, salt: int, hashes: Sequence[int] | np.ndarray, n: int, counts: list[int]
     ) -> int:

@@ -486,6 +486,15 @@ class WorkerSide:
                     batch = batch.only(~there, bs)
                     if not len(batch.block_hashes):
                         continue
+            if tenant in self._reserves or tenant in self._reserve_asked:
+                # A reserve cannot know what the daemon holds (a PrepareStore would
+                # answer PRESENT): its presence table says, without a call.
+                there = self._present(tenant, batch.block_hashes)
+                if there is not None and there.any():
+                    self.counters.save_skipped_blocks += int(there.sum())
+                    batch = batch.only(~there, bs)
+                    if not len(batch.block_hashes):
+                        continue
             self._store_sizes.append(len(batch.block_hashes))
             handle = self._take_reserve(tenant, len(batch.block_hashes))
             batch.reserved = handle is not None
@@ -522,6 +531,12 @@ class WorkerSide:
             region,
             np.concatenate([b.handle.offsets[b.allocated] for b in self._step.saves]),  # type: ignore[union-attr,index]
             np.concatenate([b.block_ids[b.allocated] for b in self._step.saves]),  # type: ignore[index]
+        )
+
+    def _present(self, tenant: str, hashes: np.ndarray) -> np.ndarray | None:
+        """Which of ``hashes`` the daemon's presence table holds (no call); None: unknown."""
+        return self.session.call_in(
+            "probe presence", self.layout.spec(tenant), lambda c, ns: c.present(ns, hashes)
         )
 
     def _prepare_store(self, tenant: str, hashes: np.ndarray) -> StoreHandle | None:

@@ -120,6 +120,39 @@ def test_a_block_the_daemon_has_is_skipped_not_dropped(daemon):
     _wait_until(lambda: _active_leases(daemon.address) == 0, what="every lease back")
 
 
+def test_a_block_in_the_presence_table_is_skipped_at_once_without_a_send(daemon):
+    """What the daemon's presence table holds is not written into a reserve: counted
+    skipped in the step itself (a restore step's counters are exact, as with a
+    PrepareStore), no copy, no commit sent."""
+    a, b = Engine(daemon.address, seed=46), Engine(daemon.address, seed=47)
+    tokens = _tokens(46, 2 * BS + 1)
+    ra, rb = Req("r", list(tokens)), Req("r", list(tokens))
+    a.prefill(ra, [0, 1, 2])  # a holds a reserve now
+    b.prefill(rb, [10, 11, 12], local_tokens=0)
+    next_id = [13]
+    while rb.num_tokens < 3 * BS + 1:  # b completes the third block (same tokens)
+        _decode(b, rb, next_id)
+    b.worker.session.client().flush()  # b's commit answered: the block is in the table
+    worker = a.worker.session.client()
+    assert worker is not None and worker.local is not None and worker.reserves
+    frames = worker.local.frames_sent
+    saved, skipped = a.worker.counters.saved_blocks, a.worker.counters.save_skipped_blocks
+    next_id = [3]
+    while ra.num_tokens < 3 * BS + 1:  # a completes the same block
+        _decode(a, ra, next_id)
+    # counted in the step itself, before any answer is read; nothing copied or sent
+    assert a.worker.counters.saved_blocks == saved
+    assert a.worker.counters.save_skipped_blocks == skipped + 1
+    assert worker.local.frames_sent == frames
+    worker.flush()
+    assert a.worker.counters.saved_blocks == saved  # and no late correction
+    assert a.worker.counters.save_skipped_blocks == skipped + 1
+    assert a.worker.counters.save_dropped_blocks == 0
+    a.worker.close()
+    b.worker.close()
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="every lease back")
+
+
 def test_an_unfinished_step_gives_its_reserved_slots_back(daemon):
     eng = Engine(daemon.address, seed=45)
     req = Req("r", _tokens(45, 2 * BS + 1))

@@ -100,6 +100,9 @@ def test_probe_answers_as_a_model_through_random_puts_moves_and_removes(table):
             expect += 1
             tiers[Tier(got)] = tiers.get(Tier(got), 0) + 1
         assert p.lookup(salt, seq) == (expect, tiers)
+        # per hash, not a prefix: what a store step skips
+        got = p.present(salt, seq)
+        assert got is not None and got.tolist() == [(salt, int(h)) in model for h in seq]
     assert t.refused == 0
     # the header counts what is in
     assert int(t.header[6]) == len(model)
@@ -115,7 +118,10 @@ def test_a_full_table_only_misses_never_invents(table):
     p = _probe(t)
     present = sum(p.lookup(salt, stored[i : i + 1])[0] for i in range(len(stored)))
     assert present == len(stored) - t.refused
+    got = p.present(salt, stored)
+    assert got is not None and int(got.sum()) == len(stored) - t.refused
     never = stored + 1
+    assert not p.present(salt, never).any()  # type: ignore[union-attr]
     assert all(p.lookup(salt, never[i : i + 1])[0] == 0 for i in range(0, len(never), 7))
 
 
@@ -142,6 +148,7 @@ def test_header_checks_retire_and_rebuild(table, tmp_path):
     assert p.lookup(salt, np.array([5, 6], dtype=np.uint64)) == (2, {Tier.DRAM: 2})
     t.rebuild([])  # a new generation: the old mapping is not current
     assert not p.current and p.lookup(salt, np.array([5], dtype=np.uint64)) is None
+    assert p.present(salt, np.array([5], dtype=np.uint64)) is None
     p2 = _probe(t)
     assert p2.lookup(salt, np.array([5], dtype=np.uint64)) == (0, {})
     for offset, garbage in ((0, b"notmagic"), (8, b"\x09" * 8), (24, b"\x03" + b"\0" * 7)):
