@@ -339,6 +339,9 @@ def test_a_decode_step_with_nothing_to_load_or_save_sends_nothing(daemon_factory
     assert eng.worker.counters.saved_blocks == 2
     worker, scheduler = eng.worker.session.client(), eng.scheduler.session.client()
     assert worker.using_local_channel and scheduler.using_local_channel
+    # The prefill's commit (and the reserve it asks for) went without waiting: the
+    # daemon counts them when it serves them, so read their answers first.
+    worker.flush()
     sent = (worker.local.frames_sent, scheduler.local.frames_sent)
     calls = _rpc_total(d)
     for _ in range(BS - 2):  # decode tokens that complete no block
