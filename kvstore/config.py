@@ -52,10 +52,11 @@ class ServerConfig(_Section):
     """Also serve the lean local channel at <socket_path>.lean (msgpack frames, tens of
     microseconds a call; see docs/local-channel.md): kvstore.client uses it for the hot
     path when it can connect, gRPC otherwise. false = gRPC only."""
-    event_loop: Literal["asyncio", "uvloop", "auto"] = "asyncio"
-    """The daemon's event loop (gRPC, the lean channel, peer pulls): "uvloop" = libuv's
-    (the router extra installs it; fewer microseconds per lean call, see
-    docs/local-channel.md), "auto" = uvloop when installed, "asyncio" = asyncio's own."""
+    event_loop: Literal["asyncio", "uvloop", "auto"] = "auto"
+    """The daemon's event loop (gRPC, the lean channel, peer pulls): "auto" = uvloop
+    when installed (the router extra installs it; fewer microseconds per lean call,
+    see docs/local-channel.md), else asyncio's; "uvloop" = libuv's or an error when
+    it is missing; "asyncio" = asyncio's own."""
     local_max_connections: int = 256
     """Lean-channel connections open at once; one more is refused (RESOURCE_EXHAUSTED)."""
     file_group: str = ""
