@@ -38,3 +38,22 @@ def test_scatter_starts_no_piece_past_the_deadline(monkeypatch):
     clock = ticking([0.0, 1.0, 9.0])  # the third piece would start past the deadline
     assert scatter(region, offsets, data, rows, BLOCK, deadline_s=5.0, clock=clock) == 4
     assert (region[: 4 * BLOCK] == 7).all() and not region[4 * BLOCK :].any()
+
+
+def test_small_batches_find_the_same_runs_as_the_numpy_path(monkeypatch):
+    """Up to SMALL_RUNS_BLOCKS the runs are found in Python ints: same answer as numpy's."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for n in range(client_mod.SMALL_RUNS_BLOCKS + 1):
+        for _ in range(40):
+            slots = rng.permutation(64)[:n] if rng.random() < 0.5 else np.sort(rng.choice(64, n))
+            offsets = slots.astype(np.uint64) * BLOCK
+            rows = None
+            if rng.random() < 0.5:
+                rows = np.where(rng.random(n) < 0.8, np.arange(n), rng.integers(0, 30, n))
+            cases.append((offsets, rows))
+    small = [client_mod._runs(o, r, BLOCK) for o, r in cases]
+    monkeypatch.setattr(client_mod, "SMALL_RUNS_BLOCKS", 0)  # numpy for every batch
+    assert small == [client_mod._runs(o, r, BLOCK) for o, r in cases]
+    offsets = np.array([0, 1, 2, 5, 6, 9], dtype=np.uint64) * BLOCK
+    assert small and client_mod._runs(offsets, None, BLOCK) == [(0, 3), (3, 5), (5, 6)]
