@@ -473,14 +473,56 @@ def test_snapshot_rpc_is_consistent_with_the_event_stream(daemon_factory):
         )
     assert chunks[-1].done and all(not c.done for c in chunks[:-1])
     assert len({c.next_seq for c in chunks}) == 1
-    # 1 start-of-life clear + 6 single-block batches
-    assert chunks[0].next_seq == 7
+    next_seq = chunks[0].next_seq
     got = np.concatenate(
         [np.frombuffer(c.block_hashes, "<u8") for c in chunks if c.tier == store_pb2.TIER_DRAM]
     )
     assert sorted(got.tolist()) == sorted(hashes.tolist())
     assert {c.block_size_tokens for c in chunks if not c.done} == {16}
-    assert msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=[])) is not None
+    # The stream below next_seq holds every stored block and nothing at or above
+    # it yet. How many batches that is depends on how the sender thread woke:
+    # stores that queue up while it sleeps go out as one batch (CI once sent the
+    # 6 puts as 1 batch; this test expected 6).
+    before = replayed(str(s["events.replay_address"]), 0)
+    assert [seq for seq, _ in before] == list(range(next_seq))
+    assert isinstance(before[0][1][0], AllBlocksCleared)
+    stored = [
+        h for _, evs in before for e in evs if isinstance(e, BlockStored) for h in e.block_hashes
+    ]
+    assert sorted(stored) == sorted(hashes.tolist())
+    # ... and the stream from next_seq on is what changed after the snapshot.
+    later = chain(7, seed=1)[-1:]
+    put_one_by_one(d, later)
+    wait_for(
+        lambda: bool(replayed(str(s["events.replay_address"]), next_seq)),
+        what="the batch of the store after the snapshot",
+    )
+    after = replayed(str(s["events.replay_address"]), next_seq)
+    assert [seq for seq, _ in after] == [next_seq]
+    assert [h for e in after[0][1] for h in e.block_hashes] == later.tolist()
+
+
+def replayed(endpoint: str, start_seq: int) -> list[tuple[int, list[object]]]:
+    """(seq, events) of every batch the publisher's replay socket resends from start_seq."""
+    import zmq
+
+    from kvstore.events.wire import END_SEQ
+
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    got: list[tuple[int, list[object]]] = []
+    try:
+        dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
+        while True:
+            assert dealer.poll(10_000), "no replay answer"
+            _, _topic, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return got
+            got.append((int.from_bytes(seq, "big"), list(decoder.decode(payload).events)))
+    finally:
+        dealer.close()
 
 
 # --- staleness on /metrics and in `kvstore status --indexer` ------------------------
