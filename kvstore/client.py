@@ -21,6 +21,13 @@ region and their own buffers.
 Errors come back as the exact kvstore.errors class the daemon raised (rebuilt
 from the reason code it sends: ``errors.error_from_rpc``).
 
+Direct loads: where the daemon publishes slot locations in its presence table
+(docs/presence.md), ``get`` and ``prepare_load(..., pin=False)`` read DRAM
+blocks with no call and no lease, then check with ``intact(handle)`` that no
+block left its slot during the copy (what did is loaded the leased way, or
+reported). The daemon learns of those loads from one message sent without
+waiting (its counters, its eviction order).
+
 Leases are fenced by the client's own clock: a handle's ``deadline_s`` is the
 lease's granted lifetime counted from before the request was sent, less a
 margin, so it is never later than the daemon's expiry. put/get copy in bounded
@@ -36,6 +43,7 @@ import logging
 import math
 import mmap
 import os
+import platform
 import queue
 import threading
 import time
@@ -52,7 +60,7 @@ from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.identity import client_token, token_metadata
 from kvstore.local_client import LocalChannel
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
-from kvstore.presence import PresenceProbe, namespace_salt
+from kvstore.presence import Located, PresenceProbe, namespace_salt
 from kvstore.tiers.dram import PAGE_BYTES, map_file_at, reserve_addresses
 from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import store_pb2 as pb
@@ -81,6 +89,10 @@ COPY_CHUNK_BYTES = 256 * 1024 * 1024
 # While the daemon's lean channel cannot be connected to, a new try at most this often
 # (gRPC carries the calls meanwhile).
 LOCAL_RETRY_S = 1.0
+# Direct loads check after the copy that what they read was never another block's:
+# sound where loads are not reordered with older loads (x86's TSO order). On other
+# machines that check would need a fence these copies do not have: loads pin.
+DIRECT_LOAD_MACHINES = ("x86_64", "AMD64")
 
 # A daemon that was down is retried at least this often: gRPC's default backoff
 # grows to 120 s, so a client that lived through a 20 s outage kept failing for
@@ -178,6 +190,9 @@ class LoadHandle:
     tier: str = "dram"
     # By the client's clock: bytes read from the slots after this are not valid.
     deadline_s: float = math.inf
+    # A direct load (lease_id 0): where the presence table showed the blocks,
+    # for Client.intact after the copy. None: a lease pins them.
+    located: Located | None = None
 
 
 def _tier_name(tier: int) -> str:
@@ -262,7 +277,10 @@ class Client:
         tls: TlsFiles | None = None,
         token: str | None = None,
         token_file: str = "",
+        direct_loads: bool | None = None,
     ) -> None:
+        """``direct_loads``: read DRAM blocks found in the daemon's presence table
+        without a lease (None: unless $KVSTORE_DIRECT_LOADS is 0/false)."""
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
         )
@@ -337,6 +355,13 @@ class Client:
         self._presence: PresenceProbe | None = None
         self._presence_retry_at = 0.0
         self.probed_lookups = 0  # lookups answered by the table (the daemon never saw them)
+        # Blocks read with no lease (direct loads), and those a check after the
+        # copy found gone from their slots (read again the leased way, or reported).
+        self._direct = (direct_loads if direct_loads is not None else _direct_from_env()) and (
+            platform.machine() in DIRECT_LOAD_MACHINES
+        )
+        self.direct_loaded_blocks = 0
+        self.direct_lost_blocks = 0
         if map_region:
             self._map_whole_region()
             self._map_presence()
@@ -402,6 +427,48 @@ class Client:
         self.probed_lookups += 1
         found, by_tier = answer
         return LookupResult(found, {t.name.lower(): c for t, c in by_tier.items()})
+
+    def _locate(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LoadHandle | None:
+        """A direct load's handle (lease_id 0) for the DRAM prefix of ``hashes``, read
+        from the presence table; None when the daemon must answer: no table or
+        lean channel, a tenant region, a block of the prefix held on disk or in
+        the GPU pool (a call moves it first), more hashes than one request takes.
+        Tells the daemon of the blocks in one message it does not answer."""
+        local = self.local
+        if (
+            not self._direct
+            or local is None
+            or not local.direct_loads
+            or self._tenants is not None
+            or self.region is None
+            or len(hashes) > self.info.max_blocks_per_request
+        ):
+            return None
+        probe = self._presence_probe()
+        if probe is None or not local.quiet():  # see _probe: a killed daemon's table
+            return None
+        located = probe.locate(namespace_salt(ns.namespace_id), hashes)
+        if located is None:
+            self._presence_gone(probe)
+            return None
+        if located.elsewhere:
+            return None
+        found = located.found
+        if found:
+            packed = pack_hashes(hashes[:found])
+            with self._lock:
+                local.post(local_wire.LoadedDirect(0, ns.namespace_id, packed))
+                local.flush()  # now: the daemon's eviction order sees the hits at once
+            self.direct_loaded_blocks += found
+        return LoadHandle(0, ns, found, located.offsets(), located.checksums, located=located)
+
+    def intact(self, handle: LoadHandle) -> int:
+        """After copying a load's blocks out: how many leading ones are valid
+        (``intact``, by this client's clock; counted)."""
+        ok = intact(handle, self._clock)
+        if handle.located is not None:
+            self.direct_lost_blocks += handle.found - ok
+        return ok
 
     @property
     def probes_lookups(self) -> bool:
@@ -1122,9 +1189,19 @@ class Client:
         peer_hint: str = "",
         peer_timeout_s: float = 0.0,
         tier: str = "dram",
+        pin: bool = True,
     ) -> LoadHandle:
         """Pin the longest present prefix (after pulling it from peer_hint, if given),
-        moved into `tier` first ("gpu": offsets into gpu_pool())."""
+        moved into `tier` first ("gpu": offsets into gpu_pool()).
+
+        ``pin=False``: where the presence table shows the prefix in DRAM, a direct
+        load instead: no call, no lease (lease_id 0; release is a no-op). The
+        caller must then check ``intact(handle)`` after its copy and trust only
+        that many blocks. Otherwise (some of it elsewhere, no table) pinned."""
+        if not pin and not peer_hint and tier == "dram":
+            direct = self._locate(ns, hashes)
+            if direct is not None:
+                return direct
         self._check_reach(ns, tier)
         packed = pack_hashes(hashes)
         tier_value = _tier_value(tier)
@@ -1371,6 +1448,8 @@ class Client:
                 return GetResult(reply.found_blocks, data.copy())
             out[: reply.found_blocks] = data
             return GetResult(reply.found_blocks, out[: reply.found_blocks])
+        if tier == "dram" and (direct := self._locate(ns, hashes)) is not None:
+            return self._get_direct(ns, hashes, out, direct)
         if n * ns.block_bytes > 2 * PIPELINE_CHUNK_BYTES:
             return self._get_pipelined(ns, hashes, out, tier, space)
         handle = self.prepare_load(ns, hashes, tier=tier)
@@ -1392,6 +1471,45 @@ class Client:
             # The pin only has to outlive the copy; don't wait for the answer.
             self.release(handle, wait=False)
         return GetResult(found, out[:found])
+
+    def _get_direct(
+        self,
+        ns: Namespace,
+        hashes: Sequence[int] | np.ndarray,
+        out: np.ndarray | None,
+        handle: LoadHandle,
+    ) -> GetResult:
+        """get() of a prefix the presence table shows in DRAM: copied with no call;
+        blocks that left their slots during the copy are read again with a lease."""
+        assert self.region is not None
+        found = handle.found
+        if out is None:
+            out = np.empty((found, ns.block_bytes), dtype=np.uint8)
+        if not found:
+            return GetResult(0, out[:0])
+        gather(self.region, handle.offsets, out, ns.block_bytes)
+        ok = self.intact(handle)
+        if ok == found:
+            return GetResult(found, out[:found])
+        if out.shape[0] < len(hashes):  # (a new array: room for what a lease finds)
+            grown = np.empty((len(hashes), ns.block_bytes), dtype=np.uint8)
+            grown[:ok] = out[:ok]
+            out = grown
+        # The rest the way a call sees it now: what is still held, pinned.
+        handle = self.prepare_load(ns, hashes[ok:])
+        space = self._space_of(handle.lease_id, "dram")
+        try:
+            more = gather(
+                space,
+                handle.offsets,
+                out[ok:],
+                ns.block_bytes,
+                deadline_s=handle.deadline_s,
+                clock=self._clock,
+            )
+        finally:
+            self.release(handle, wait=False)
+        return GetResult(ok + more, out[: ok + more])
 
     def _get_pipelined(
         self,
@@ -1560,6 +1678,23 @@ class Client:
         # after the lease ran out may have read reused slots: none of it counts.
         found = 0 if self.expired(handle) else handle.found
         return GetResult(found, result[:found])
+
+
+def intact(handle: LoadHandle, clock: Callable[[], float] = time.monotonic) -> int:
+    """After copying a load's blocks out: how many leading ones are valid. A direct
+    load: those still in the slots it found them in, nothing else ever there
+    meanwhile (the presence table's words unchanged); the rest must be read again
+    (``prepare_load``) or recomputed. A leased load: all of them until its
+    deadline (by ``clock``), none after (its slots may have been reused)."""
+    located = handle.located
+    if located is None:
+        return 0 if clock() > handle.deadline_s else handle.found
+    return located.probe.intact(located)
+
+
+def _direct_from_env() -> bool:
+    """Direct loads unless $KVSTORE_DIRECT_LOADS says 0/false."""
+    return os.environ.get("KVSTORE_DIRECT_LOADS", "1").lower() not in ("0", "false")
 
 
 def _synchronize(*tensors: Any) -> None:

@@ -436,6 +436,14 @@ class StoreRequests:
             self.manager.region.region_id,
         )
 
+    def loaded_direct(
+        self, namespace_id: str, block_hashes: bytes, who: Caller | None = None
+    ) -> int:
+        """Blocks a local client read from the region without a lease (found in the
+        presence table): counted as loads and as hits, as PrepareLoad would."""
+        self.allow_namespace(who, namespace_id, "PrepareLoad")
+        return self.manager.loaded_direct(namespace_id, self.hashes(block_hashes))
+
     def release(self, lease_ids: list[int], owner: str, who: Caller | None = None) -> int:
         self.allow_leases(who, "Release")
         if len(lease_ids) > self.max_blocks:

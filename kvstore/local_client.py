@@ -87,6 +87,7 @@ class LocalChannel:
         self.frames_sent = 0  # request frames written (tests count them)
         self.waits = 0  # calls that waited for their answer (tests count them)
         self.reserves = False  # the daemon serves reserve_store (HelloReply.reserves)
+        self.direct_loads = False  # it serves loaded_direct (HelloReply.direct_loads)
 
     def quiet(self) -> bool:
         """Nothing to read and not hung up: as far as this connection knows, the
@@ -113,6 +114,7 @@ class LocalChannel:
         ch.ops = frozenset(reply.ops)
         ch.presence_path = reply.presence_path
         ch.reserves = reply.reserves
+        ch.direct_loads = reply.direct_loads
         return ch
 
     def map_tenant(self, namespace_id: str) -> tuple[TenantRange, int | None]:

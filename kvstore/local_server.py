@@ -59,7 +59,9 @@ from kvstore.local_wire import (
     FetchFromPeer,
     Hello,
     HelloReply,
+    LoadedDirect,
     LoadPrepared,
+    LoadsCounted,
     Looked,
     Lookup,
     MapTenant,
@@ -86,6 +88,7 @@ _RPC_NAMES: dict[type, str] = {
     CommitStore: "CommitStore",
     PrepareLoad: "PrepareLoad",
     Release: "Release",
+    LoadedDirect: "LoadedDirect",
     Delete: "Delete",
     FetchFromPeer: "FetchFromPeer",
     MapTenant: "MapTenant",
@@ -512,6 +515,7 @@ class LocalServer:
             ops,
             self.presence_path,
             reserves=True,
+            direct_loads=bool(self.presence_path),
         )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
@@ -618,6 +622,8 @@ class LocalServer:
                 return _load_prepared(m.seq, q)
             if isinstance(m, Release):
                 return Released(m.seq, r.release(list(m.lease_ids), owner, who))
+            if isinstance(m, LoadedDirect):
+                return LoadsCounted(m.seq, r.loaded_direct(m.namespace_id, m.block_hashes, who))
             if isinstance(m, Delete):
                 deleted, busy = r.delete(m.namespace_id, m.block_hashes, who)
                 return Deleted(m.seq, deleted, busy)

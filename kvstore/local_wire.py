@@ -116,6 +116,16 @@ class Release(_Message, frozen=True, tag="release"):
     lease_ids: list[U64]
 
 
+class LoadedDirect(_Message, frozen=True, tag="loaded_direct"):
+    """Blocks this client read straight from the region, found in the presence
+    table (no lease: kvstore.presence ``locate`` / ``intact``): the daemon counts
+    them as loads and as hits for eviction. Usually seq 0 (no answer wanted).
+    HelloReply.direct_loads says the daemon serves it."""
+
+    namespace_id: Id
+    block_hashes: bytes
+
+
 class Delete(_Message, frozen=True, tag="delete"):
     namespace_id: Id
     block_hashes: bytes
@@ -151,6 +161,7 @@ Request = (
     | CommitStore
     | PrepareLoad
     | Release
+    | LoadedDirect
     | Delete
     | FetchFromPeer
     | MapTenant
@@ -164,6 +175,7 @@ REQUEST_TAGS = (
     "commit_store",
     "prepare_load",
     "release",
+    "loaded_direct",
     "delete",
     "fetch_from_peer",
     "map_tenant",
@@ -186,6 +198,9 @@ class HelloReply(_Message, frozen=True, tag="hello"):
     # Whether it serves ``reserve_store`` (and CommitStore.positions): an older
     # daemon's reply reads as False (the client prepares every store).
     reserves: bool = False
+    # Whether it serves ``loaded_direct`` and publishes slot locations in its
+    # presence table: clients may load DRAM blocks without a lease.
+    direct_loads: bool = False
 
 
 class Declared(_Message, frozen=True, tag="declared"):
@@ -224,6 +239,10 @@ class LoadPrepared(_Message, frozen=True, tag="load_prepared"):
 
 class Released(_Message, frozen=True, tag="released"):
     released: int
+
+
+class LoadsCounted(_Message, frozen=True, tag="loads_counted"):
+    blocks: int  # of those named, the blocks still held in DRAM (counted)
 
 
 class Deleted(_Message, frozen=True, tag="deleted"):
@@ -271,6 +290,7 @@ Reply = (
     | Committed
     | LoadPrepared
     | Released
+    | LoadsCounted
     | Deleted
     | Fetched
     | TenantRange

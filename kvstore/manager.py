@@ -723,6 +723,26 @@ class BlockManager:
         lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner, client)
         return LoadPlan(lease.lease_id, found, tier, ttl_s)
 
+    def loaded_direct(self, ns_id: str, hashes: Sequence[int]) -> int:
+        """Blocks a local client read straight from their DRAM slots, found in the
+        presence table with no lease: each one still held in DRAM is a hit for its
+        eviction order and counted as loaded (as prepare_load does). Returns how
+        many; the rest left DRAM meanwhile (the client's check after its copy
+        said so)."""
+        ns = self.namespace(ns_id)
+        self._check_count(len(hashes))
+        blocks = ns.blocks
+        n = 0
+        for h in hashes:
+            block = blocks.get(h)
+            if block is None or block.doomed or block.offset < 0:
+                continue
+            self.placement.touch(block)
+            n += 1
+        self.counters.loaded_blocks += n
+        self.counters.direct_loaded_blocks += n
+        return n
+
     async def prepare_load_async(
         self,
         ns_id: str,

@@ -149,7 +149,17 @@ class ManagerCollector(Collector):
                 c.lookup_miss_blocks,
             ),
             ("kvstore_store_blocks", "Blocks committed.", c.stored_blocks),
-            ("kvstore_load_blocks", "Blocks pinned for loading.", c.loaded_blocks),
+            (
+                "kvstore_load_blocks",
+                "Blocks loaded: pinned for loading, or read directly by local clients.",
+                c.loaded_blocks,
+            ),
+            (
+                "kvstore_load_direct_blocks",
+                "Of the loaded blocks: read by local clients from the region without a "
+                "lease (found in the presence table).",
+                c.direct_loaded_blocks,
+            ),
             (
                 "kvstore_eviction_blocks",
                 "Blocks evicted (dropped from the node).",

@@ -80,6 +80,8 @@ class Counters:
     lookup_miss_blocks: int = 0
     stored_blocks: int = 0
     loaded_blocks: int = 0
+    # Of loaded_blocks: read by local clients without a lease (presence table).
+    direct_loaded_blocks: int = 0
     evicted_blocks: int = 0
     expired_leases: int = 0
     demoted_blocks: int = 0
@@ -332,10 +334,11 @@ class Placement:
         """DRAM copies resident as low-priority replicas now (O(slot sizes))."""
         return sum(p.cold_len() for p in self.dram.policies.values())
 
-    @staticmethod
-    def set_checksum(block: Block, checksum: int) -> None:
+    def set_checksum(self, block: Block, checksum: int) -> None:
         """Record a committed block's verified xxh3-64 (its bytes never change)."""
         block.checksum = checksum
+        if self.presence is not None:
+            self.presence.checksummed(block)
 
     # ------------------------------------------- copies on other nodes
 
@@ -1011,7 +1014,7 @@ class Placement:
             return False
         self.dirty.pop(block, None)
         block.disk_slot = slot
-        block.checksum = checksum
+        self.set_checksum(block, checksum)
         self.clean_bytes += ns.slot_bytes
         self.disk_policy(ns).insert(block)
         self._resident(block, Tier.DISK)

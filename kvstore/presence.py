@@ -19,11 +19,25 @@ tier (1 GPU, 2 DRAM, 3 DISK); 0 = empty. A 4 KiB header before it:
     3 buckets (a power of two), 4 WAYS, 5 generation (bumped by a rebuild),
     6 entries, 7 inserts refused (their bucket was full)
 
-It is a hint, never an authority: a block missing from a full bucket only
-misses a hit; a block removed after the probe makes the later PrepareLoad find
-fewer blocks (the engine recomputes). Every word the daemon writes is one
-aligned 8-byte store, so a reader sees a slot's old or new word, never a mix:
-it can only ever report a block that was stored.
+then the key words, the locations and the checksums (``buckets * WAYS`` words each).
+
+Beside each key word, at the same index of two more arrays of the same shape:
+its **location** (a DRAM block's slot: ``offset // 64 << 24 | stamp``, the
+stamp a 24-bit count of location writes; 0 = no DRAM copy to read) and its
+**checksum** (0 = none). They let a local client read a DRAM block's bytes
+with no call and no pin (``locate``, then ``intact`` after the copy: a direct
+load, docs/presence.md "Direct loads"). The rule that makes that safe: the
+daemon changes a block's key word (removed: 0; moved: its tier bits) or its
+location in the same event-loop step that frees its DRAM slot, before anyone
+can be handed that slot, and writes a location before the key word that
+publishes it. So a reader that finds the key word and the location it copied
+by unchanged after its copy read bytes that were that block's all along.
+
+As a lookup it is a hint, never an authority: a block missing from a full
+bucket only misses a hit; a block removed after the probe makes the later
+PrepareLoad find fewer blocks (the engine recomputes). Every word the daemon
+writes is one aligned 8-byte store, so a reader sees a slot's old or new word,
+never a mix: it can only ever report a block that was stored.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -51,7 +65,7 @@ log = logging.getLogger(__name__)
 
 PATH_SUFFIX = ".presence"
 MAGIC = int.from_bytes(b"KVPRES\x00\x01", "little")
-VERSION = 1
+VERSION = 2  # 2: locations and checksums beside the keys (direct loads)
 WAYS = 8  # words per bucket: one 64-byte cache line
 HEADER_BYTES = 4096  # the table starts page aligned
 _MAGIC, _VERSION, _REGION, _BUCKETS, _WAYS, _GENERATION, _ENTRIES, _REFUSED = range(8)
@@ -74,6 +88,14 @@ _M64 = (1 << 64) - 1
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53  # murmur3's fmix64
 _LOW = np.uint64(3)
 _TIER_OF_BITS = {int(Tier.GPU): Tier.GPU, int(Tier.DRAM): Tier.DRAM, int(Tier.DISK): Tier.DISK}
+# A location word: the slot's offset in units of LOC_UNIT_BYTES (every DRAM slot
+# starts on a cache line: kvstore.tiers.dram.SLOT_ALIGN_BYTES) above a 24-bit
+# stamp. The stamp makes a block that comes back to the same slot (evicted,
+# stored again) a new location: a copy that spanned the two does not pass.
+LOC_UNIT_BYTES = 64
+LOC_STAMP_BITS = 24
+_STAMP_MASK = (1 << LOC_STAMP_BITS) - 1
+MAX_LOC_OFFSET_BYTES = LOC_UNIT_BYTES << (64 - LOC_STAMP_BITS)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -127,6 +149,23 @@ def presence_path(dram_path: str) -> str:
     return dram_path + PATH_SUFFIX
 
 
+def table_bytes(buckets: int) -> int:
+    """The file's size: the header, then keys, locations and checksums."""
+    return HEADER_BYTES + 3 * buckets * WAYS * 8
+
+
+def loc_offset(loc: int) -> int:
+    """The byte offset of the slot a location word names."""
+    return (loc >> LOC_STAMP_BITS) * LOC_UNIT_BYTES
+
+
+def _arrays(mapping: mmap.mmap, buckets: int) -> tuple[np.ndarray, ...]:
+    """(header, keys, locations, checksums) over a table's mapping: flat uint64 arrays."""
+    words = np.frombuffer(mapping, dtype=np.uint64)
+    n, h = buckets * WAYS, HEADER_BYTES // 8
+    return words[:h], words[h : h + n], words[h + n : h + 2 * n], words[h + 2 * n : h + 3 * n]
+
+
 class PresenceTable:
     """The daemon's side: the file, created anew at each start, and its writes."""
 
@@ -135,13 +174,16 @@ class PresenceTable:
         self._mmap = mapping
         self.buckets = buckets
         self._shift = 64 - (buckets.bit_length() - 1)
-        words = np.frombuffer(mapping, dtype=np.uint64)
-        self.header = words[: HEADER_BYTES // 8]
-        self.flat = words[HEADER_BYTES // 8 :]
+        self.header, self.flat, self.locs, self.sums = _arrays(mapping, buckets)
         self.rows = self.flat.reshape(buckets, WAYS)
+        n = buckets * WAYS
         # One word at a time from Python ints (one aligned 8-byte store each).
         self._view = memoryview(mapping).cast("Q")
-        self._words = self._view[HEADER_BYTES // 8 :]
+        h = HEADER_BYTES // 8
+        self._words = self._view[h : h + n]
+        self._loc_words = self._view[h + n : h + 2 * n]
+        self._sum_words = self._view[h + 2 * n : h + 3 * n]
+        self._stamp = 0  # location writes so far (the low bits of each location)
         self.refused = 0
         self._warned = False
 
@@ -154,7 +196,7 @@ class PresenceTable:
         client still mapping it stops probing, then replaced; one another user owns
         is refused (kvstore/files.py), as for the region."""
         buckets = table_buckets(capacity_bytes)
-        nbytes = HEADER_BYTES + buckets * WAYS * 8
+        nbytes = table_bytes(buckets)
         for _ in range(MAX_OPEN_ATTEMPTS):
             if os.path.lexists(path):
                 _retire_left_behind(path, files)
@@ -185,18 +227,55 @@ class PresenceTable:
 
     # ------------------------------------------------------------ writes
 
+    def locations(self, offsets: np.ndarray) -> np.ndarray:
+        """Location words for DRAM slots at byte ``offsets`` (-1: none, 0), each with
+        the next stamp."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        n = len(offsets)
+        stamps = (np.arange(self._stamp + 1, self._stamp + 1 + n, dtype=np.uint64)) & np.uint64(
+            _STAMP_MASK
+        )
+        self._stamp = (self._stamp + n) & _STAMP_MASK
+        units = (np.maximum(offsets, 0) // LOC_UNIT_BYTES).astype(np.uint64)
+        locs = (units << np.uint64(LOC_STAMP_BITS)) | stamps
+        locs[offsets < 0] = 0
+        return locs
+
+    def location(self, offset: int) -> int:
+        """location() for one slot, in Python ints."""
+        if offset < 0:
+            return 0
+        assert offset % LOC_UNIT_BYTES == 0 and offset < MAX_LOC_OFFSET_BYTES, offset
+        self._stamp = (self._stamp + 1) & _STAMP_MASK
+        return (offset // LOC_UNIT_BYTES) << LOC_STAMP_BITS | self._stamp
+
     def put(
-        self, salt: int, hashes: np.ndarray, tiers: np.ndarray | int, *, new: bool = False
+        self,
+        salt: int,
+        hashes: np.ndarray,
+        tiers: np.ndarray | int,
+        *,
+        new: bool = False,
+        offsets: np.ndarray | None = None,
+        checksums: np.ndarray | None = None,
     ) -> None:
         """Record distinct blocks of one namespace as present in ``tiers`` (or move
         ones already recorded there): one word each, written in place. ``new``: the
         caller knows none is recorded (they just entered the index), so no look for
-        them is made."""
+        them is made. ``offsets``: each block's DRAM slot (-1: none; None: none has
+        one), published as its location; ``checksums`` beside them (None: 0)."""
         if not len(hashes):
             return
         keys = mix_keys(salt, hashes)
         words = keys | np.asarray(tiers, dtype=np.uint64)
-        if new and self._put_new(keys, words):
+        n = len(keys)
+        locs = self.locations(offsets) if offsets is not None else np.zeros(n, np.uint64)
+        sums = (
+            np.asarray(checksums, dtype=np.uint64)
+            if checksums is not None
+            else np.zeros(n, np.uint64)
+        )
+        if new and self._put_new(keys, words, locs, sums):
             return
         rest = np.arange(len(keys))
         first_round = not new
@@ -213,7 +292,7 @@ class PresenceTable:
                 known = ((r1 ^ k[:, None]).min(axis=1) < 4) | ((r2 ^ k[:, None]).min(axis=1) < 4)
                 if known.any():  # moves (a promotion's batch): word by word
                     for i in rest[known].tolist():
-                        self.put_one(salt, int(hashes[i]), int(words[i]) & 3)
+                        self._put_one(int(keys[i]), int(words[i]) & 3, int(locs[i]), int(sums[i]))
                     rest, k, b1, b2 = rest[~known], k[~known], b1[~known], b2[~known]
                     r1, r2 = r1[~known], r2[~known]
                     if not rest.size:
@@ -229,14 +308,25 @@ class PresenceTable:
             slot = np.where(use2, (r2 == 0).argmax(axis=1), (r1 == 0).argmax(axis=1))
             _, first = np.unique(target, return_index=True)
             if first.size == rest.size:
-                self.rows[target, slot] = words[rest]
+                self._write(target * WAYS + slot, words[rest], locs[rest], sums[rest])
                 self.header[_ENTRIES] += rest.size
                 break
-            self.rows[target[first], slot[first]] = words[rest[first]]
+            at = target[first] * WAYS + slot[first]
+            chosen = rest[first]
+            self._write(at, words[chosen], locs[chosen], sums[chosen])
             self.header[_ENTRIES] += first.size
             rest = np.delete(rest, first)
 
-    def _put_new(self, keys: np.ndarray, words: np.ndarray) -> bool:
+    def _write(self, at: np.ndarray, words: np.ndarray, locs: np.ndarray, sums: np.ndarray) -> None:
+        """Entries at flat indexes ``at``: location and checksum first, the key word
+        last (a reader that finds the key finds its location already there)."""
+        self.locs[at] = locs
+        self.sums[at] = sums
+        self.flat[at] = words
+
+    def _put_new(
+        self, keys: np.ndarray, words: np.ndarray, locs: np.ndarray, sums: np.ndarray
+    ) -> bool:
         """The common case of a commit in few numpy calls: every key has room and no
         two aim at one bucket. False (nothing written) otherwise: put's rounds then."""
         b1, b2 = buckets_of(keys, self.buckets)
@@ -248,15 +338,21 @@ class PresenceTable:
         ordered = np.sort(target)
         if not (free1 | free2).all() or (ordered[1:] == ordered[:-1]).any():
             return False
-        self.rows[target, np.where(use2, z2.argmax(axis=1), z1.argmax(axis=1))] = words
+        way = np.where(use2, z2.argmax(axis=1), z1.argmax(axis=1))
+        self._write(target * WAYS + way, words, locs, sums)
         self.header[_ENTRIES] += len(keys)
         return True
 
     def _rows_of(self, key: int) -> tuple[int, int]:
         return (key >> self._shift) * WAYS, ((key >> 2) & (self.buckets - 1)) * WAYS
 
-    def put_one(self, salt: int, block_hash: int, tier: int) -> None:
-        key = mix_key(salt, block_hash)
+    def put_one(
+        self, salt: int, block_hash: int, tier: int, *, offset: int = -1, checksum: int = 0
+    ) -> None:
+        """put() for one block, in Python ints: ``offset`` its DRAM slot (-1: none)."""
+        self._put_one(mix_key(salt, block_hash), tier, self.location(offset), checksum)
+
+    def _put_one(self, key: int, tier: int, loc: int, checksum: int) -> None:
         words = self._words
         base1, base2 = self._rows_of(key)
         row1 = words[base1 : base1 + WAYS].tolist()
@@ -264,7 +360,7 @@ class PresenceTable:
         for base, row in ((base1, row1), (base2, row2)):
             for i, word in enumerate(row):
                 if word ^ key < 4:
-                    words[base + i] = key | tier
+                    self._write_one(base + i, key | tier, loc, checksum)
                     return
         base, row = (base2, row2) if row2.count(0) > row1.count(0) else (base1, row1)
         try:
@@ -272,8 +368,22 @@ class PresenceTable:
         except ValueError:
             self._refuse(1)
             return
-        words[base + i] = key | tier
+        self._write_one(base + i, key | tier, loc, checksum)
         self.header[_ENTRIES] += 1
+
+    def _write_one(self, at: int, word: int, loc: int, checksum: int) -> None:
+        self._loc_words[at] = loc  # before the key word, as _write
+        self._sum_words[at] = checksum
+        self._words[at] = word
+
+    def set_checksum(self, salt: int, block_hash: int, checksum: int) -> None:
+        """The checksum beside a recorded block (nothing when it is not recorded)."""
+        key = mix_key(salt, block_hash)
+        for base in self._rows_of(key):
+            for i, word in enumerate(self._words[base : base + WAYS].tolist()):
+                if word ^ key < 4:
+                    self._sum_words[base + i] = checksum
+                    return
 
     def remove_one(self, salt: int, block_hash: int) -> None:
         key = mix_key(salt, block_hash)
@@ -281,7 +391,9 @@ class PresenceTable:
         for base in self._rows_of(key):
             for i, word in enumerate(words[base : base + WAYS].tolist()):
                 if word ^ key < 4:
-                    words[base + i] = 0
+                    words[base + i] = 0  # the key first: a reader stops finding it
+                    self._loc_words[base + i] = 0
+                    self._sum_words[base + i] = 0
                     self.header[_ENTRIES] -= 1
                     return
 
@@ -306,24 +418,33 @@ class PresenceTable:
         tells clients that mapped the old one to call until they map it again."""
         self.header[_GENERATION] = secrets.randbits(63) + 1
         self.flat[:] = 0
+        self.locs[:] = 0
+        self.sums[:] = 0
         self.header[_ENTRIES] = 0
         for ns in namespaces:
             blocks = list(ns.blocks.values())
             if blocks:
+                tiers, offsets, checksums = entry_fields(blocks)
                 self.put(
                     namespace_salt(ns.namespace_id),
                     block_hashes(blocks),
-                    np.fromiter((int(b.tier) for b in blocks), np.uint64, len(blocks)),
+                    tiers,
                     new=True,  # the table was just emptied
+                    offsets=offsets,
+                    checksums=checksums,
                 )
 
     def close(self, *, unlink: bool = True) -> None:
-        """Retire the table (clients mapping it stop probing it) and remove the file."""
+        """Retire the table (clients mapping it stop probing it) and remove the file.
+        Once: a second close does nothing."""
+        if not len(self.header):
+            return
         self.header[_REGION] = 0
-        self.header = self.flat = np.empty(0, dtype=np.uint64)
+        self.header = self.flat = self.locs = self.sums = np.empty(0, dtype=np.uint64)
         self.rows = np.empty((0, WAYS), dtype=np.uint64)
         try:
-            self._words.release()
+            for view in (self._words, self._loc_words, self._sum_words):
+                view.release()
             self._view.release()
             self._mmap.close()
         except BufferError:
@@ -368,6 +489,16 @@ def block_hashes(blocks: Sequence[Block]) -> np.ndarray:
     return np.fromiter((b.block_hash for b in blocks), np.uint64, len(blocks))
 
 
+def entry_fields(blocks: Sequence[Block]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each block's fastest tier, DRAM slot where that tier is DRAM (-1 elsewhere: a
+    GPU or disk block has no bytes a client reads directly) and checksum."""
+    n = len(blocks)
+    tiers = np.fromiter((int(b.tier) for b in blocks), np.uint64, n)
+    offsets = np.fromiter((b.offset if b.gpu_offset < 0 else -1 for b in blocks), np.int64, n)
+    checksums = np.fromiter((b.checksum for b in blocks), np.uint64, n)
+    return tiers, offsets, checksums
+
+
 class PresenceRecorder:
     """What ``kvstore.placement`` tells of every change to a namespace's blocks
     (``ns.blocks`` and the tier of each): the table follows. Placement stays the one
@@ -379,15 +510,29 @@ class PresenceRecorder:
     def stored(self, ns: Namespace, blocks: Sequence[Block], tier: Tier, *, new: bool) -> None:
         """Blocks entered the index (``new``), or moved to ``tier``, all of them there."""
         if len(blocks) == 1:
-            self.table.put_one(namespace_salt(ns.namespace_id), blocks[0].block_hash, tier)
+            self.moved(blocks[0])
         elif blocks:
             salt = namespace_salt(ns.namespace_id)
-            self.table.put(salt, block_hashes(blocks), int(tier), new=new)
+            tiers, offsets, checksums = entry_fields(blocks)
+            self.table.put(
+                salt, block_hashes(blocks), tiers, new=new, offsets=offsets, checksums=checksums
+            )
 
     def moved(self, block: Block) -> None:
-        """A block's fastest copy changed tier (a demotion, a promotion, a GPU move)."""
+        """A block's fastest copy changed tier (a demotion, a promotion, a GPU move),
+        or its DRAM slot changed: a new location."""
         self.table.put_one(
-            namespace_salt(block.namespace.namespace_id), block.block_hash, int(block.tier)
+            namespace_salt(block.namespace.namespace_id),
+            block.block_hash,
+            int(block.tier),
+            offset=block.offset if block.gpu_offset < 0 else -1,
+            checksum=block.checksum,
+        )
+
+    def checksummed(self, block: Block) -> None:
+        """A block's checksum became known (a demotion's write, a peer's pull)."""
+        self.table.set_checksum(
+            namespace_salt(block.namespace.namespace_id), block.block_hash, block.checksum
         )
 
     def left(self, block: Block) -> None:
@@ -400,14 +545,17 @@ class PresenceProbe:
 
     def __init__(self, mapping: mmap.mmap, region_id: int) -> None:
         self._mmap = mapping
-        words = np.frombuffer(mapping, dtype=np.uint64)
-        self.header = words[: HEADER_BYTES // 8]
-        buckets = int(self.header[_BUCKETS])
-        self.rows = words[HEADER_BYTES // 8 :].reshape(buckets, WAYS)
+        buckets = int(np.frombuffer(mapping, dtype=np.uint64, count=8)[_BUCKETS])
+        self.header, self.flat, self.locs, self.sums = _arrays(mapping, buckets)
+        self.rows = self.flat.reshape(buckets, WAYS)
         self.buckets = buckets
         self._shift_int = 64 - (buckets.bit_length() - 1)
+        n, h = buckets * WAYS, HEADER_BYTES // 8
         self._view = memoryview(mapping).cast("Q")
-        self._words = self._view[HEADER_BYTES // 8 :]  # the table, one word at a time
+        # the table, one word at a time
+        self._words = self._view[h : h + n]
+        self._loc_words = self._view[h + n : h + 2 * n]
+        self._sum_words = self._view[h + 2 * n : h + 3 * n]
         self.region_id = region_id
         self.generation = int(self.header[_GENERATION])
 
@@ -437,7 +585,7 @@ class PresenceProbe:
             and int(h[_WAYS]) == WAYS
             and buckets > 0
             and buckets & (buckets - 1) == 0
-            and st.st_size == HEADER_BYTES + buckets * WAYS * 8
+            and st.st_size == table_bytes(buckets)
             and region_id != 0
             and int(h[_REGION]) == region_id
         )
@@ -543,12 +691,151 @@ class PresenceProbe:
             size *= 4
         return found
 
+    # ------------------------------------------------------------ direct loads
+
+    def locate(self, salt: int, hashes: Sequence[int] | np.ndarray) -> Located | None:
+        """Where the longest prefix of ``hashes`` held in DRAM lies, from the table
+        alone: the slots a client may copy from without a call, then check with
+        ``intact``. None when the table is no longer current."""
+        if not self.current:
+            return None
+        n = len(hashes)
+        if n <= PYTHON_PROBES:
+            located = self._locate_few(salt, hashes)
+        else:
+            located = self._locate_many(salt, np.asarray(hashes, np.uint64))
+        return located if self.current else None
+
+    def _find(self, key: int) -> int:
+        """The flat index of the entry holding ``key`` (any tier), or -1."""
+        words = self._words
+        for base in ((key >> self._shift_int) * WAYS, ((key >> 2) & (self.buckets - 1)) * WAYS):
+            for i, word in enumerate(words[base : base + WAYS].tolist()):
+                if word ^ key < 4:
+                    return base + i
+        return -1
+
+    def _locate_few(self, salt: int, hashes: Sequence[int] | np.ndarray) -> Located:
+        words, locs, sums = self._words, self._loc_words, self._sum_words
+        at: list[int] = []
+        keys: list[int] = []
+        where: list[int] = []
+        checks: list[int] = []
+        elsewhere = False
+        for h in hashes:
+            a = self._find(mix_key(salt, int(h)))
+            if a < 0:
+                break  # not held: the prefix ends here
+            word, loc = words[a], locs[a]
+            if word & 3 != int(Tier.DRAM) or not loc:
+                elsewhere = True  # held, but not where a client can read it
+                break
+            at.append(a)
+            keys.append(word)
+            where.append(loc)
+            checks.append(sums[a])
+        u64 = np.uint64
+        return Located(
+            np.array(at, np.intp),
+            np.array(keys, u64),
+            np.array(where, u64),
+            np.array(checks, u64),
+            elsewhere,
+            self,
+        )
+
+    def _locate_many(self, salt: int, hashes: np.ndarray) -> Located:
+        keys = mix_keys(salt, hashes)
+        b1, b2 = buckets_of(keys, self.buckets)
+        flat = self.flat
+        # word ^ key < 4 where a way holds the key: its way in each bucket, if any
+        got = np.take(self.rows, b1, axis=0)
+        np.bitwise_xor(got, keys[:, None], out=got)
+        way1 = got.argmin(axis=1)
+        hit1 = got[np.arange(len(keys)), way1] < 4
+        at = b1 * WAYS + way1
+        second = np.flatnonzero(~hit1)
+        held = hit1
+        if second.size:
+            got = np.take(self.rows, b2[second], axis=0)
+            np.bitwise_xor(got, keys[second, None], out=got)
+            way2 = got.argmin(axis=1)
+            hit2 = got[np.arange(second.size), way2] < 4
+            at[second] = b2[second] * WAYS + way2
+            held = held.copy()
+            held[second] = hit2
+        words = flat[at]
+        locs = self.locs[at]
+        sums = self.sums[at]
+        readable = held & ((words & _LOW) == np.uint64(int(Tier.DRAM))) & (locs != 0)
+        stop = np.flatnonzero(~readable)
+        k = int(stop[0]) if stop.size else len(keys)
+        elsewhere = bool(stop.size) and bool(held[k])
+        return Located(at[:k], words[:k], locs[:k], sums[:k], elsewhere, self)
+
+    def intact(self, located: Located) -> int:
+        """How many leading blocks of ``located`` are still where it found them, with
+        nothing else ever there in between: read after the copy, so a block the
+        daemon let go of (removed, moved, its slot freed) since ``locate`` fails
+        here, and no copy of it counts. 0 when the table is no longer current (a
+        warm restart's daemon may hand out these slots again)."""
+        n = len(located.at)
+        if not n:
+            return 0
+        if n <= PYTHON_PROBES:
+            words, locs = self._words, self._loc_words
+            ok = n
+            for i, (a, w, loc) in enumerate(
+                zip(
+                    located.at.tolist(),
+                    located.words.tolist(),
+                    located.locs.tolist(),
+                    strict=True,
+                )
+            ):
+                if words[a] != w or locs[a] != loc:
+                    ok = i
+                    break
+        else:
+            same = (self.flat[located.at] == located.words) & (
+                self.locs[located.at] == located.locs
+            )
+            bad = np.flatnonzero(~same)
+            ok = int(bad[0]) if bad.size else n
+        # The header last: retired or rebuilt after the words were read (a new
+        # daemon on a warm-restarted region) counts for nothing.
+        return ok if self.current else 0
+
     def close(self) -> None:
-        self.header = np.empty(0, dtype=np.uint64)
+        self.header = self.flat = self.locs = self.sums = np.empty(0, dtype=np.uint64)
         self.rows = np.empty((0, WAYS), dtype=np.uint64)
         try:
-            self._words.release()
+            for view in (self._words, self._loc_words, self._sum_words):
+                view.release()
             self._view.release()
             self._mmap.close()
         except BufferError:
             pass  # another thread is probing it: unmapped when its views go
+
+
+class Located(NamedTuple):
+    """Where PresenceProbe.locate found a prefix: for each block, the flat index of
+    its entry, the key word and location seen there (what ``intact`` compares
+    after the copy) and its checksum (0: none). ``elsewhere``: the block after
+    the prefix is held, in a tier a client cannot read directly (disk, the GPU
+    pool): the daemon must move it first, so a call would find more."""
+
+    at: np.ndarray
+    words: np.ndarray
+    locs: np.ndarray
+    checksums: np.ndarray
+    elsewhere: bool
+    probe: PresenceProbe
+
+    @property
+    def found(self) -> int:
+        return len(self.at)
+
+    def offsets(self) -> np.ndarray:
+        """Each block's byte offset in the DRAM region."""
+        return (self.locs >> np.uint64(LOC_STAMP_BITS)) * np.uint64(LOC_UNIT_BYTES)

@@ -76,7 +76,11 @@ class _Made(Generic[T]):
     drop: Callable[[T], None]
 
     def drop_all(self) -> None:
-        items, self.items = self.items, []
+        self.keep(0)
+
+    def keep(self, n: int) -> None:
+        """Drop all but the first ``n``."""
+        items, self.items = self.items[n:], self.items[:n]
         for item in items:
             self.drop(item)
 
@@ -252,15 +256,21 @@ class ChunkStore:
                 result = client.get(ns, hashes)
                 self._make_all(result.data, made, make)
                 return made.items
-            handle = client.prepare_load(ns, hashes)
+            # A direct load where the daemon's presence table shows the chunks in
+            # DRAM (no call, no lease), else pinned: either way only the chunks
+            # ``intact`` vouches for after the copy are kept.
+            handle = client.prepare_load(ns, hashes, pin=False)
             try:
                 rows = (
                     client.view(int(off), ns.block_bytes) for off in handle.offsets[: handle.found]
                 )
                 self._make_all(rows, made, make)
-                if client.expired(handle) or not self._session.region_is_current():
-                    # Slots read after the lease ran out may hold other bytes.
+                if not self._session.region_is_current():
                     made.drop_all()
+                else:
+                    # Slots read after the lease ran out (or, read directly, left by
+                    # their chunk meanwhile) may hold other bytes.
+                    made.keep(client.intact(handle))
             finally:
                 client.release(handle, wait=False)
             return made.items

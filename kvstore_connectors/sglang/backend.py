@@ -393,7 +393,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             got = client.get(ns, hashes)
             self._deliver_rows(pool, got.data, page_indices, outs)
             return int(got.found)
-        handle = client.prepare_load(ns, hashes)
+        # Direct where the presence table shows the pages in DRAM (no call, no
+        # lease), else pinned; either way ``intact`` says what to trust after the copy.
+        handle = client.prepare_load(ns, hashes, pin=False)
         try:
             found = min(int(handle.found), len(hashes))
             region = client.region
@@ -410,8 +412,9 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             else:
                 rows = np.stack([region[int(o) : int(o) + ns.block_bytes] for o in offsets])
                 self._deliver_rows(pool, rows, page_indices, outs)
-            # Bytes read after the lease ran out may be another block's.
-            return 0 if client.expired(handle) else found
+            # Bytes read after the lease ran out, or read directly from a slot its
+            # block left meanwhile, may be another block's.
+            return min(found, client.intact(handle))
         finally:
             client.release(handle, wait=False)
 

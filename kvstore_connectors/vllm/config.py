@@ -56,6 +56,11 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     """Talk to a local daemon over its lean local channel (docs/local-channel.md) where it
     serves one: tens of microseconds a call instead of gRPC's ~0.7 ms; gRPC otherwise.
     false = gRPC only."""
+    direct_loads: bool = True
+    """Read hits the daemon holds in DRAM straight from its region, found in its presence
+    table, with no call and no lease (docs/presence.md, "Direct loads"): each block is
+    checked after the copy, and one that left its slot meanwhile is reported to vLLM as
+    a failed load (recomputed). false = every load pins its blocks first (PrepareLoad)."""
     store_reserve_blocks: int = 64
     """Most slots the worker keeps reserved ahead per namespace (docs/vllm.md, "Store
     steps"): a store step whose new blocks fit takes its slots from the reserve with

@@ -52,6 +52,9 @@ _DOCS = {
     "worker_save_skipped_blocks": "Blocks not stored: already there, in flight or no room.",
     "worker_save_dropped_blocks": "Blocks planned for storing but dropped (daemon down, bad load).",
     "worker_checksum_failures": "Loaded blocks whose xxh3 did not match the daemon's.",
+    "worker_direct_loaded_blocks": "Of the loaded blocks: read with no lease (presence table).",
+    "worker_direct_lost_blocks": "Direct loads found gone from their slots after the copy "
+    "(recomputed).",
     "scheduler_daemon_failures": "Scheduler daemon calls that failed (timeout, down, refused).",
     "worker_daemon_failures": "Worker daemon calls that failed (timeout, down, refused).",
 }

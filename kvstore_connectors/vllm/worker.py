@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle
+from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle, intact
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
-from kvstore_connectors.vllm.metadata import SaveSpec, StepPlan
+from kvstore_connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout
 from kvstore_connectors.vllm.session import DaemonSession
 
@@ -56,6 +56,10 @@ class WorkerCounters:
     save_skipped_blocks: int = 0  # already stored, stored by another client, or no room
     save_dropped_blocks: int = 0  # planned but not stored (daemon down, failed load)
     checksum_failures: int = 0
+    # Of loaded_blocks: read with no lease (presence table), and of those, blocks
+    # found gone from their slots after the copy (failed loads, recomputed).
+    direct_loaded_blocks: int = 0
+    direct_lost_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -371,6 +375,7 @@ class WorkerSide:
         for spec in plan.loads:
             found, handle = self._prepare_load(spec.tenant, spec.block_hashes)
             prepared.append((spec, found, handle, self.session.generation))
+        direct: list[tuple[LoadSpec, int, LoadHandle]] = []
         for spec, found, handle, generation in prepared:
             if generation != self.session.generation:
                 found = 0  # offsets of a daemon connection that has since been replaced
@@ -381,6 +386,8 @@ class WorkerSide:
                 offsets.append(handle.offsets[:found])
                 block_ids.append(spec.block_ids[:found])
                 self._step.loaded.append((spec.tenant, spec.block_hashes[:found]))
+                if handle.located is not None:
+                    direct.append((spec, found, handle))
             if found < len(spec.block_ids):
                 failed_reqs.add(spec.req_id)
                 failed_ids.update(spec.block_ids[found:].tolist())
@@ -406,6 +413,16 @@ class WorkerSide:
                     "kvstore: a load outlived its lease (lease_ttl_s); vLLM recomputes it",
                 )
                 ok = False
+            lost: set[int] = set()
+            if ok and direct:
+                # Read with no lease: only blocks that stayed in their slots through
+                # the copy (out of the region: done when load() returned) count.
+                lost_reqs, lost = self._lost_direct(direct)
+                if lost:
+                    failed_reqs |= lost_reqs
+                    failed_ids |= lost
+                    ids = ids[~np.isin(ids, np.fromiter(lost, np.int64, len(lost)))]
+                    self._step.loaded.clear()  # (only used to skip re-stores)
             if self._step.leases:
                 # Copied out of the region (to the cache, or to pinned staging on
                 # a GPU): the pins are no longer needed; don't wait for the answers.
@@ -413,6 +430,7 @@ class WorkerSide:
                 self.session.call("release", lambda c: _release_all(c, leases), retry=False)
             if ok:
                 self.counters.loaded_blocks += len(ids)
+                self.counters.direct_loaded_blocks += sum(f for _, f, _ in direct) - len(lost)
             else:
                 failed_ids.update(ids.tolist())
                 failed_reqs.update(spec.req_id for spec in plan.loads)
@@ -421,12 +439,36 @@ class WorkerSide:
         self._load_errors |= failed_ids
         return failed_reqs, failed_ids
 
+    def _lost_direct(
+        self, direct: list[tuple[LoadSpec, int, LoadHandle]]
+    ) -> tuple[set[str], set[int]]:
+        """The requests and vLLM block ids of direct loads whose blocks left their
+        slots during the copy (counted, warned about once): vLLM recomputes them."""
+        reqs: set[str] = set()
+        lost: set[int] = set()
+        for spec, found, handle in direct:
+            ok = min(intact(handle), found)
+            if ok < found:
+                reqs.add(spec.req_id)
+                lost.update(spec.block_ids[ok:found].tolist())
+        if lost:
+            self.counters.direct_lost_blocks += len(lost)
+            self._warn_once(
+                "direct-load-lost",
+                "kvstore: blocks left the daemon's DRAM while read directly; vLLM "
+                "recomputes them (counted in direct_lost_blocks)",
+            )
+        return reqs, lost
+
     def _prepare_load(self, tenant: str, hashes: np.ndarray) -> tuple[int, LoadHandle | None]:
         ttl = self.config.lease_ttl_s
+        pin = not self.config.direct_loads
         handle = self.session.call_in(
             "prepare load",
             self.layout.spec(tenant),
-            lambda c, ns: c.prepare_load(ns, hashes, lease_ttl_s=ttl, tier=self.config.tier),
+            lambda c, ns: c.prepare_load(
+                ns, hashes, lease_ttl_s=ttl, tier=self.config.tier, pin=pin
+            ),
         )
         if handle is None:
             return 0, None

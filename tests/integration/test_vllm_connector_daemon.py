@@ -304,6 +304,45 @@ def test_blocks_gone_before_the_load_are_reported_and_not_saved(daemon):
     assert _stored(daemon.address, a, req) == [a.block_bytes(i) for i in range(3)]
 
 
+def test_blocks_that_leave_their_slots_during_a_direct_load_are_reported(daemon):
+    """Direct loads (no lease): blocks deleted while the worker copies them (timed by
+    running the delete inside the copier's load, after its copy) are reported as
+    load errors and their request's saves dropped; the blocks before stay loaded."""
+    a, b = Engine(daemon.address, seed=16), Engine(daemon.address, seed=17)
+    req = Req("r", _tokens(16, 6 * BS + 1))
+    a.prefill(req, list(range(7)))
+    ids = [20, 21, 22, 23, 24, 25, 26]
+    ext = b.scheduler.hit_tokens(req, 0)
+    assert ext == 6 * BS
+    b.scheduler.after_alloc(req, ids, ext)
+    copier = b.worker.copier
+    assert copier is not None
+    real_load = copier.load
+
+    def load_then_delete(region, offsets, block_ids):  # type: ignore[no-untyped-def]
+        real_load(region, offsets, block_ids)
+        with Client(daemon.address) as c:  # evicted right after the bytes were copied
+            ns = c.declare_namespace(a.layout.spec(None))
+            assert c.delete(ns, req.int_hashes()[3:]) == (3, 0)
+
+    copier.load = load_then_delete  # type: ignore[method-assign]
+    plan = b.scheduler.build_plan([NewRequest("r", ids, ext)], [], {"r": 1})
+    b.worker.start_step(plan)
+    b.worker.finish_step()
+    assert b.worker.take_load_errors() == {23, 24, 25}
+    assert [b.block_bytes(i) for i in ids[:3]] == [a.block_bytes(i) for i in range(3)]
+    c = b.worker.counters
+    assert (c.loaded_blocks, c.direct_loaded_blocks, c.direct_lost_blocks) == (3, 3, 3)
+    assert c.saved_blocks == 0  # computed over KV that failed to load: not stored
+    # with direct_loads off the same step pins (a lease), and nothing is lost
+    pinned = Engine(daemon.address, seed=18, direct_loads=False)
+    req2 = Req("r2", _tokens(18, 2 * BS + 1))
+    a.prefill(req2, [30, 31, 32])
+    pinned.prefill(req2, [0, 1, 2])
+    assert pinned.worker.counters.loaded_blocks == 2
+    assert pinned.worker.counters.direct_loaded_blocks == 0
+
+
 def test_tenants_do_not_see_each_others_blocks(daemon):
     a, b = Engine(daemon.address, seed=8), Engine(daemon.address, seed=9)
     req = Req("t", _tokens(7, 3 * BS + 1), cache_salt="tenant-a")
