@@ -278,9 +278,13 @@ class Client:
         token: str | None = None,
         token_file: str = "",
         direct_loads: bool | None = None,
+        map_presence: bool | None = None,
     ) -> None:
         """``direct_loads``: read DRAM blocks found in the daemon's presence table
-        without a lease (None: unless $KVSTORE_DIRECT_LOADS is 0/false)."""
+        without a lease (None: unless $KVSTORE_DIRECT_LOADS is 0/false).
+        ``map_presence``: map the daemon's presence table (lookups without a call);
+        None = as ``map_region``. A client that loads nothing (a scheduler) maps the
+        table alone."""
         self.address = normalise_address(
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
         )
@@ -331,6 +335,7 @@ class Client:
         self._gpu_pool: Any = None
         self._releaser: _Releaser | None = None
         self._map_region = map_region
+        self._map_presence_wanted = map_region if map_presence is None else map_presence
         self._region_identity: FileIdentity | None = None
         # Tenant regions (the daemon's dram.tenant_regions): the tenants whose
         # blocks this client can reach in its mapping (True) or not (False: their
@@ -364,6 +369,7 @@ class Client:
         self.direct_lost_blocks = 0
         if map_region:
             self._map_whole_region()
+        if self._map_presence_wanted:
             self._map_presence()
 
     def _map_presence(self) -> None:
@@ -372,7 +378,7 @@ class Client:
         if old is not None:
             old.close()
         path = self.info.presence_path
-        if path and self._map_region:
+        if path and self._map_presence_wanted:
             self._presence = PresenceProbe.open(path, int(self.info.region_id))
         if self._presence is None:
             self._presence_retry_at = time.monotonic() + LOCAL_RETRY_S
@@ -380,7 +386,7 @@ class Client:
     def _presence_probe(self) -> PresenceProbe | None:
         """The mapped presence table, mapped now when there is one to map."""
         if self._presence is None and (
-            self._map_region
+            self._map_presence_wanted
             and self.info.presence_path
             and time.monotonic() >= self._presence_retry_at
         ):
@@ -708,9 +714,10 @@ class Client:
         self._gpu_pool = None
         _unmap(self._gpu_mmap)
         self._gpu_mmap = None
+        if self._map_presence_wanted:
+            self._map_presence()  # never the old daemon's table past this point
         if not self._map_region:
             return
-        self._map_presence()  # never the old daemon's table past this point
         if self._tenants is not None or self.region is None:
             # Tenant ranges: their files and layout are the new daemon's; all mapped anew.
             self._map_whole_region()

@@ -251,7 +251,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self.config,
                 layout,
-                self._session(address, map_region=False),
+                # no block bytes here, but the presence table: lookups without a call
+                self._session(address, map_region=False, map_presence=True),
                 hash_stride=block_hash_stride(layout.block_size_tokens, hash_block_size),
             )
         else:
@@ -265,9 +266,12 @@ class KVStoreConnector(KVConnectorBase_V1):
             "KVStoreConnector (%s): daemon %s, namespace layout %s", role.name, address, layout
         )
 
-    def _session(self, address: str, *, map_region: bool) -> DaemonSession:
+    def _session(
+        self, address: str, *, map_region: bool, map_presence: bool | None = None
+    ) -> DaemonSession:
         return DaemonSession(
             address,
+            map_presence=map_presence,
             timeout_s=self.config.timeout_s,
             retry_initial_s=self.config.retry_initial_s,
             retry_max_s=self.config.retry_max_s,

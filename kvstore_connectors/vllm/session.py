@@ -58,6 +58,7 @@ class DaemonSession:
         retry_initial_s: float,
         retry_max_s: float,
         map_region: bool = True,
+        map_presence: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
         local_channel: bool = True,
         token: str = "",
@@ -70,6 +71,7 @@ class DaemonSession:
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.map_region = map_region
+        self.map_presence = map_presence  # None: as map_region (Client's default)
         self._clock = clock
         self._client: Client | None = None
         self._link = _LinkWatch(None)
@@ -115,6 +117,7 @@ class DaemonSession:
                 self.address,
                 timeout_s=self.timeout_s,
                 map_region=self.map_region,
+                map_presence=self.map_presence,
                 local_channel=self.local_channel,
                 token=self.token or None,
             )

@@ -86,7 +86,8 @@ class Engine:
         self.scheduler = SchedulerSide(
             self.config,
             self.layout,
-            DaemonSession(address, map_region=False, **session),
+            # as the connector's: no region, the presence table (lookups without a call)
+            DaemonSession(address, map_region=False, map_presence=True, **session),
             hash_stride=1,
         )
         self.worker = WorkerSide(self.config, self.layout, DaemonSession(address, **session))
@@ -150,6 +151,9 @@ def test_store_then_another_engine_loads_exact_bytes(daemon):
     assert b.worker.take_load_errors() == set()
     assert [b.block_bytes(i) for i in ids_b[:5]] == [a.block_bytes(i) for i in ids_a[:5]]
     assert b.worker.counters.loaded_blocks == 5
+    assert b.worker.counters.direct_loaded_blocks == 5  # no lease: the presence table
+    client = b.scheduler.session.client()
+    assert client is not None and client.probed_lookups >= 1 and not client.mapped
     # Its first step offered the blocks again; the daemon had them all.
     assert b.worker.counters.saved_blocks == 0 and b.worker.counters.save_skipped_blocks == 5
 
