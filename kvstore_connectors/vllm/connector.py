@@ -40,7 +40,6 @@ from kvstore_connectors.vllm.metadata import StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout, dtype_name
 from kvstore_connectors.vllm.scheduler import (
     NewRequest,
-    RunningRequest,
     SchedulerCounters,
     SchedulerSide,
 )
@@ -384,14 +383,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             for r in scheduler_output.scheduled_new_reqs
         ]
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        running = [
-            RunningRequest(req_id, new_ids[0] if new_ids else None, req_id in resumed, num_computed)
-            for req_id, new_ids, num_computed in zip(
-                cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-            )
-        ]
-        plan = self._scheduler.build_plan(new, running, scheduler_output.num_scheduled_tokens)
+        plan = self._scheduler.build_plan_columns(
+            new,
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.resumed_req_ids,
+            cached.num_computed_tokens,
+            scheduler_output.num_scheduled_tokens,
+        )
         return KVStoreConnectorMetadata(plan)
 
     @_timed

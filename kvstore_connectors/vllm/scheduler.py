@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -202,13 +202,36 @@ class SchedulerSide:
         running: Iterable[RunningRequest],
         num_scheduled_tokens: Mapping[str, int],
     ) -> StepPlan:
+        running = list(running)
+        return self.build_plan_columns(
+            new,
+            [r.req_id for r in running],
+            [None if r.new_block_ids is None else (r.new_block_ids,) for r in running],
+            {r.req_id for r in running if r.resumed},
+            [r.num_computed_tokens for r in running],
+            num_scheduled_tokens,
+        )
+
+    def build_plan_columns(
+        self,
+        new: Iterable[NewRequest],
+        req_ids: Sequence[str],
+        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
+        resumed_ids: Container[str],
+        num_computed_tokens: Sequence[int],
+        num_scheduled_tokens: Mapping[str, int],
+    ) -> StepPlan:
+        """The step's plan; running requests as vLLM's ``scheduled_cached_reqs`` holds
+        them (columns; ``new_block_ids`` per KV-cache group, the first one used), so
+        a decode step builds nothing per request where no block completes."""
         plan = StepPlan()
         if self._deferred:
             plan.saves.extend(self._deferred)
             plan.deferred = [s.req_id for s in self._deferred]
             self._deferred = []
+        requests = self._requests
         for req in new:
-            tracked = self._requests.get(req.req_id)
+            tracked = requests.get(req.req_id)
             if tracked is None:
                 continue  # never seen by hit_tokens/after_alloc: nothing to do
             tracked.block_ids = list(req.block_ids)
@@ -216,22 +239,30 @@ class SchedulerSide:
             after = req.num_computed_tokens + num_scheduled_tokens.get(req.req_id, 0)
             tracked.save_cursor = 0
             self._plan_save(tracked, 0, after, plan)
-        for run in running:
-            tracked = self._requests.get(run.req_id)
+        bs = self.block_size
+        for req_id, groups, computed in zip(
+            req_ids, new_block_ids, num_computed_tokens, strict=True
+        ):
+            tracked = requests.get(req_id)
             if tracked is None:
                 continue
-            if run.resumed:
-                tracked.block_ids = list(run.new_block_ids or ())
-            elif run.new_block_ids:
-                tracked.block_ids.extend(run.new_block_ids)
-            self._plan_load(tracked, plan)
-            after = run.num_computed_tokens + num_scheduled_tokens.get(run.req_id, 0)
-            if run.resumed:
+            resumed = req_id in resumed_ids
+            if resumed:
+                tracked.block_ids = list(groups[0]) if groups else []
+            elif groups:
+                tracked.block_ids.extend(groups[0])
+            if tracked.pending_load is not None:
+                self._plan_load(tracked, plan)
+            after = computed + num_scheduled_tokens.get(req_id, 0)
+            if resumed:
                 first = 0
             else:
+                cursor = tracked.save_cursor
+                if after < (cursor + 1) * bs and computed >= cursor * bs:
+                    continue  # no block completes and none is to be redone: most steps
                 # Never past vLLM's computed blocks: after a failed load vLLM rewinds
                 # num_computed_tokens and recomputes (and this saves) from there.
-                first = min(tracked.save_cursor, run.num_computed_tokens // self.block_size)
+                first = min(cursor, computed // bs)
             tracked.save_cursor = first
             self._plan_save(tracked, first, after, plan)
         return plan
