@@ -25,8 +25,8 @@ Direct loads: where the daemon publishes slot locations in its presence table
 (docs/presence.md), ``get`` and ``prepare_load(..., pin=False)`` read DRAM
 blocks with no call and no lease, then check with ``intact(handle)`` that no
 block left its slot during the copy (what did is loaded the leased way, or
-reported). The daemon learns of those loads from one message sent without
-waiting (its counters, its eviction order).
+reported). The daemon learns of those loads from one message ``intact`` sends
+without waiting (its counters, its eviction order).
 
 Leases are fenced by the client's own clock: a handle's ``deadline_s`` is the
 lease's granted lifetime counted from before the request was sent, less a
@@ -193,6 +193,8 @@ class LoadHandle:
     # A direct load (lease_id 0): where the presence table showed the blocks,
     # for Client.intact after the copy. None: a lease pins them.
     located: Located | None = None
+    # A direct load's hashes (packed), told to the daemon by Client.intact (once).
+    unreported: bytes = b""
 
 
 def _tier_name(tier: int) -> str:
@@ -439,7 +441,7 @@ class Client:
         from the presence table; None when the daemon must answer: no table or
         lean channel, a tenant region, a block of the prefix held on disk or in
         the GPU pool (a call moves it first), more hashes than one request takes.
-        Tells the daemon of the blocks in one message it does not answer."""
+        ``intact`` tells the daemon of the blocks read, after the copy."""
         local = self.local
         if (
             not self._direct
@@ -460,20 +462,34 @@ class Client:
         if located.elsewhere:
             return None
         found = located.found
-        if found:
-            packed = pack_hashes(hashes[:found])
-            with self._lock:
-                local.post(local_wire.LoadedDirect(0, ns.namespace_id, packed))
-                local.flush()  # now: the daemon's eviction order sees the hits at once
-            self.direct_loaded_blocks += found
-        return LoadHandle(0, ns, found, located.offsets(), located.checksums, located=located)
+        return LoadHandle(
+            0,
+            ns,
+            found,
+            located.offsets(),
+            located.checksums,
+            located=located,
+            unreported=pack_hashes(hashes[:found]) if found else b"",
+        )
 
     def intact(self, handle: LoadHandle) -> int:
         """After copying a load's blocks out: how many leading ones are valid
-        (``intact``, by this client's clock; counted)."""
+        (``intact``, by this client's clock). A direct load's valid blocks are then
+        told to the daemon, once, in one message it does not answer (its load
+        counters, its eviction order): sent after the copy, so the daemon's
+        wake-up never falls inside it, and only for blocks that were loaded."""
         ok = intact(handle, self._clock)
-        if handle.located is not None:
+        packed, handle.unreported = handle.unreported, b""
+        if packed:
+            self.direct_loaded_blocks += ok
             self.direct_lost_blocks += handle.found - ok
+            local = self.local
+            if ok and local is not None and local.broken is None:
+                with self._lock:
+                    local.post(
+                        local_wire.LoadedDirect(0, handle.namespace.namespace_id, packed[: 8 * ok])
+                    )
+                    local.flush()
         return ok
 
     @property

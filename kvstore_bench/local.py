@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -172,33 +173,70 @@ def _control_overhead(client: Any, repeats: int, blocks: int = 64) -> dict[str, 
     # answer is read (here at once: back to back, nothing between the steps); the
     # commit names the positions and asks for the next reserve in one frame. Not
     # Client.put: a put must skip blocks the daemon has, which only a prepare knows.
-    reserved_s = []
+    reserved_s: list[float] = []
+    paced_s: list[float] = []
     if getattr(client, "reserves", False):
-        got: list[Any] = []
-        client.reserve_store_later(ns, blocks, on_done=got.append)
-        positions = np.arange(blocks)
         base += repeats * 20 * blocks
-        for rep in range(repeats * 20):
-            hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(base + rep * blocks)
-            t = time.perf_counter()
-            if not got:
-                client.flush()
-            h = got.pop()
-            client.commit_store_later(
-                h, hashes, positions=positions, reserve_blocks=blocks, on_reserved=got.append
-            )
-            reserved_s.append(time.perf_counter() - t)
-        client.flush()
-        client.release_all([h for h in got if not isinstance(h, Exception)])
+        reserved_s = _reserved_steps(client, ns, blocks, repeats * 20, base, None)
+        # The same with a stand-in forward between the steps (untimed): memory
+        # traffic for ~1 ms, as an engine's step has between its store steps. The
+        # reserve's answer has arrived by the next step, as in an engine; the
+        # step's code runs after caches were flushed, as in an engine.
+        base += repeats * 20 * blocks
+        work = np.ones(8 * MiB, dtype=np.uint8)
+        sink = np.empty_like(work)
+
+        def forward() -> None:
+            deadline = time.perf_counter() + 0.001
+            while time.perf_counter() < deadline:
+                np.copyto(sink, work)
+
+        paced_s = _reserved_steps(client, ns, blocks, repeats * 20, base, forward)
     client.clear(ns)
     return {
         "store_step": summarize(store_s),
         "store_step_nowait": summarize(later_s),
         **({"store_step_reserved": summarize(reserved_s)} if reserved_s else {}),
+        **({"store_step_reserved_paced": summarize(paced_s)} if paced_s else {}),
         "load_step": summarize(load_s),
         **({"load_step_direct": summarize(direct_s)} if direct_s else {}),
         "lookup_rpc": summarize(lookup_s),
     }
+
+
+def _reserved_steps(
+    client: Any,
+    ns: Any,
+    blocks: int,
+    steps: int,
+    base: int,
+    between: Callable[[], None] | None,
+) -> list[float]:
+    """Store steps into reserves, as the connector's worker makes them: the step's
+    slots from the reserve asked for with the last commit (its answer read, and
+    waited for if it has not arrived), the commit naming positions and asking
+    for the next reserve in one frame. ``between``: untimed work between steps.
+    Not Client.put: a put must skip blocks the daemon has, which only a prepare
+    knows."""
+    got: list[Any] = []
+    client.reserve_store_later(ns, blocks, on_done=got.append)
+    positions = np.arange(blocks)
+    times = []
+    for rep in range(steps):
+        if between is not None:
+            between()
+        hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(base + rep * blocks)
+        t = time.perf_counter()
+        if not got:
+            client.flush()
+        h = got.pop()
+        client.commit_store_later(
+            h, hashes, positions=positions, reserve_blocks=blocks, on_reserved=got.append
+        )
+        times.append(time.perf_counter() - t)
+    client.flush()
+    client.release_all([h for h in got if not isinstance(h, Exception)])
+    return times
 
 
 def _lookup_in_daemon(repeats: int, n_hashes: int = 12_000) -> Summary:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle, intact
+from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
@@ -447,7 +447,11 @@ class WorkerSide:
         reqs: set[str] = set()
         lost: set[int] = set()
         for spec, found, handle in direct:
-            ok = min(intact(handle), found)
+            # (the client tells the daemon what was loaded; a link gone since: none)
+            ok = self.session.call(
+                "check a direct load", lambda c, h=handle: c.intact(h), retry=False
+            )
+            ok = min(ok or 0, found)
             if ok < found:
                 reqs.add(spec.req_id)
                 lost.update(spec.block_ids[ok:found].tolist())
