@@ -516,9 +516,19 @@ class PresenceRecorder:
             self.moved(blocks[0])
         elif blocks:
             salt = namespace_salt(ns.namespace_id)
-            tiers, offsets, checksums = entry_fields(blocks)
+            if tier is not Tier.DRAM:  # no bytes a client reads directly: no location
+                self.table.put(salt, block_hashes(blocks), int(tier), new=new)
+                return
+            # a commit's hot path: list comprehensions (a generator per field cost
+            # ~3x as much here, ~20 us for 64 blocks)
+            n = len(blocks)
             self.table.put(
-                salt, block_hashes(blocks), tiers, new=new, offsets=offsets, checksums=checksums
+                salt,
+                np.fromiter([b.block_hash for b in blocks], np.uint64, n),
+                int(tier),
+                new=new,
+                offsets=np.fromiter([b.offset for b in blocks], np.int64, n),
+                checksums=np.fromiter([b.checksum for b in blocks], np.uint64, n),
             )
 
     def moved(self, block: Block) -> None:
