@@ -3,6 +3,7 @@ header checks, its file rules, and a BlockManager keeping it in step with Lookup
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -194,9 +195,10 @@ def test_a_symlink_at_the_path_is_refused(tmp_path):
     assert target.read_bytes() == b"x" * 10
 
 
-def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
-    """Stores, deletes, evictions (4x the capacity) and a clear, through the manager's
-    own paths: after each, the probe answers what Lookup answers."""
+@contextlib.contextmanager
+def _manager_and_table(tmp_path):  # type: ignore[no-untyped-def]
+    """A BlockManager over a 1 MiB region (256 slots of 4 KiB) publishing its index
+    in a table: (manager, table, a namespace of 4 KiB blocks, a probe of the table)."""
     config = load_config(
         environ={},
         assignments=[
@@ -213,6 +215,16 @@ def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
         m.publish_presence(t)
         p = PresenceProbe.open(t.path, region.region_id)
         assert p is not None
+        yield m, t, ns, p
+    finally:
+        t.close()
+        region.close(unlink=True)
+
+
+def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
+    """Stores, deletes, evictions (4x the capacity) and a clear, through the manager's
+    own paths: after each, the probe answers what Lookup answers."""
+    with _manager_and_table(tmp_path) as (m, t, ns, p):
         salt = namespace_salt(ns.namespace_id)
         rng = np.random.default_rng(3)
         universe = np.arange(1, 1001, dtype=np.uint64)
@@ -234,9 +246,6 @@ def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
         m.declare_namespace(make_spec(4096))
         check()
         assert int(t.header[6]) == 0
-    finally:
-        t.close()
-        region.close(unlink=True)
 
 
 # --- direct loads: locations, checksums, and the check after a copy ---------------
@@ -360,22 +369,7 @@ def test_a_manager_publishes_every_dram_block_where_it_lies(tmp_path):
     deletes): every block locate finds is at the slot the manager has it in, with
     its checksum, and a located prefix stays intact exactly while no block of it
     was evicted or deleted."""
-    config = load_config(
-        environ={},
-        assignments=[
-            "dram.capacity_bytes=1MiB",
-            "dram.chunk_bytes=256KiB",
-            f"dram.path={tmp_path}/r",
-        ],
-    )
-    region = Region(config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off")
-    m = BlockManager(config, region)
-    t = PresenceTable.create(str(tmp_path / "r.presence"), 1 << 20, FilePolicy(), region.region_id)
-    try:
-        ns = m.declare_namespace(make_spec(4096))
-        m.publish_presence(t)
-        p = PresenceProbe.open(t.path, region.region_id)
-        assert p is not None
+    with _manager_and_table(tmp_path) as (m, _t, ns, p):
         salt = namespace_salt(ns.namespace_id)
         rng = np.random.default_rng(5)
         universe = np.arange(1, 1001, dtype=np.uint64)
@@ -409,6 +403,3 @@ def test_a_manager_publishes_every_dram_block_where_it_lies(tmp_path):
             intact_seen += want == before.found
             lost_seen += want < before.found
         assert intact_seen and lost_seen  # both outcomes ran
-    finally:
-        t.close()
-        region.close(unlink=True)
