@@ -170,7 +170,11 @@ def row_indices(
 
 
 class Copier(Protocol):
-    """A step's copies: loads before the forward, saves after each layer / the step."""
+    """A step's copies: loads before the forward, saves after each layer / the step.
+
+    ``load`` must have read every byte it takes from the region when it returns
+    (what it then does with them may still be in flight): a direct load is
+    checked right after it (docs/presence.md), and a pin is released then."""
 
     def load(self, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray) -> None: ...
     def wait_layer(self, name: str) -> None: ...

@@ -91,6 +91,8 @@ class CudaBlockCopier:
         staging = self._pinned_rows(
             "load", len(plans[0][1]), region_rows.shape[1], region_rows.dtype
         )
+        # On the CPU, now: the region's bytes are read when load() returns (a direct
+        # load is checked, a pin released, right after: copier.Copier).
         for (_, _, reg_idx), host in zip(plans, staging, strict=True):
             torch.index_select(region_rows, 0, torch.from_numpy(reg_idx), out=host)
         # The cache blocks may still be read by the previous step's kernels.
