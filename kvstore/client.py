@@ -473,12 +473,21 @@ class Client:
         )
 
     def intact(self, handle: LoadHandle) -> int:
-        """After copying a load's blocks out: how many leading ones are valid
-        (``intact``, by this client's clock). A direct load's valid blocks are then
-        told to the daemon, once, in one message it does not answer (its load
-        counters, its eviction order): sent after the copy, so the daemon's
-        wake-up never falls inside it, and only for blocks that were loaded."""
-        ok = intact(handle, self._clock)
+        """After copying a load's blocks out: how many leading ones are valid. A
+        direct load: those still in the slots it found them in, nothing else ever
+        there meanwhile (the presence table's words unchanged); the rest must be
+        read again (``prepare_load``) or recomputed. A leased load: all of them
+        until its deadline (by this client's clock), none after (its slots may
+        have been reused).
+
+        A direct load's valid blocks are then told to the daemon, once, in one
+        message it does not answer (its load counters, its eviction order): sent
+        after the copy, so the daemon's wake-up never falls inside it, and only
+        for blocks that were loaded."""
+        located = handle.located
+        if located is None:
+            return 0 if self.expired(handle) else handle.found
+        ok = located.probe.intact(located)
         packed, handle.unreported = handle.unreported, b""
         if packed:
             self.direct_loaded_blocks += ok
@@ -1475,6 +1484,12 @@ class Client:
             return self._get_direct(ns, hashes, out, direct)
         if n * ns.block_bytes > 2 * PIPELINE_CHUNK_BYTES:
             return self._get_pipelined(ns, hashes, out, tier, space)
+        return self._get_pinned(ns, hashes, out, tier)
+
+    def _get_pinned(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, out: np.ndarray | None, tier: str
+    ) -> GetResult:
+        """get() under one load lease: pinned, copied, released."""
         handle = self.prepare_load(ns, hashes, tier=tier)
         space = self._space_of(handle.lease_id, tier)  # re-mapped if the daemon restarted
         try:
@@ -1519,19 +1534,7 @@ class Client:
             grown[:ok] = out[:ok]
             out = grown
         # The rest the way a call sees it now: what is still held, pinned.
-        handle = self.prepare_load(ns, hashes[ok:])
-        space = self._space_of(handle.lease_id, "dram")
-        try:
-            more = gather(
-                space,
-                handle.offsets,
-                out[ok:],
-                ns.block_bytes,
-                deadline_s=handle.deadline_s,
-                clock=self._clock,
-            )
-        finally:
-            self.release(handle, wait=False)
+        more = self._get_pinned(ns, hashes[ok:], out[ok:], "dram").found
         return GetResult(ok + more, out[: ok + more])
 
     def _get_pipelined(
@@ -1701,18 +1704,6 @@ class Client:
         # after the lease ran out may have read reused slots: none of it counts.
         found = 0 if self.expired(handle) else handle.found
         return GetResult(found, result[:found])
-
-
-def intact(handle: LoadHandle, clock: Callable[[], float] = time.monotonic) -> int:
-    """After copying a load's blocks out: how many leading ones are valid. A direct
-    load: those still in the slots it found them in, nothing else ever there
-    meanwhile (the presence table's words unchanged); the rest must be read again
-    (``prepare_load``) or recomputed. A leased load: all of them until its
-    deadline (by ``clock``), none after (its slots may have been reused)."""
-    located = handle.located
-    if located is None:
-        return 0 if clock() > handle.deadline_s else handle.found
-    return located.probe.intact(located)
 
 
 def _direct_from_env() -> bool:

@@ -159,11 +159,6 @@ def table_bytes(buckets: int) -> int:
     return HEADER_BYTES + 3 * buckets * WAYS * 8
 
 
-def loc_offset(loc: int) -> int:
-    """The byte offset of the slot a location word names."""
-    return (loc >> LOC_STAMP_BITS) * LOC_UNIT_BYTES
-
-
 def _arrays(mapping: mmap.mmap, buckets: int) -> tuple[np.ndarray, ...]:
     """(header, keys, locations, checksums) over a table's mapping: flat uint64 arrays."""
     words = np.frombuffer(mapping, dtype=np.uint64)

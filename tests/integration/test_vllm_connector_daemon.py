@@ -283,14 +283,21 @@ def test_resumed_request_takes_its_new_blocks(daemon):
     assert [s.block_ids.tolist() for s in plan.saves] == [[9, 10, 11]]
 
 
-def test_blocks_gone_before_the_load_are_reported_and_not_saved(daemon):
-    a, b = Engine(daemon.address, seed=6), Engine(daemon.address, seed=7)
-    req = Req("r", _tokens(6, 6 * BS + 1))
+def _hit_on_the_other_engine(address: str, seed: int) -> tuple[Engine, Engine, Req, list[int], int]:
+    """Engine A stores a 6-block prompt; engine B looks it up (6 blocks hit) and
+    allocates blocks 20..26 for it: (a, b, the request, B's block ids, hit tokens)."""
+    a, b = Engine(address, seed=seed), Engine(address, seed=seed + 1)
+    req = Req("r", _tokens(seed, 6 * BS + 1))
     a.prefill(req, list(range(7)))
     ids = [20, 21, 22, 23, 24, 25, 26]
     ext = b.scheduler.hit_tokens(req, 0)
     assert ext == 6 * BS
     b.scheduler.after_alloc(req, ids, ext)
+    return a, b, req, ids, ext
+
+
+def test_blocks_gone_before_the_load_are_reported_and_not_saved(daemon):
+    a, b, req, ids, ext = _hit_on_the_other_engine(daemon.address, 6)
     # Evicted between vLLM's lookup and the load: blocks 3.. are gone.
     with Client(daemon.address) as c:
         ns = c.declare_namespace(a.layout.spec(None))
@@ -312,13 +319,7 @@ def test_blocks_that_leave_their_slots_during_a_direct_load_are_reported(daemon)
     """Direct loads (no lease): blocks deleted while the worker copies them (timed by
     running the delete inside the copier's load, after its copy) are reported as
     load errors and their request's saves dropped; the blocks before stay loaded."""
-    a, b = Engine(daemon.address, seed=16), Engine(daemon.address, seed=17)
-    req = Req("r", _tokens(16, 6 * BS + 1))
-    a.prefill(req, list(range(7)))
-    ids = [20, 21, 22, 23, 24, 25, 26]
-    ext = b.scheduler.hit_tokens(req, 0)
-    assert ext == 6 * BS
-    b.scheduler.after_alloc(req, ids, ext)
+    a, b, req, ids, ext = _hit_on_the_other_engine(daemon.address, 16)
     copier = b.worker.copier
     assert copier is not None
     real_load = copier.load
