@@ -49,6 +49,7 @@ turns it off.
 Primitives:
     copy(dst, src)       dst[...] = src bytes (C-contiguous arrays, same nbytes)
     copy_raw(dst_address, src_address, nbytes)
+    copy_list(dst_addresses, src_addresses, nbytes)   many small equal pieces, one call
     copy_pieces(pieces, deadline_s=..., fence_reads=...) -> pieces copied in time
     copy_with(method, dst_address, src_address, nbytes)   one named method
     fast_copy_available() -> bool   the loops are loaded and run here
@@ -111,6 +112,8 @@ _LINE_BYTES = 64
 #   nt_copy_4x(dst rdi, src rsi, n rdx) at +0x000: n > 0, n % 16384 == 0
 #   nt_copy_64(dst rdi, src rsi, n rdx) at +0x139: n > 0, n % 64 == 0
 #   vec_copy_64(dst rdi, src rsi, n rdx) at +0x171: n > 0, n % 64 == 0 (ordinary stores)
+#   vec_copy_list(dsts rdi, srcs rsi, pieces rdx, n rcx) at +0x1a6: pieces > 0,
+#     n > 0, n % 64 == 0; piece i from srcs[i] to dsts[i], any alignment
 # all: dst 16-byte aligned, src any; the two nt_ ones sfence before ret.
 _CODE = bytes.fromhex(
     "48c7c1400000000f188e800000000f188e801000000f188e802000000f188e803000"
@@ -125,13 +128,19 @@ _CODE = bytes.fromhex(
     "feffff0faef8c3f30f6f06f30f6f4e10f30f6f5620f30f6f5e30660fe707660fe74f"
     "10660fe75720660fe75f304883c6404883c7404883ea4075cc0faef8c3f30f6f06f3"
     "0f6f4e10f30f6f5620f30f6f5e30660f7f07660f7f4f10660f7f5720660f7f5f3048"
-    "83c6404883c7404883ea4075ccc3"
+    "83c6404883c7404883ea4075ccc34989f84989f14989d24989cb498b38498b314c89"
+    "daf30f6f06f30f6f4e10f30f6f5620f30f6f5e30f30f7f07f30f7f4f10f30f7f5720"
+    "f30f7f5f304883c6404883c7404883ea4075cc4983c0084983c10849ffca75b6c3"
 )
 NT_COPY_64_OFFSET = 0x139
 VEC_COPY_64_OFFSET = 0x171
+VEC_COPY_LIST_OFFSET = 0x1A6
 
 _Copy = Callable[[int, int, int], object]
 _CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_CFUNC_LIST = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
+)
 _memmove: _Copy = ctypes.memmove  # C memmove through ctypes: the GIL is released
 
 
@@ -143,6 +152,7 @@ class Loops(NamedTuple):
     nt_4x: _Copy
     nt_64: _Copy
     vec_64: _Copy
+    vec_list: Callable[[int, int, int, int], object]
 
 
 def _load() -> Loops | None:
@@ -168,8 +178,17 @@ def _load() -> Loops | None:
         log.warning("block copies: plain memmove (no executable mapping: %s)", exc)
         return None
     # The mapping is never unmapped: the functions live as long as the process.
-    loops = Loops(_CFUNC(page), _CFUNC(page + NT_COPY_64_OFFSET), _CFUNC(page + VEC_COPY_64_OFFSET))
-    if not (_self_test(loops.nt_4x, loops.nt_64) and _self_test(loops.vec_64, loops.vec_64)):
+    loops = Loops(
+        _CFUNC(page),
+        _CFUNC(page + NT_COPY_64_OFFSET),
+        _CFUNC(page + VEC_COPY_64_OFFSET),
+        _CFUNC_LIST(page + VEC_COPY_LIST_OFFSET),
+    )
+    if not (
+        _self_test(loops.nt_4x, loops.nt_64)
+        and _self_test(loops.vec_64, loops.vec_64)
+        and _self_test_list(loops.vec_list)
+    ):
         log.warning("block copies: plain memmove (a copy loop failed its self-test)")
         return None
     return loops
@@ -190,6 +209,22 @@ def _self_test(x4: _Copy, x64: _Copy) -> bool:
         and not dst[:skip].any()
         and not dst[skip + n :].any()
     )
+
+
+def _self_test_list(vec_list: Callable[[int, int, int, int], object]) -> bool:
+    """The list loop copies three scattered, unaligned pieces exactly, in any
+    order, and writes nothing around them."""
+    piece, gap = 3 * _LINE_BYTES, 100
+    src = np.random.default_rng(13).integers(0, 256, 3 * piece + 7, dtype=np.uint8)
+    dst = np.zeros(3 * (piece + gap) + gap, dtype=np.uint8)
+    srcs = np.array([_address(src) + 7 + k * piece for k in (2, 0, 1)], dtype=np.uint64)
+    dsts = np.array([_address(dst) + gap + k * (piece + gap) for k in range(3)], dtype=np.uint64)
+    vec_list(_address(dsts), _address(srcs), 3, piece)
+    want = np.zeros_like(dst)
+    for k, s in enumerate((2, 0, 1)):
+        at = gap + k * (piece + gap)
+        want[at : at + piece] = src[7 + s * piece : 7 + (s + 1) * piece]
+    return bool(np.array_equal(dst, want))
 
 
 _LOADED = _load()
@@ -376,6 +411,32 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
             f"memcopy.copy: {src.nbytes} bytes into a {dst.nbytes}-byte destination"
         )
     copy_raw(_address(dst), _address(src), dst.nbytes)
+
+
+def copy_list(dst_addresses: np.ndarray, src_addresses: np.ndarray, nbytes: int) -> None:
+    """Piece i: ``nbytes`` from ``src_addresses[i]`` to ``dst_addresses[i]`` (raw
+    addresses, equal-length integer arrays), for many small equal pieces (a
+    vLLM step's KV pages): one call into the list loop, no Python per piece.
+
+    Pieces of ``NT_MIN_BYTES`` or more, sizes not a multiple of 64, or no loops
+    loaded: copy_raw per piece. The caller vouches that every range is mapped,
+    the destinations writable, and that no destination overlaps a source.
+    """
+    count = len(dst_addresses)
+    if len(src_addresses) != count:
+        raise errors.InvalidRequest(
+            f"memcopy.copy_list: {count} destinations for {len(src_addresses)} sources"
+        )
+    if count == 0 or nbytes <= 0:
+        return
+    loops = _LOADED
+    if loops is None or nbytes % _LINE_BYTES or nbytes >= NT_MIN_BYTES:
+        for d, s in zip(dst_addresses.tolist(), src_addresses.tolist(), strict=True):
+            copy_raw(d, s, nbytes)
+        return
+    dsts = np.ascontiguousarray(dst_addresses, dtype=np.uint64)
+    srcs = np.ascontiguousarray(src_addresses, dtype=np.uint64)
+    loops.vec_list(_address(dsts), _address(srcs), count, nbytes)
 
 
 # ------------------------------------------------------------ batches

@@ -104,3 +104,37 @@ vec_copy_64:
     sub rdx, 64
     jnz 1b
     ret
+# vec_copy_list: many equal pieces in one call (n_pieces in rdx > 0, nbytes in
+# rcx > 0 and a multiple of 64). Piece i: nbytes from src_list[i] to
+# dst_list[i] (rdi, rsi: arrays of 64-bit addresses), any alignment (movdqu
+# both ways). For the vLLM connector's CPU copier: a step's 4-16 KiB pages,
+# one call instead of one per page or torch index ops (docs/tiers.md).
+# Clobbers r8-r11 (caller-saved) too.
+    .globl vec_copy_list
+vec_copy_list:
+    mov r8, rdi
+    mov r9, rsi
+    mov r10, rdx
+    mov r11, rcx
+1:
+    mov rdi, [r8]
+    mov rsi, [r9]
+    mov rdx, r11
+2:
+    movdqu xmm0, [rsi]
+    movdqu xmm1, [rsi+16]
+    movdqu xmm2, [rsi+32]
+    movdqu xmm3, [rsi+48]
+    movdqu [rdi], xmm0
+    movdqu [rdi+16], xmm1
+    movdqu [rdi+32], xmm2
+    movdqu [rdi+48], xmm3
+    add rsi, 64
+    add rdi, 64
+    sub rdx, 64
+    jnz 2b
+    add r8, 8
+    add r9, 8
+    dec r10
+    jnz 1b
+    ret

@@ -24,10 +24,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
+from kvstore import memcopy
 from kvstore.errors import ConfigError, InvalidRequest
 
 if TYPE_CHECKING:
@@ -53,6 +54,17 @@ class LayerPages:
         return self.outer * self.page_bytes
 
 
+class PageGroup(NamedTuple):
+    """Layers whose pages share one shape: where each layer's pages start."""
+
+    outer: int
+    page_bytes: int
+    outer_stride: int  # bytes from one K/V half's page to the other's, in the cache
+    block_stride: int  # bytes from one block's page to the next block's
+    bases: np.ndarray  # int64 per layer: the address of its page (0, block 0)
+    in_block: np.ndarray  # int64 per layer: where it starts inside a stored block
+
+
 class PagedKV:
     """vLLM's per-layer KV tensors seen as pages per block."""
 
@@ -65,6 +77,25 @@ class PagedKV:
         for layer in self.layers:
             unit = math.gcd(unit, layer.page_bytes, layer.offset_in_block)
         self.row_unit_max = math.gcd(unit, _MAX_ROW_BYTES) if unit else 1
+        # The page addresses of every layer, grouped by shape (one group in every
+        # model seen): a CPU batch's pages are then a few numpy ops and one copy
+        # call, whatever the number of layers. Read once: vLLM allocates its KV
+        # cache once (sleep mode unregisters, and a new PagedKV comes with the new one).
+        shapes: dict[tuple[int, int, int, int], list[LayerPages]] = {}
+        for layer in self.layers:
+            so, sb, _ = layer.pages.stride()  # uint8 pages: strides in bytes
+            shapes.setdefault((layer.outer, layer.page_bytes, so, sb), []).append(layer)
+        self.page_groups = [
+            PageGroup(
+                outer,
+                page_bytes,
+                so,
+                sb,
+                np.array([layer.pages.data_ptr() for layer in group], dtype=np.int64),
+                np.array([layer.offset_in_block for layer in group], dtype=np.int64),
+            )
+            for (outer, page_bytes, so, sb), group in shapes.items()
+        ]
 
     @classmethod
     def from_layers(cls, layers: Sequence[tuple[str, torch.Tensor]], num_blocks: int) -> PagedKV:
@@ -134,10 +165,10 @@ def _rows(flat: torch.Tensor, unit: int) -> torch.Tensor:
     return flat.view(n, unit)
 
 
-def plan_batch(
+def checked_batch(
     kv: PagedKV, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray
-) -> tuple[int, np.ndarray, np.ndarray] | None:
-    """Validate a batch; (row unit, offsets, block ids) as int64, or None when empty."""
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Validate a batch: (offsets, block ids) as int64, or None when empty."""
     n = len(block_ids)
     if n == 0:
         return None
@@ -149,6 +180,17 @@ def plan_batch(
         raise InvalidRequest(f"block id outside 0..{kv.num_blocks - 1}")
     if offsets.min() < 0 or offsets.max() + kv.block_bytes > region.shape[0]:
         raise InvalidRequest("a block's slot lies outside the region")
+    return offsets, block_ids
+
+
+def plan_batch(
+    kv: PagedKV, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray
+) -> tuple[int, np.ndarray, np.ndarray] | None:
+    """Validate a batch; (row unit, offsets, block ids) as int64, or None when empty."""
+    batch = checked_batch(kv, region, offsets, block_ids)
+    if batch is None:
+        return None
+    offsets, block_ids = batch
     return _row_unit(kv.row_unit_max, offsets), offsets, block_ids
 
 
@@ -167,6 +209,27 @@ def row_indices(
         (offsets[:, None, None] + layer.offset_in_block + o * layer.page_bytes) // unit + k
     ).reshape(-1)
     return kv_idx, reg_idx
+
+
+def page_addresses(
+    group: PageGroup, region_address: int, offsets: np.ndarray, block_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(cache addresses, region addresses) of every page of the batch in ``group``'s
+    layers: page (layer, block i, half o) of the cache, and where it goes in block
+    i's slot. The CPU copier's plan, as row_indices is the torch one's."""
+    o = np.arange(group.outer, dtype=np.int64)
+    cache = (
+        group.bases[:, None, None]
+        + block_ids[None, :, None] * group.block_stride
+        + o[None, None, :] * group.outer_stride
+    )
+    region = (
+        region_address
+        + offsets[None, :, None]
+        + group.in_block[:, None, None]
+        + o[None, None, :] * group.page_bytes
+    )
+    return cache.reshape(-1), region.reshape(-1)
 
 
 class Copier(Protocol):
@@ -203,12 +266,19 @@ class BlockCopier:
     inside ``load`` and saves run as one batch in ``finish_save``, after the
     step's forward. On CUDA the copies are queued on the current stream (after
     the forward) and waited for before leases are released or blocks committed.
+
+    On the CPU a batch is one ``memcopy.copy_list`` call per page shape: a
+    step's pages are small (4-32 KiB), and torch's index ops cost ~100 µs per
+    layer of dispatch when the forward has just evicted the caches (8 blocks,
+    2 layers: 400 µs cold against ~60 µs this way; docs/vllm.md).
     """
 
     def __init__(self, kv: PagedKV) -> None:
         self.kv = kv
         self._staging: torch.Tensor | None = None
         self._pending_save: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
+        self._region: torch.Tensor | None = None  # the last one copied with, and its address
+        self._region_address = 0
 
     def wait_layer(self, name: str) -> None:
         return  # loads are complete when load() returns
@@ -250,15 +320,30 @@ class BlockCopier:
     ) -> bool:
         import torch
 
-        batch = plan_batch(self.kv, region, offsets, block_ids)
-        if batch is None:
-            return True
         device = self.kv.device or torch.device("cpu")
-        if region.device != device:
+        if region is not self._region and region.device != device:
             raise InvalidRequest(
                 f"the daemon's blocks are on {region.device}, the KV cache on {device}: "
                 "a CUDA cache with tier=dram uses CudaBlockCopier"
             )
+        if device.type == "cpu":
+            checked = checked_batch(self.kv, region, offsets, block_ids)
+            if checked is None:
+                return True
+            if time.monotonic() > deadline_s:
+                return False  # a lease ran out: write nothing into its slots
+            if region is not self._region:  # (torch attribute reads cost, cold)
+                self._region, self._region_address = region, region.data_ptr()
+            for group in self.kv.page_groups:
+                cache, slots = page_addresses(group, self._region_address, *checked)
+                if to_kv:
+                    memcopy.copy_list(cache, slots, group.page_bytes)
+                else:
+                    memcopy.copy_list(slots, cache, group.page_bytes)
+            return True
+        batch = plan_batch(self.kv, region, offsets, block_ids)
+        if batch is None:
+            return True
         unit, offsets, block_ids = batch
         region_rows = _rows(region, unit)
         for layer in self.kv.layers:

@@ -104,6 +104,9 @@ def test_probe_answers_as_a_model_through_random_puts_moves_and_removes(table):
         # per hash, not a prefix: what a store step skips
         got = p.present(salt, seq)
         assert got is not None and got.tolist() == [(salt, int(h)) in model for h in seq]
+        few = seq[: step % 17]  # up to PYTHON_PROBES hashes: the Python-int path
+        got = p.present(salt, few)
+        assert got is not None and got.tolist() == [(salt, int(h)) in model for h in few]
     assert t.refused == 0
     # the header counts what is in
     assert int(t.header[6]) == len(model)

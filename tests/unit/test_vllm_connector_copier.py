@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from kvstore.errors import ConfigError, InvalidRequest  # noqa: E402
-from kvstore_connectors.vllm.copier import BlockCopier, PagedKV  # noqa: E402
+from kvstore_connectors.vllm.copier import (  # noqa: E402
+    BlockCopier,
+    PagedKV,
+    plan_batch,
+    row_indices,
+)
 
 NUM_BLOCKS = 12
 
@@ -123,6 +130,52 @@ def test_save_is_deferred_to_finish_save():
     assert region.sum() == 0  # nothing moves until the step's forward is over
     copier.finish_save()
     assert torch.equal(region[kv.block_bytes :], _expected_block(layers, 4))
+
+
+def _row_path_save(kv, region, offsets, ids):
+    """What the torch row path (the CUDA copiers' plan) writes for a save."""
+    unit, offsets, ids = plan_batch(kv, region, offsets, ids)
+    rows = region.view(-1)[: region.shape[0] // unit * unit].view(-1, unit)
+    for layer in kv.layers:
+        kv_idx, reg_idx = row_indices(layer, kv.num_blocks, unit, offsets, ids)
+        src = layer.pages.reshape(-1).view(-1, unit)
+        rows[torch.from_numpy(reg_idx)] = src[torch.from_numpy(kv_idx)]
+
+
+def test_cpu_page_lists_write_what_the_row_path_writes():
+    """Layers of two page shapes (two groups of addresses), both K/V layouts, odd
+    slot offsets: the CPU copier's one-call page lists put every byte where the
+    row-index plan of the CUDA copiers puts it, and load it back exactly."""
+    g = torch.Generator().manual_seed(4)
+    layers = [
+        ("a0", torch.randn(2, NUM_BLOCKS, 16, 2, 8, generator=g).half()),  # 512 B pages x2
+        ("b0", torch.randn(NUM_BLOCKS, 2, 32, 64, generator=g)),  # 16 KiB pages
+        ("a1", torch.randn(2, NUM_BLOCKS, 16, 2, 8, generator=g).half()),
+    ]
+    kv = PagedKV.from_layers(layers, NUM_BLOCKS)
+    assert len(kv.page_groups) == 2
+    ids = np.array([11, 2, 7, 0, 5])
+    offsets = np.array([4, 0, 2, 6, 1]) * kv.block_bytes + 2
+    got = torch.zeros(8 * kv.block_bytes, dtype=torch.uint8)
+    want = torch.zeros_like(got)
+    BlockCopier(kv).save(got, offsets, ids)
+    _row_path_save(kv, want, offsets, ids)
+    assert torch.equal(got, want) and got.any()
+    target = [(name, torch.zeros_like(t)) for name, t in layers]
+    BlockCopier(PagedKV.from_layers(target, NUM_BLOCKS)).load(got, offsets, ids)
+    for (_, src), (_, dst) in zip(layers, target, strict=True):
+        pick = (slice(None), ids) if src.shape[0] == 2 else (ids,)
+        assert torch.equal(dst[pick], src[pick])
+
+
+def test_a_save_past_its_deadline_writes_nothing():
+    layers = _cpu_layers(n_layers=2)
+    kv = PagedKV.from_layers(layers, NUM_BLOCKS)
+    region = torch.zeros(2 * kv.block_bytes, dtype=torch.uint8)
+    copier = BlockCopier(kv)
+    copier.begin_save(region, np.array([0]), np.array([4]))
+    assert copier.finish_save(deadline_s=time.monotonic() - 1) is False
+    assert region.sum() == 0
 
 
 def test_cuda_copier_refuses_cpu_caches():

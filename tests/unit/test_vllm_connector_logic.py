@@ -130,3 +130,45 @@ def test_chain_order_splits_chains_and_puts_parents_first():
     has = np.array([1, 1, 0, 1, 1], dtype=bool)
     perm, chains = chain_order(u(1, 3, 7, 5, 6), u(6, 1, 0, 3, 5), has)
     assert perm.tolist() == [3, 4, 0, 1, 2] and chains == [(2, 3), (2, 6), (1, None)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_steps_save_batch_keeps_each_block_once_with_its_own_parent_and_tokens(seed):
+    """_SaveBatch.of over several requests' saves (decode steps: one block each;
+    shared prefixes: the same block from two requests): each hash once, at its
+    first request, with that request's parent and that block's tokens."""
+    from kvstore_connectors.vllm.metadata import SaveSpec
+    from kvstore_connectors.vllm.worker import _SaveBatch
+
+    rng = np.random.default_rng(seed)
+    bs = 4
+    specs = []
+    for r in range(int(rng.integers(1, 9))):
+        n = int(rng.integers(1, 4))
+        hashes = rng.choice(np.arange(1, 12, dtype=np.uint64), n, replace=False)
+        parent = None if rng.integers(0, 3) == 0 else int(rng.integers(100, 200))
+        specs.append(
+            SaveSpec(
+                f"r{r}",
+                "t",
+                rng.integers(0, 500, n).astype(np.int64),
+                hashes,
+                parent,
+                (hashes.astype(np.int32)[:, None] * 10 + np.arange(bs, dtype=np.int32)).reshape(-1),
+            )
+        )
+    want: dict[int, tuple[int, int, bool]] = {}  # hash -> (block id, parent, has parent)
+    for s in specs:
+        parent = s.parent_block_hash
+        for h, b in zip(s.block_hashes.tolist(), s.block_ids.tolist(), strict=True):
+            want.setdefault(h, (b, 0 if parent is None else parent, parent is not None))
+            parent = h
+    got = _SaveBatch.of("t", specs, bs)
+    assert got.block_hashes.dtype == np.uint64 and got.block_ids.dtype == np.int64
+    assert got.block_hashes.tolist() == list(want)
+    assert got.block_ids.tolist() == [w[0] for w in want.values()]
+    assert got.has_parent.tolist() == [w[2] for w in want.values()]
+    assert [p for p, w in zip(got.parents.tolist(), want.values(), strict=True) if w[2]] == [
+        w[1] for w in want.values() if w[2]
+    ]
+    assert got.token_ids.reshape(-1, bs).tolist() == [[h * 10 + k for k in range(bs)] for h in want]
