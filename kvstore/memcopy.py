@@ -413,6 +413,14 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     copy_raw(_address(dst), _address(src), dst.nbytes)
 
 
+def list_copy_is_fast(nbytes: int) -> bool:
+    """Whether copy_list moves pieces of ``nbytes`` with no Python per piece (the
+    list loop), or pieces large enough that a call each is nothing next to their
+    bytes. Where not (no loops here, an odd size), a caller with a better plan
+    for many small pieces (torch's index ops) should keep it."""
+    return nbytes >= NT_MIN_BYTES or (_LOADED is not None and nbytes % _LINE_BYTES == 0)
+
+
 def copy_list(dst_addresses: np.ndarray, src_addresses: np.ndarray, nbytes: int) -> None:
     """Piece i: ``nbytes`` from ``src_addresses[i]`` to ``dst_addresses[i]`` (raw
     addresses, equal-length integer arrays), for many small equal pieces (a

@@ -267,7 +267,8 @@ class BlockCopier:
     step's forward. On CUDA the copies are queued on the current stream (after
     the forward) and waited for before leases are released or blocks committed.
 
-    On the CPU a batch is one ``memcopy.copy_list`` call per page shape: a
+    On the CPU a batch is one ``memcopy.copy_list`` call per page shape (where
+    that is one loop: ``memcopy.list_copy_is_fast``; else the torch path): a
     step's pages are small (4-32 KiB), and torch's index ops cost ~100 µs per
     layer of dispatch when the forward has just evicted the caches (8 blocks,
     2 layers: 400 µs cold against ~60 µs this way; docs/vllm.md).
@@ -279,6 +280,13 @@ class BlockCopier:
         self._pending_save: tuple[torch.Tensor, np.ndarray, np.ndarray] | None = None
         self._region: torch.Tensor | None = None  # the last one copied with, and its address
         self._region_address = 0
+        # Page lists on the CPU where memcopy moves them in one call; else (no copy
+        # loops on this machine, page sizes not a multiple of 64) torch's row path.
+        self.uses_page_lists = (
+            kv.device is not None
+            and kv.device.type == "cpu"
+            and all(memcopy.list_copy_is_fast(group.page_bytes) for group in kv.page_groups)
+        )
 
     def wait_layer(self, name: str) -> None:
         return  # loads are complete when load() returns
@@ -326,7 +334,7 @@ class BlockCopier:
                 f"the daemon's blocks are on {region.device}, the KV cache on {device}: "
                 "a CUDA cache with tier=dram uses CudaBlockCopier"
             )
-        if device.type == "cpu":
+        if self.uses_page_lists:
             checked = checked_batch(self.kv, region, offsets, block_ids)
             if checked is None:
                 return True

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvstore import memcopy  # noqa: E402
 from kvstore.errors import ConfigError, InvalidRequest  # noqa: E402
 from kvstore_connectors.vllm.copier import (  # noqa: E402
     BlockCopier,
@@ -166,6 +170,38 @@ def test_cpu_page_lists_write_what_the_row_path_writes():
     for (_, src), (_, dst) in zip(layers, target, strict=True):
         pick = (slice(None), ids) if src.shape[0] == 2 else (ids,)
         assert torch.equal(dst[pick], src[pick])
+
+
+_ROW_PATH_CHILD = """
+import numpy as np, torch
+from kvstore import memcopy
+from kvstore_connectors.vllm.copier import BlockCopier, PagedKV
+t = torch.randn(2, 12, 16, 2, 8, generator=torch.Generator().manual_seed(1)).half()
+kv = PagedKV.from_layers([("l0", t)], 12)
+copier = BlockCopier(kv)
+region = torch.zeros(4 * kv.block_bytes, dtype=torch.uint8)
+copier.save(region, np.array([kv.block_bytes]), np.array([7]))
+want = torch.cat([t[0, 7].reshape(-1).view(torch.uint8), t[1, 7].reshape(-1).view(torch.uint8)])
+got = region[kv.block_bytes : 2 * kv.block_bytes]
+print(memcopy.fast_copy_available(), copier.uses_page_lists, bool(torch.equal(got, want)),
+      int(region[: kv.block_bytes].sum()))
+"""
+
+
+def test_without_the_copy_loops_the_cpu_copier_takes_the_row_path():
+    """No list loop (KVSTORE_NT_COPY=0, or not x86-64): a Python call per small page
+    would be slower than torch's index ops, so the copier keeps those, and writes
+    the same bytes."""
+    layers = _cpu_layers(n_layers=2)
+    assert BlockCopier(PagedKV.from_layers(layers, NUM_BLOCKS)).uses_page_lists == (
+        memcopy.fast_copy_available()
+    )
+    env = dict(os.environ, KVSTORE_NT_COPY="0")
+    out = subprocess.run(
+        [sys.executable, "-c", _ROW_PATH_CHILD], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True", "0"]
 
 
 def test_a_save_past_its_deadline_writes_nothing():
