@@ -142,6 +142,10 @@ def _parents_of(spec: SaveSpec) -> np.ndarray:
     return parents
 
 
+# Blocks of a step ordered into chains in Python ints up to this many (numpy above).
+PYTHON_CHAIN_BLOCKS = 64
+
+
 def chain_order(
     hashes: np.ndarray, parents: np.ndarray, has_parent: np.ndarray
 ) -> tuple[np.ndarray, list[tuple[int, int | None]]]:
@@ -157,23 +161,28 @@ def chain_order(
     n = len(hashes)
     if n == 0:
         return np.zeros(0, dtype=np.int64), []
-    # (np.r_ and np.isin cost ~10 µs a call: plain concatenation and a set here)
-    starts = np.flatnonzero(~(has_parent[1:] & (parents[1:] == hashes[:-1]))) + 1
-    starts = np.concatenate((np.zeros(1, dtype=starts.dtype), starts))
-    ends = np.concatenate((starts[1:], np.full(1, n, dtype=starts.dtype)))
-    head_parent, head_has = parents[starts].tolist(), has_parent[starts].tolist()
-    present = set(hashes.tolist())
+    hs = hashes.tolist()
+    # Where chains start: a block whose parent is not the block before it.
+    if n <= PYTHON_CHAIN_BLOCKS:
+        # (a decode step's few blocks: numpy calls cost 10-20 µs each after a forward)
+        ps, hp = parents.tolist(), has_parent.tolist()
+        starts = [0] + [i for i in range(1, n) if not (hp[i] and ps[i] == hs[i - 1])]
+        head_parent, head_has = [ps[i] for i in starts], [hp[i] for i in starts]
+    else:
+        cut = np.flatnonzero(~(has_parent[1:] & (parents[1:] == hashes[:-1]))) + 1
+        starts = [0, *cut.tolist()]
+        head_parent, head_has = parents[starts].tolist(), has_parent[starts].tolist()
+    ends = [*starts[1:], n]
+    present = set(hs)
     if not any(h and p in present for p, h in zip(head_parent, head_has, strict=True)):
         # No chain continues another of this batch (a decode step: each request's
         # new blocks follow blocks stored before): the order stands as it is.
         return np.arange(n, dtype=np.int64), [
             (e - s, p if h else None)
-            for s, e, p, h in zip(
-                starts.tolist(), ends.tolist(), head_parent, head_has, strict=True
-            )
+            for s, e, p, h in zip(starts, ends, head_parent, head_has, strict=True)
         ]
-    block_at = {h: i for i, h in enumerate(hashes.tolist())}
-    segment = np.repeat(np.arange(len(starts)), ends - starts).tolist()
+    block_at = {h: i for i, h in enumerate(hs)}
+    segment = [k for k, (s, e) in enumerate(zip(starts, ends, strict=True)) for _ in range(e - s)]
     order: list[int] = []
     done = [False] * len(starts)
     for k in range(len(starts)):
@@ -181,8 +190,7 @@ def chain_order(
         while not done[k]:
             j, seen = k, {k}
             while True:
-                first = int(starts[j])
-                up = block_at.get(int(parents[first])) if has_parent[first] else None
+                up = block_at.get(head_parent[j]) if head_has[j] else None
                 if up is None or done[segment[up]] or segment[up] in seen:
                     break  # (a cycle can only come from colliding hashes)
                 j = segment[up]
@@ -190,10 +198,7 @@ def chain_order(
             done[j] = True
             order.append(j)
     perm = np.concatenate([np.arange(starts[j], ends[j]) for j in order])
-    chains = [
-        (int(ends[j] - starts[j]), int(parents[starts[j]]) if has_parent[starts[j]] else None)
-        for j in order
-    ]
+    chains = [(ends[j] - starts[j], head_parent[j] if head_has[j] else None) for j in order]
     return perm, chains
 
 

@@ -111,8 +111,12 @@ def test_namespaces_separate_tenants_ranks_and_layouts():
     assert _layout().spec("tenant-a").namespace_id() == layout.spec("tenant-a").namespace_id()
 
 
-def test_chain_order_splits_chains_and_puts_parents_first():
+@pytest.mark.parametrize("python_blocks", [64, 0])  # Python ints / numpy
+def test_chain_order_splits_chains_and_puts_parents_first(monkeypatch, python_blocks):
+    from kvstore_connectors.vllm import worker
     from kvstore_connectors.vllm.worker import chain_order
+
+    monkeypatch.setattr(worker, "PYTHON_CHAIN_BLOCKS", python_blocks)
 
     u = lambda *xs: np.array(xs, dtype=np.uint64)  # noqa: E731
     # A step's kept blocks: request A's blocks 2-3 (parent 11), then B's blocks
@@ -172,3 +176,24 @@ def test_a_steps_save_batch_keeps_each_block_once_with_its_own_parent_and_tokens
         w[1] for w in want.values() if w[2]
     ]
     assert got.token_ids.reshape(-1, bs).tolist() == [[h * 10 + k for k in range(bs)] for h in want]
+
+
+def test_chain_order_is_the_same_in_python_ints_and_numpy(monkeypatch):
+    """Random steps of chains that continue each other, in shuffled order, with
+    gaps and repeated hashes: both ways give the same permutation and chains."""
+    from kvstore_connectors.vllm import worker
+
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        hashes = rng.integers(1, 60, n).astype(np.uint64)
+        parents = np.where(rng.random(n) < 0.6, np.roll(hashes, 1), rng.integers(1, 60, n))
+        parents = parents.astype(np.uint64)
+        has_parent = rng.random(n) < 0.8
+        answers = []
+        for python_blocks in (64, 0):
+            monkeypatch.setattr(worker, "PYTHON_CHAIN_BLOCKS", python_blocks)
+            perm, chains = worker.chain_order(hashes, parents, has_parent)
+            answers.append((perm.tolist(), chains))
+        assert answers[0] == answers[1]
+        assert sorted(answers[0][0]) == list(range(n))
