@@ -170,7 +170,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         f"  namespaces={stats.namespaces} leases={stats.active_leases} stored={stats.stored_blocks} "
         f"loaded={stats.loaded_blocks} evicted={stats.evicted_blocks} expired_leases={stats.expired_leases}"
     )
-    print(f"  lookup hit rate {hit:.1f}% ({stats.lookup_hit_blocks}/{looked} blocks)")
+    # (local clients answer most lookups from the presence table: never a call)
+    print(
+        f"  lookup hit rate {hit:.1f}% ({stats.lookup_hit_blocks}/{looked} blocks of Lookup "
+        "calls; not those answered from the presence table)"
+    )
     if info.peer_transport:
         print(f"  peer transfer over {info.peer_transport}:")
     for p in stats.peer:
