@@ -413,12 +413,17 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     copy_raw(_address(dst), _address(src), dst.nbytes)
 
 
+def _in_list_loop(nbytes: int) -> bool:
+    """Whether copy_list takes pieces of ``nbytes`` in one call of the list loop."""
+    return _LOADED is not None and nbytes % _LINE_BYTES == 0 and nbytes < NT_MIN_BYTES
+
+
 def list_copy_is_fast(nbytes: int) -> bool:
     """Whether copy_list moves pieces of ``nbytes`` with no Python per piece (the
     list loop), or pieces large enough that a call each is nothing next to their
     bytes. Where not (no loops here, an odd size), a caller with a better plan
     for many small pieces (torch's index ops) should keep it."""
-    return nbytes >= NT_MIN_BYTES or (_LOADED is not None and nbytes % _LINE_BYTES == 0)
+    return nbytes >= NT_MIN_BYTES or _in_list_loop(nbytes)
 
 
 def copy_list(dst_addresses: np.ndarray, src_addresses: np.ndarray, nbytes: int) -> None:
@@ -437,14 +442,14 @@ def copy_list(dst_addresses: np.ndarray, src_addresses: np.ndarray, nbytes: int)
         )
     if count == 0 or nbytes <= 0:
         return
-    loops = _LOADED
-    if loops is None or nbytes % _LINE_BYTES or nbytes >= NT_MIN_BYTES:
+    if not _in_list_loop(nbytes):
         for d, s in zip(dst_addresses.tolist(), src_addresses.tolist(), strict=True):
             copy_raw(d, s, nbytes)
         return
+    assert _LOADED is not None
     dsts = np.ascontiguousarray(dst_addresses, dtype=np.uint64)
     srcs = np.ascontiguousarray(src_addresses, dtype=np.uint64)
-    loops.vec_list(_address(dsts), _address(srcs), count, nbytes)
+    _LOADED.vec_list(_address(dsts), _address(srcs), count, nbytes)
 
 
 # ------------------------------------------------------------ batches

@@ -647,16 +647,16 @@ class PresenceProbe:
             # A decode step's few new blocks: Python ints (each numpy call costs
             # ~2 µs warm, 10-20 µs right after a forward has evicted the caches).
             find = self._find
-            held = [find(mix_key(salt, h)) >= 0 for h in hashes.tolist()]
-            return np.array(held, dtype=bool) if self.current else None
-        keys = mix_keys(salt, np.asarray(hashes, dtype=np.uint64))
-        b1, b2 = buckets_of(keys, self.buckets)
-        found = np.zeros(len(keys), dtype=bool)
-        for b in (b1, b2):
-            # word ^ key < 4 where a slot holds this key (its tier in the low bits)
-            got = np.take(self.rows, b, axis=0)
-            np.bitwise_xor(got, keys[:, None], out=got)
-            found |= got.min(axis=1) < 4
+            found = np.array([find(mix_key(salt, h)) >= 0 for h in hashes.tolist()], dtype=bool)
+        else:
+            keys = mix_keys(salt, np.asarray(hashes, dtype=np.uint64))
+            b1, b2 = buckets_of(keys, self.buckets)
+            found = np.zeros(len(keys), dtype=bool)
+            for b in (b1, b2):
+                # word ^ key < 4 where a slot holds this key (its tier in the low bits)
+                got = np.take(self.rows, b, axis=0)
+                np.bitwise_xor(got, keys[:, None], out=got)
+                found |= got.min(axis=1) < 4
         if not self.current:  # retired or rebuilt while we read
             return None
         return found

@@ -93,27 +93,26 @@ class _SaveBatch:
         ids: list[int] = []
         parents: list[int] = []
         has_parent: list[bool] = []
+        kept: list[int] = []  # each kept block's place among all the specs' blocks
         seen: set[int] = set()
-        kept_all = True
+        at = 0
         for s in specs:
             parent = s.parent_block_hash
             for h, b in zip(s.block_hashes.tolist(), s.block_ids.tolist(), strict=True):
-                if h in seen:
-                    # Two requests can complete the same block in one step: store it
-                    # once, at the first (its parent stays the one of its own request).
-                    kept_all = False
-                else:
+                # Two requests can complete the same block in one step: store it
+                # once, at the first (its parent stays the one of its own request).
+                if h not in seen:
                     seen.add(h)
+                    kept.append(at)
                     hashes.append(h)
                     ids.append(b)
                     parents.append(0 if parent is None else parent)
                     has_parent.append(parent is not None)
                 parent = h
+                at += 1
         tokens = np.concatenate([s.token_ids for s in specs])
-        if not kept_all:
-            all_hashes = np.concatenate([s.block_hashes for s in specs])
-            _, first = np.unique(all_hashes, return_index=True)
-            tokens = tokens.reshape(-1, block_size)[np.sort(first)].reshape(-1)
+        if len(kept) < at:
+            tokens = tokens.reshape(-1, block_size)[kept].reshape(-1)
         return cls(
             tenant,
             np.array(hashes, dtype=np.uint64),
