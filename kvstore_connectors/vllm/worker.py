@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -252,8 +253,14 @@ class WorkerSide:
         # tenants whose next reserve was asked for and not read yet, and the
         # sizes of recent store steps (how many to ask for).
         self._reserves: dict[str, _Reserve] = {}
+        # The earliest use_by_s among them: an idle step reads one float, not each reserve.
+        self._reserves_use_by_s = math.inf
         self._reserve_asked: set[str] = set()
         self._store_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_STORE_STEPS)
+        # Bumped by every step that did more than the idle fast paths, i.e. may
+        # have moved a counter (the connector's stats hook reads the counters
+        # only when this moved: it runs on every step).
+        self.activity = 0
 
     # ------------------------------------------------------------ setup
 
@@ -293,9 +300,10 @@ class WorkerSide:
             # Most decode steps: nothing to load, save or hand back, and no
             # unfinished step to clean up after. No call, no allocation (a
             # reserve near its lease's end is given back: one message, no wait).
-            if self._reserves:
+            if self._reserves and time.monotonic() > self._reserves_use_by_s:
                 self._drop_reserves(time.monotonic())
             return
+        self.activity += 1
         unfinished, self._step = self._step, _Step()
         if unfinished.saves:
             # The previous step never finished (its forward failed): its slots go
@@ -330,6 +338,7 @@ class WorkerSide:
         (``take_finished_saving``): vLLM holds their blocks until then."""
         if not (self._deferred or self._loads_issued or self._step.saves or self._step.loaded):
             return  # a step with nothing to do: nothing to wait for, copy or commit
+        self.activity += 1
         deferred, self._deferred = self._deferred, []
         try:
             self._finish_step()
@@ -637,6 +646,7 @@ class WorkerSide:
         if not self.session.region_is_current():
             return None  # (the step's own checks reconnect)
         del self._reserves[tenant]
+        self._reserves_changed()
         r = reserve.handle
         return StoreHandle(
             r.lease_id,
@@ -656,14 +666,23 @@ class WorkerSide:
             for t, r in self._reserves.items()
             if r.generation != self.session.generation or now_s > r.use_by_s
         ]
+        if not stale:
+            return
         handles = []
         for tenant in stale:
             reserve = self._reserves.pop(tenant)
             if reserve.generation == self.session.generation:
                 handles.append(reserve.handle)
+        self._reserves_changed()
         if handles:
+            self.activity += 1  # (a failed call counts a failure)
             # retried on a fresh link: a release the new daemon does not know is ignored
             self.session.call("release", lambda c: _release_all(c, handles))
+
+    def _reserves_changed(self) -> None:
+        self._reserves_use_by_s = min(
+            (r.use_by_s for r in self._reserves.values()), default=math.inf
+        )
 
     def _reserve_size(self, client: Client, block_bytes: int) -> int:
         """Slots to ask for: the most blocks among recent store steps that a reserve
@@ -689,6 +708,7 @@ class WorkerSide:
             use_by_s = now_s + (result.deadline_s - now_s) / 2
             old = self._reserves.get(tenant)
             self._reserves[tenant] = _Reserve(result, generation, use_by_s)
+            self._reserves_changed()
             if old is not None and old.generation == generation:
                 handles = [old.handle]
                 self.session.call("release", lambda c: _release_all(c, handles), retry=False)

@@ -55,3 +55,28 @@ def test_an_idle_decode_step_reads_no_block_hash(daemon):
     assert decode().saves
     assert _CountingHashes.reads > 0
     assert eng.worker.counters.saved_blocks == 3
+
+
+def test_idle_decode_steps_move_no_activity_and_the_completing_step_does(daemon):
+    """The connector's stats hook reads the counters only when a side's ``activity``
+    moved (it runs on every step). Idle decode steps must not move it; the scheduler
+    walks its requests only for the steps after a change, and for the step that
+    completes a block; that step moves both sides (and their counters)."""
+    from kvstore_connectors.vllm.scheduler import WALKS_AFTER_CHANGE
+
+    eng = Engine(daemon.address, seed=5)
+    req = Req("r", _tokens(5, 2 * BS + 1))
+    eng.prefill(req, [1, 2, 3])
+    moved = []
+    for _ in range(BS - 1):  # BS - 2 idle decode steps, then the one completing block 3
+        req.all_token_ids.append(5)
+        req.rehash()
+        before = (eng.scheduler.activity, eng.worker.activity)
+        eng.step(running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1})
+        after = (eng.scheduler.activity, eng.worker.activity)
+        moved.append((after[0] != before[0], after[1] != before[1]))
+    idle = moved[:-1]
+    assert [s for s, _ in idle] == [i < WALKS_AFTER_CHANGE for i in range(BS - 2)]
+    assert not any(w for _, w in idle)
+    assert moved[-1] == (True, True)
+    assert eng.worker.counters.saved_blocks == 3
