@@ -35,6 +35,7 @@ TESTED_VLLM_VERSIONS: Mapping[str, str] = {
 REQUIRED: Mapping[str, tuple[str, tuple[str, ...]]] = {
     "__init__": ("method", ("vllm_config", "role", "kv_cache_config")),
     "_get_connector_metadata": ("method", ()),
+    "has_connector_metadata": ("method", ()),
     "requires_kv_delivery": ("property", ()),
     "register_kv_caches": ("method", ("kv_caches",)),
     "start_load_kv": ("method", ("forward_context",)),

@@ -250,6 +250,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         # The side's ``activity`` when the counters were last read: while it has
         # not moved, no counter has (the idle paths move none), nothing is read.
         self._read_activity = -1
+        # has_connector_metadata: the copier works layer by layer, and whether the
+        # step of the last metadata asked about has anything to do per layer
+        self._layer_wise = False
+        self._layer_meta: KVConnectorMetadata | None = None
+        self._layer_work = False
         if role == KVConnectorRole.SCHEDULER:
             hash_block_size = kv_cache_config.hash_block_size or layout.block_size_tokens
             self._scheduler = SchedulerSide(
@@ -299,6 +304,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # sleep mode unmaps and maps again), not pointers into them.
         self._kv_caches = [(name, kv_caches[name]) for name in order]
         self._worker.register(self._kv_caches, self._num_blocks)
+        self._layer_wise = self._worker.layer_wise
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
@@ -311,18 +317,38 @@ class KVStoreConnector(KVConnectorBase_V1):
         reported failed (recomputed) and saves dropped. Idempotent."""
         if self._worker is not None:
             self._worker.unregister()
+            self._layer_wise = False
 
     def restore_kv_caches(self) -> None:
         """vLLM 0.33+, after wake-up: map the KV cache again from vLLM's tensors.
         Idempotent."""
         if self._worker is not None and self._kv_caches:
             self._worker.register(self._kv_caches, self._num_blocks)
+            self._layer_wise = self._worker.layer_wise
 
     @property
     def kv_caches_registered(self) -> bool:
         return self._worker is not None and self._worker.registered
 
     # The hooks below run on every step (or per layer): timed inline, as _timed does.
+    def has_connector_metadata(self) -> bool:
+        """The base's answer, and False where this step's per-layer hooks would do
+        nothing: the CPU copier's never do, the CUDA copier's only on a step with
+        loads or saves. vLLM (0.32, 0.33) asks this only around each attention
+        layer, to decide whether to call wait_for_layer_load / save_kv_layer: two
+        calls per layer per step saved. On the CPU the answer costs what the
+        base's does; on CUDA the plan is looked at once per step."""
+        if not self._layer_wise or not super().has_connector_metadata():
+            return False
+        meta = self._get_connector_metadata()
+        if meta is not self._layer_meta:
+            assert self._worker is not None
+            self._layer_meta = meta
+            self._layer_work = isinstance(
+                meta, KVStoreConnectorMetadata
+            ) and self._worker.has_layer_work(meta.plan)
+        return self._layer_work
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         t0 = _perf_ns()
         try:

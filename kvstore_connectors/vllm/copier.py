@@ -237,7 +237,13 @@ class Copier(Protocol):
 
     ``load`` must have read every byte it takes from the region when it returns
     (what it then does with them may still be in flight): a direct load is
-    checked right after it (docs/presence.md), and a pin is released then."""
+    checked right after it (docs/presence.md), and a pin is released then.
+
+    ``layer_wise``: whether ``wait_layer`` and ``save_layer`` do anything (a copier
+    that overlaps its copies with the forward, layer by layer); where not, vLLM is
+    told not to call them (``KVStoreConnector.has_connector_metadata``)."""
+
+    layer_wise: bool
 
     def load(self, region: torch.Tensor, offsets: np.ndarray, block_ids: np.ndarray) -> None: ...
     def wait_layer(self, name: str) -> None: ...
@@ -274,6 +280,8 @@ class BlockCopier:
     2 layers: 400 µs against 270 µs this way, ~100 of it the bytes themselves;
     docs/tiers.md).
     """
+
+    layer_wise = False  # loads finish in load(), saves in finish_save()
 
     def __init__(self, kv: PagedKV) -> None:
         self.kv = kv

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 class CudaBlockCopier:
+    layer_wise = True  # layer i's attention waits for layer i's load; saves queued per layer
+
     def __init__(self, kv: PagedKV) -> None:
         import torch
 

@@ -292,6 +292,11 @@ class WorkerSide:
     def registered(self) -> bool:
         return self.copier is not None
 
+    @property
+    def layer_wise(self) -> bool:
+        """Whether the copier does anything in wait_layer / save_layer."""
+        return self.copier is not None and self.copier.layer_wise
+
     # ------------------------------------------------------------ per step
 
     def start_step(self, plan: StepPlan) -> None:
@@ -323,6 +328,11 @@ class WorkerSide:
             return
         failed_reqs, failed_ids = self._load(plan)
         self._reserve_saves(plan, failed_reqs, failed_ids)
+
+    def has_layer_work(self, plan: StepPlan) -> bool:
+        """Whether ``wait_layer`` / ``save_layer`` can do anything in the step of ``plan``:
+        a copier that works layer by layer, and something to load or save."""
+        return self.copier is not None and self.copier.layer_wise and bool(plan.loads or plan.saves)
 
     def wait_layer(self, name: str) -> None:
         if self._loads_issued and self.copier is not None:

@@ -80,3 +80,27 @@ def test_idle_decode_steps_move_no_activity_and_the_completing_step_does(daemon)
     assert not any(w for _, w in idle)
     assert moved[-1] == (True, True)
     assert eng.worker.counters.saved_blocks == 3
+
+
+def test_per_layer_hooks_are_asked_for_only_where_a_copier_works_layer_by_layer(daemon):
+    """vLLM calls wait_for_layer_load / save_kv_layer around each layer only when
+    has_connector_metadata() says so (KVStoreConnector answers has_layer_work):
+    never for the CPU copier (its per-layer calls do nothing), and for a copier
+    that works layer by layer (CUDA's) only on a step that loads or saves."""
+    from kvstore_connectors.vllm.metadata import StepPlan
+
+    eng = Engine(daemon.address, seed=6)
+    req = Req("r", _tokens(6, 2 * BS + 1))
+    _, plan = eng.prefill(req, [1, 2, 3])
+    assert plan.saves and not eng.worker.layer_wise
+    assert not eng.worker.has_layer_work(plan) and not eng.worker.has_layer_work(StepPlan())
+
+    class LayerWise:  # the part of CudaBlockCopier this asks about
+        layer_wise = True
+
+    eng.worker.copier = LayerWise()  # type: ignore[assignment]
+    assert eng.worker.layer_wise
+    assert eng.worker.has_layer_work(plan)
+    assert not eng.worker.has_layer_work(StepPlan())
+    eng.worker.unregister()
+    assert not eng.worker.layer_wise and not eng.worker.has_layer_work(plan)
