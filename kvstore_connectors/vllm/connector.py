@@ -330,7 +330,6 @@ class KVStoreConnector(KVConnectorBase_V1):
     def kv_caches_registered(self) -> bool:
         return self._worker is not None and self._worker.registered
 
-    # The hooks below run on every step (or per layer): timed inline, as _timed does.
     def has_connector_metadata(self) -> bool:
         """The base's answer, and False where this step's per-layer hooks would do
         nothing: the CPU copier's never do, the CUDA copier's only on a step with
@@ -349,6 +348,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             ) and self._worker.has_layer_work(meta.plan)
         return self._layer_work
 
+    # The hooks below run on every step (or per layer): timed inline, as _timed does.
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         t0 = _perf_ns()
         try:
