@@ -118,7 +118,9 @@ def daemon_prefix(d: DaemonProcess, hashes: np.ndarray, model: str = "tiny") -> 
 
 def test_fresh_indexer_rebuilds_a_chain_longer_than_the_replay_buffer(daemon_factory, indexers):
     """Old: 5 batches replayed, the chain's head gone for good, Score 0 (resyncs=1)."""
-    s = daemon_settings(**{"events.buffer_batches": 5})
+    # one event per batch: the daemon's sender coalesces what is queued, and a slow
+    # machine could fit all 20 puts into the 5 batches replay keeps
+    s = daemon_settings(**{"events.buffer_batches": 5, "events.max_events_per_batch": 1})
     d = daemon_factory("node-a", settings=s)
     hashes = chain(20)
     put_one_by_one(d, hashes)
@@ -602,7 +604,11 @@ def test_staleness_shows_on_metrics_and_kvstore_status(daemon_factory, tmp_path)
 
 def test_snapshots_over_tcp_carry_the_cluster_secret(daemon_factory, indexers):
     """A daemon with a cluster secret answers the indexer's Snapshot only with it."""
-    s = daemon_settings(**{"peer.secret": "s3cret", "events.buffer_batches": 2})
+    s = daemon_settings(
+        # one event per batch: else a slow machine's sender may coalesce the 6 puts into
+        # the 2 batches replay keeps, and the wrong secret's indexer gets them replayed
+        **{"peer.secret": "s3cret", "events.buffer_batches": 2, "events.max_events_per_batch": 1}
+    )
     d = daemon_factory("node-a", settings=s)
     hashes = chain(6)
     put_one_by_one(d, hashes)  # past the replay buffer: only a snapshot has it all

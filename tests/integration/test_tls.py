@@ -287,6 +287,7 @@ def test_indexer_snapshots_a_tls_daemon_with_its_certificate(daemon_factory, pki
         "events.publish_address": "tcp://127.0.0.1:0",
         "events.replay_address": "tcp://127.0.0.1:0",
         "events.buffer_batches": 5,  # 20 one-block puts: only a snapshot has the head
+        "events.max_events_per_batch": 1,  # (one batch each, however slow the sender)
     }
     d = daemon_factory("node-a", settings=s)
     hashes = BlockHasher(16).hash_tokens_int(np.arange(16 * 20) % 30_000)
