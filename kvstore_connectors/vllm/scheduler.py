@@ -267,19 +267,7 @@ class SchedulerSide:
             if most < self._quiet_tokens:
                 self._quiet_tokens -= most
                 return StepPlan()
-        return self._walk(
-            new, req_ids, new_block_ids, resumed_ids, num_computed_tokens, num_scheduled_tokens
-        )
-
-    def _walk(
-        self,
-        new: Sequence[NewRequest],
-        req_ids: Sequence[str],
-        new_block_ids: Sequence[Sequence[Sequence[int]] | None],
-        resumed_ids: Collection[str],
-        num_computed_tokens: Sequence[int],
-        num_scheduled_tokens: Mapping[str, int],
-    ) -> StepPlan:
+        # The walk: every request, in vLLM's order.
         self.activity += 1
         if self._walks_due:
             self._walks_due -= 1

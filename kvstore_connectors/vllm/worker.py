@@ -305,8 +305,10 @@ class WorkerSide:
             # Most decode steps: nothing to load, save or hand back, and no
             # unfinished step to clean up after. No call, no allocation (a
             # reserve near its lease's end is given back: one message, no wait).
-            if self._reserves and time.monotonic() > self._reserves_use_by_s:
-                self._drop_reserves(time.monotonic())
+            if self._reserves:
+                now_s = time.monotonic()
+                if now_s > self._reserves_use_by_s:
+                    self._drop_reserves(now_s)
             return
         self.activity += 1
         unfinished, self._step = self._step, _Step()
@@ -332,7 +334,7 @@ class WorkerSide:
     def has_layer_work(self, plan: StepPlan) -> bool:
         """Whether ``wait_layer`` / ``save_layer`` can do anything in the step of ``plan``:
         a copier that works layer by layer, and something to load or save."""
-        return self.copier is not None and self.copier.layer_wise and bool(plan.loads or plan.saves)
+        return self.layer_wise and bool(plan.loads or plan.saves)
 
     def wait_layer(self, name: str) -> None:
         if self._loads_issued and self.copier is not None:
