@@ -71,14 +71,16 @@ def unpack_u32(data: bytes, what: str) -> list[int]:
     return np.frombuffer(data, dtype="<u4").tolist()
 
 
+# (a dict: calling the enum runs EnumType.__call__'s Python, ~10 us cold per request)
+_TIER_OF_VALUE = {TIER_UNSPECIFIED: Tier.DRAM, **{int(t): t for t in Tier}}
+
+
 def tier_of(value: int) -> Tier:
     """The tier a store or load asks for: UNSPECIFIED (0) means DRAM."""
-    if value == TIER_UNSPECIFIED:
-        return Tier.DRAM
-    try:
-        return Tier(value)
-    except ValueError:
-        raise errors.InvalidRequest(f"unknown tier {value}") from None
+    tier = _TIER_OF_VALUE.get(value)
+    if tier is None:
+        raise errors.InvalidRequest(f"unknown tier {value}")
+    return tier
 
 
 def sibling_layouts(manager: BlockManager, spec: NamespaceSpec) -> list[str]:

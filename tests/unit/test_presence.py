@@ -18,6 +18,7 @@ from kvstore.presence import (
     HEADER_BYTES,
     MAX_BUCKETS,
     MIN_BUCKETS,
+    PYTHON_PUTS,
     PresenceProbe,
     PresenceTable,
     mix_key,
@@ -127,6 +128,52 @@ def test_a_full_table_only_misses_never_invents(table):
     never = stored + 1
     assert not p.present(salt, never).any()  # type: ignore[union-attr]
     assert all(p.lookup(salt, never[i : i + 1])[0] == 0 for i in range(0, len(never), 7))
+
+
+def test_small_commits_fill_a_table_as_numpy_puts_do(tmp_path):
+    """put_few (a commit of up to PYTHON_PUTS blocks, in Python ints) against put:
+    the same blocks found with the same slots and checksums, the same entry count,
+    and the same refusals once buckets fill; a move rewrites the block's entry."""
+    by_numpy, by_python = (
+        PresenceTable.create(str(tmp_path / name), 0, FilePolicy(), REGION_ID)
+        for name in ("numpy.presence", "python.presence")
+    )
+    salt = namespace_salt("ns-few")
+    rng = np.random.default_rng(5)
+    hashes = rng.permutation(np.arange(1, 12001, dtype=np.uint64))
+    for i in range(0, len(hashes), PYTHON_PUTS):
+        part = hashes[i : i + PYTHON_PUTS]
+        offsets = (np.arange(len(part), dtype=np.int64) + i) * 4096
+        sums = part * np.uint64(3)
+        by_numpy.put(salt, part, 2, new=True, offsets=offsets, checksums=sums)
+        by_python.put_few(
+            salt, part.tolist(), 2, new=True, offsets=offsets.tolist(), checksums=sums.tolist()
+        )
+    assert by_python.refused > 0  # 12,000 blocks into 8,192 ways: buckets filled
+    assert by_python.refused == by_numpy.refused == int(by_python.header[7])
+    assert int(by_python.header[6]) == int(by_numpy.header[6]) == 12000 - by_python.refused
+    slot = {int(h): i * 4096 for i, h in enumerate(hashes)}
+    for t in (by_numpy, by_python):
+        p = PresenceProbe.open(t.path, REGION_ID)
+        assert p is not None
+        found = [int(h) for h in hashes if p.lookup(salt, [int(h)])[0]]
+        assert len(found) == 12000 - t.refused
+        located = p.locate(salt, found[:40])
+        assert located is not None and located.found == 40
+        assert located.offsets().tolist() == [slot[h] for h in found[:40]]
+        assert located.checksums.tolist() == [h * 3 for h in found[:40]]
+        p.close()
+    # a move (new=False): the block's one entry is rewritten, none added
+    p = PresenceProbe.open(by_python.path, REGION_ID)
+    assert p is not None
+    first = next(int(h) for h in hashes if p.lookup(salt, [int(h)])[0])
+    before = int(by_python.header[6])
+    by_python.put_few(salt, [first], 1)
+    assert int(by_python.header[6]) == before
+    assert p.lookup(salt, [first]) == (1, {Tier.GPU: 1})
+    p.close()
+    by_numpy.close()
+    by_python.close()
 
 
 def test_long_prefixes_are_probed_in_rounds(table):
@@ -272,7 +319,10 @@ def test_locate_finds_dram_slots_and_checksums_as_a_model(table):
             offsets = np.arange(next_offset, next_offset + 4096 * len(pick), 4096, dtype=np.int64)
             next_offset += 4096 * len(pick)
             sums = rng.integers(0, 2**63, len(pick)).astype(np.uint64)
-            t.put(salt, pick, 2, offsets=offsets, checksums=sums)
+            if len(pick) <= PYTHON_PUTS and rng.random() < 0.5:  # a small commit: Python ints
+                t.put_few(salt, pick.tolist(), 2, offsets=offsets.tolist(), checksums=sums.tolist())
+            else:
+                t.put(salt, pick, 2, offsets=offsets, checksums=sums)
             model.update(
                 {int(h): (2, int(o), int(c)) for h, o, c in zip(pick, offsets, sums, strict=True)}
             )
