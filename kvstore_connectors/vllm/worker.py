@@ -224,6 +224,15 @@ RECENT_STORE_STEPS = 32
 # A reserve holds at most this share of the region (1/64): an idle engine's
 # reserve never crowds out the blocks others store.
 RESERVE_REGION_SHARE = 64
+# The presence check of a small save batch into a reserve (a decode step's new
+# blocks) costs ~100 us right after a forward and almost never finds one: the
+# daemon's commit skips blocks it has anyway, so a missed check costs a copy of
+# a few blocks, not a wrong byte. After this many small batches in a row with no
+# block found there (by a check or by a commit's answer), only one in
+# PRESENCE_SAMPLE_EVERY is checked, until a duplicate is seen again.
+PRESENCE_CLEAN_BATCHES = 16
+PRESENCE_SAMPLE_EVERY = 8
+PRESENCE_SMALL_BATCH = 16  # blocks; a larger batch (a prefill's) is always checked
 
 
 class WorkerSide:
@@ -257,6 +266,9 @@ class WorkerSide:
         self._reserves_use_by_s = math.inf
         self._reserve_asked: set[str] = set()
         self._store_sizes: collections.deque[int] = collections.deque(maxlen=RECENT_STORE_STEPS)
+        # Small save batches into reserves since the daemon last had one of their
+        # blocks (see PRESENCE_CLEAN_BATCHES).
+        self._clean_batches = 0
         # Bumped by every step that did more than the idle fast paths, i.e. may
         # have moved a counter (the connector's stats hook reads the counters
         # only when this moved: it runs on every step).
@@ -576,11 +588,14 @@ class WorkerSide:
                     batch = batch.only(~there, bs)
                     if not len(batch.block_hashes):
                         continue
-            if tenant in self._reserves or tenant in self._reserve_asked:
+            if (tenant in self._reserves or tenant in self._reserve_asked) and self._check_presence(
+                len(batch.block_hashes)
+            ):
                 # A reserve cannot know what the daemon holds (a PrepareStore would
                 # answer PRESENT): its presence table says, without a call.
                 there = self._present(tenant, batch.block_hashes)
                 if there is not None and there.any():
+                    self._clean_batches = 0
                     self.counters.save_skipped_blocks += int(there.sum())
                     batch = batch.only(~there, bs)
                     if not len(batch.block_hashes):
@@ -621,6 +636,17 @@ class WorkerSide:
             region,
             np.concatenate([b.handle.offsets[b.allocated] for b in self._step.saves]),  # type: ignore[union-attr,index]
             np.concatenate([b.block_ids[b.allocated] for b in self._step.saves]),  # type: ignore[index]
+        )
+
+    def _check_presence(self, blocks: int) -> bool:
+        """Whether a save batch of ``blocks`` into a reserve is checked against the
+        presence table (PRESENCE_CLEAN_BATCHES)."""
+        if blocks > PRESENCE_SMALL_BATCH:
+            return True
+        self._clean_batches += 1
+        return (
+            self._clean_batches <= PRESENCE_CLEAN_BATCHES
+            or self._clean_batches % PRESENCE_SAMPLE_EVERY == 0
         )
 
     def _present(self, tenant: str, hashes: np.ndarray) -> np.ndarray | None:
@@ -758,6 +784,7 @@ class WorkerSide:
                 if reserved and not isinstance(result, Exception):
                     # a reserve cannot know what the daemon has: those were there already
                     counters.save_skipped_blocks += expected - committed
+                    self._clean_batches = 0  # check the next batches again
                 else:
                     counters.save_dropped_blocks += expected - committed
                 logger.debug(

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from kvstore.client import Client
+from kvstore_connectors.vllm import worker as worker_module
 from tests.integration.test_vllm_connector_daemon import (
     BLOCK_BYTES,
     BS,
@@ -147,6 +148,57 @@ def test_a_block_in_the_presence_table_is_skipped_at_once_without_a_send(daemon)
     worker.flush()
     assert a.worker.counters.saved_blocks == saved  # and no late correction
     assert a.worker.counters.save_skipped_blocks == skipped + 1
+    assert a.worker.counters.save_dropped_blocks == 0
+    a.worker.close()
+    b.worker.close()
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="every lease back")
+
+
+def test_clean_small_batches_sample_the_presence_check_and_a_duplicate_resumes_it(
+    daemon, monkeypatch
+):
+    """After PRESENCE_CLEAN_BATCHES small save batches in a row with nothing found at
+    the daemon, their presence check is sampled: a block the daemon has is then
+    copied and sent, and the commit's answer counts it skipped (stored once, the
+    first copy's bytes); from there every batch is checked again."""
+    monkeypatch.setattr(worker_module, "PRESENCE_CLEAN_BATCHES", 2)
+    monkeypatch.setattr(worker_module, "PRESENCE_SAMPLE_EVERY", 1000)  # no sampled check
+    a, b = Engine(daemon.address, seed=48), Engine(daemon.address, seed=49)
+    tokens = _tokens(48, 2 * BS + 1)
+    ra, rb = Req("r", list(tokens)), Req("r", list(tokens))
+    a.prefill(ra, [0, 1, 2])  # two blocks (a PrepareStore); a holds a reserve now
+    next_a, next_b = [3], [13]
+    while ra.num_tokens < 4 * BS + 1:  # blocks 2 and 3: two clean checked batches
+        _decode(a, ra, next_a)
+    a.worker.session.client().flush()
+    b.prefill(rb, [10, 11, 12], local_tokens=0)
+    while rb.num_tokens < 5 * BS + 1:  # b stores block 4 first (same tokens)
+        _decode(b, rb, next_b)
+    b.worker.session.client().flush()
+    worker = a.worker.session.client()
+    saved, skipped = a.worker.counters.saved_blocks, a.worker.counters.save_skipped_blocks
+    frames = worker.local.frames_sent
+    while ra.num_tokens < 5 * BS + 1:  # a completes block 4: not checked, copied, sent
+        _decode(a, ra, next_a)
+    assert worker.local.frames_sent == frames + 1
+    assert a.worker.counters.saved_blocks == saved + 1
+    worker.flush()  # the commit's answer: the daemon had it, nothing committed
+    assert a.worker.counters.saved_blocks == saved
+    assert a.worker.counters.save_skipped_blocks == skipped + 1
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(a.layout.spec(None))
+        got = c.get(ns, ra.int_hashes()[4:5])
+        assert got.found == 1 and bytes(got.data[0]) == b.block_bytes(14)  # b's copy
+    # checked again: b stores block 5 first, a's batch of it finds it and sends nothing
+    while rb.num_tokens < 6 * BS + 1:
+        _decode(b, rb, next_b)
+    b.worker.session.client().flush()
+    frames = worker.local.frames_sent
+    while ra.num_tokens < 6 * BS + 1:
+        _decode(a, ra, next_a)
+    assert worker.local.frames_sent == frames
+    assert a.worker.counters.saved_blocks == saved
+    assert a.worker.counters.save_skipped_blocks == skipped + 2
     assert a.worker.counters.save_dropped_blocks == 0
     a.worker.close()
     b.worker.close()
