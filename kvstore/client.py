@@ -58,7 +58,7 @@ import numpy as np
 from kvstore import errors, local_wire, memcopy
 from kvstore.auth import CLIENT_ID_METADATA_KEY, SECRET_METADATA_KEY
 from kvstore.identity import client_token, token_metadata
-from kvstore.local_client import LocalChannel
+from kvstore.local_client import LocalChannel, spin_from_env
 from kvstore.namespace import NamespaceSpec, layout_hash_seed
 from kvstore.presence import Located, PresenceProbe, namespace_salt
 from kvstore.tiers.dram import PAGE_BYTES, map_file_at, reserve_addresses
@@ -281,9 +281,13 @@ class Client:
         token_file: str = "",
         direct_loads: bool | None = None,
         map_presence: bool | None = None,
+        spin_s: float | None = None,
     ) -> None:
         """``direct_loads``: read DRAM blocks found in the daemon's presence table
         without a lease (None: unless $KVSTORE_DIRECT_LOADS is 0/false).
+        ``spin_s``: how long a call over the lean channel polls for its answer
+        before it sleeps (None: $KVSTORE_SPIN_US, else 300 µs; 0: never polls;
+        kvstore.local_client).
         ``map_presence``: map the daemon's presence table (lookups without a call);
         None = as ``map_region``. A client that loads nothing (a scheduler) maps the
         table alone."""
@@ -291,6 +295,8 @@ class Client:
             address or os.environ.get("KVSTORE_ADDRESS", DEFAULT_ADDRESS)
         )
         self.timeout_s = timeout_s
+        # read here: a bad $KVSTORE_SPIN_US fails the client, not just its lean channel
+        self._spin_s = spin_from_env() if spin_s is None else spin_s
         self._clock = clock  # monotonic, the daemon's rate: lease deadlines
         # Needed over TCP when the daemon has a cluster secret (see kvstore.auth).
         secret = secret if secret is not None else os.environ.get("KVSTORE_SECRET", "")
@@ -607,7 +613,9 @@ class Client:
 
         path = local_socket_path(socket_path)
         try:
-            return LocalChannel.open(path, self.client_id, self.timeout_s, self._token)
+            return LocalChannel.open(
+                path, self.client_id, self.timeout_s, self._token, spin_s=self._spin_s
+            )
         except (OSError, errors.KVStoreError) as exc:
             log.debug("kvstore: no lean channel at %s (%s); using gRPC", path, exc)
             return None

@@ -12,6 +12,17 @@ opened, goes over gRPC.
     ch.calls_later([(commit, on_done), (reserve, on_reserved)])  # both in one frame
     ch.collect()                                                 # wait for those answers
 
+A call that waits for its answer first polls the socket, without sleeping, for
+up to ``SPIN_US`` microseconds (``KVSTORE_SPIN_US``; 0: never), then sleeps in
+``recv``. A sleeping thread's wake-up costs ~30 µs on these VMs, twice per
+round trip counting the daemon's (measured: a bare Unix-socket ping-pong
+between two processes, 44 µs p50 blocking, 18 µs with the client polling), and
+a daemon's answer to a store or load request takes 100-300 µs to compute: the
+poll turns the client's wake-up into a read. The cost is that much CPU of one
+core per waited call, only while waiting, bounded; no thread here waits for
+an answer it could do without (commits, releases and reserves are sent
+without waiting).
+
 Requests queued by ``post`` ride in the next frame (or go at ``flush``). An
 answer a ``call_later`` does not wait for is read when the next call reads its
 own (the daemon answers in order), at ``collect`` or at ``close``: so a commit
@@ -29,6 +40,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +62,24 @@ log = logging.getLogger(__name__)
 
 MAX_UNANSWERED = 1024
 MAX_QUEUED = 1024
+# Polled this long for an answer before sleeping (module doc); KVSTORE_SPIN_US overrides.
+SPIN_US = 300
+RECV_BYTES = 1 << 16
+
+
+def spin_from_env() -> float:
+    """The poll before a waited answer sleeps, in seconds: ``KVSTORE_SPIN_US`` or SPIN_US."""
+    raw = os.environ.get("KVSTORE_SPIN_US", "")
+    try:
+        us = float(raw) if raw else SPIN_US
+    except ValueError:
+        raise errors.ConfigError(
+            f"KVSTORE_SPIN_US={raw!r} is not a number of microseconds"
+        ) from None
+    if not 0 <= us <= 100_000:
+        raise errors.ConfigError(f"KVSTORE_SPIN_US={raw!r}: expected 0 to 100000 microseconds")
+    return us / 1e6
+
 
 OnDone = Callable[[Any], None]  # called with the reply, or the KVStoreError it stands for
 
@@ -64,9 +94,14 @@ def error_of(reply: Error) -> errors.KVStoreError:
 
 
 class LocalChannel:
-    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, timeout_s: float, spin_s: float | None = None) -> None:
         self._sock = sock
-        self._rfile = sock.makefile("rb")
+        # Bytes read and not yet decoded: a frame read whole, or part of one. Our
+        # own buffer (not a buffered reader's): whether the next answer is already
+        # here decides whether to poll for it.
+        self._rbuf = bytearray()
+        self.spin_s = spin_from_env() if spin_s is None else spin_s
+        self.polled_reads = 0  # socket reads whose bytes the poll saw arrive (tests count them)
         # Readable or hung up (quiet()): polled with no wait before a presence probe.
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN | select.POLLPRI)
@@ -96,13 +131,21 @@ class LocalChannel:
         return self.broken is None and not self._unanswered and not self._poll.poll(0)
 
     @classmethod
-    def open(cls, path: str, client_id: str, timeout_s: float, token: str = "") -> LocalChannel:
+    def open(
+        cls,
+        path: str,
+        client_id: str,
+        timeout_s: float,
+        token: str = "",
+        *,
+        spin_s: float | None = None,
+    ) -> LocalChannel:
         """Connect and Hello; OSError or a KVStoreError when the channel is not usable."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout_s)
             sock.connect(path)
-            ch = cls(sock, timeout_s)
+            ch = cls(sock, timeout_s, spin_s)
             reply = ch.call(lambda seq: Hello(seq, client_id, token=token))
         except BaseException:
             sock.close()
@@ -253,7 +296,6 @@ class LocalChannel:
             log.debug("kvstore: lean channel: closing with answers lost: %s", exc)
         finally:
             self._fail_unanswered(self.broken or errors.Unavailable("the lean channel was closed"))
-            self._rfile.close()
             self._sock.close()
 
     # ------------------------------------------------------------ reading
@@ -295,14 +337,16 @@ class LocalChannel:
         return reply.seq, reply
 
     def _read_frame(self) -> list[Any]:
+        buf = self._rbuf
         try:
-            header = self._rfile.read(HEADER.size)
-            if len(header) < HEADER.size:
-                raise self._break("the daemon closed the connection")
-            (size,) = HEADER.unpack(header)
-            body = self._rfile.read(size)
-            if len(body) < size:
-                raise self._break("the daemon closed the connection mid-answer")
+            while True:
+                if len(buf) >= HEADER.size:
+                    end = HEADER.size + HEADER.unpack_from(buf)[0]
+                    if len(buf) >= end:
+                        body = bytes(buf[HEADER.size : end])
+                        del buf[:end]
+                        break
+                self._receive()
         except TimeoutError:
             waited_s = self._sock.gettimeout()
             raise self._break(f"no answer within {waited_s}s", deadline=True) from None
@@ -312,6 +356,24 @@ class LocalChannel:
             return reply_decoder.decode(body)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise self._break(f"undecodable answer: {exc}") from None
+
+    def _receive(self) -> None:
+        """Read what the socket has into the buffer: polled for up to ``spin_s``
+        first (module doc), then waited for (the socket's timeout)."""
+        if self.spin_s:
+            poll, clock = self._poll.poll, time.perf_counter
+            end_s = clock() + self.spin_s
+            while True:
+                if poll(0):
+                    self.polled_reads += 1
+                    break
+                if clock() >= end_s:
+                    break
+        chunk = self._sock.recv(RECV_BYTES)
+        if not chunk:
+            part = " mid-answer" if self._rbuf else ""
+            raise self._break(f"the daemon closed the connection{part}")
+        self._rbuf += chunk
 
     def _break(self, why: str, *, deadline: bool = False) -> errors.KVStoreError:
         """The stream can no longer be trusted: every later use raises this."""

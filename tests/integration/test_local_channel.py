@@ -413,3 +413,53 @@ def test_a_lease_taken_on_one_channel_ends_on_the_other(daemon):
         assert rpc.stats().active_leases == 0
         with pytest.raises(errors.LeaseNotFound):
             lean.release(load)  # gone for both
+
+
+def test_a_waited_answer_is_polled_for_before_the_client_sleeps(daemon, monkeypatch):
+    """A call polls for its answer (KVSTORE_SPIN_US) before it sleeps in recv: an
+    answer the daemon sends within the poll is read without sleeping; answers read
+    together are taken from the buffer, not polled for again; an answer bigger than
+    one read is put together; with 0 nothing is polled for."""
+    from kvstore.client import pack_hashes
+    from kvstore.local_wire import Lookup
+
+    with Client(daemon.address, spin_s=1.0) as c:  # any answer here comes within 1 s
+        ch = c.local
+        assert ch is not None and ch.spin_s == 1.0
+        ns = c.declare_namespace(make_spec(BLOCK))
+        before = ch.polled_reads
+        c.commit_store(c.prepare_store(ns, [1, 2, 3]))
+        assert ch.polled_reads == before + 2  # two waited answers, both seen by the poll
+        # Three answers sent for and left to arrive, then read: they came in one
+        # read, and the two behind the first are not polled for (a poll for an
+        # answer already read would spin its whole second on an empty socket).
+        got: list[object] = []
+        packed = pack_hashes([1, 2, 3])
+        for _ in range(3):
+            ch.call_later(lambda seq: Lookup(seq, ns.namespace_id, packed), got.append)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ch.collect()
+        assert time.monotonic() - t0 < 0.5
+        assert [type(r).__name__ for r in got] == ["Looked"] * 3
+        # 8,000 slots: an answer of ~72 KB, more than one read of the socket takes
+        hashes = np.arange(100, 8100, dtype=np.uint64)
+        handle = c.prepare_store(ns, hashes)
+        assert len(handle.offsets) == 8000 and len(handle.allocated) == 8000
+        assert c.commit_store(handle) == 8000
+        assert c.lookup(ns, hashes).prefix_blocks == 8000
+    monkeypatch.setenv("KVSTORE_SPIN_US", "0")
+    with Client(daemon.address) as c:
+        ch = c.local
+        assert ch is not None and ch.spin_s == 0
+        ns = c.declare_namespace(make_spec(BLOCK))
+        c.commit_store(c.prepare_store(ns, [9]))
+        assert ch.polled_reads == 0
+        assert c.lookup(ns, [9]).prefix_blocks == 1
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "100001", "nan"])
+def test_a_bad_spin_setting_fails_the_client_naming_it(daemon, monkeypatch, value):
+    monkeypatch.setenv("KVSTORE_SPIN_US", value)
+    with pytest.raises(errors.ConfigError, match="KVSTORE_SPIN_US"):
+        Client(daemon.address)

@@ -94,6 +94,26 @@ def test_client_and_tool_variables_are_not_config():
         load_config(environ={"KVSTORE_NODEID": "n1"})
 
 
+def test_every_variable_the_code_reads_leaves_a_daemon_startable():
+    """A KVSTORE_* switch a client, tool or test reads (KVSTORE_LOCAL_CHANNEL=0 for a
+    bench) is often set in the environment a daemon starts from too: the daemon
+    must not take it for a config field (an unknown one would stop it)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    read = re.compile(
+        r"(?:environ(?:\.get|\.setdefault)?\s*[\[(]|getenv\()\s*\"(KVSTORE_[A-Z0-9_]+)\""
+    )
+    names: set[str] = set()
+    for package in ("kvstore", "kvstore_connectors", "kvstore_bench", "kvstore_router_client"):
+        for path in (root / package).rglob("*.py"):
+            names.update(read.findall(path.read_text()))
+    assert {"KVSTORE_LOCAL_CHANNEL", "KVSTORE_DIRECT_LOADS", "KVSTORE_SPIN_US"} <= names
+    for name in sorted(names - {"KVSTORE_CONFIG"}):  # (that one names the config file)
+        load_config(environ={name: "0"})  # raises ConfigError for a config-looking name
+
+
 def test_events_topic_ids_are_a_comma_list_without_at_signs():
     cfg = load_config(
         environ={"KVSTORE_EVENTS__TOPIC_IDS": "10.0.0.5:8000, 10.0.0.6:8000"}, assignments=[]
