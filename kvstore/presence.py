@@ -57,6 +57,7 @@ import numpy as np
 from kvstore.errors import ConfigError
 from kvstore.files import FilePolicy, check_owned
 from kvstore.namespace import Tier
+from kvstore.native import CompiledKernel
 
 if TYPE_CHECKING:
     from kvstore.namespace import Block, Namespace
@@ -93,6 +94,42 @@ _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53  # murmur3's fmix64
 _LOW = np.uint64(3)
 _DRAM_BITS = np.uint64(int(Tier.DRAM))
 _TIER_OF_BITS = {int(Tier.GPU): Tier.GPU, int(Tier.DRAM): Tier.DRAM, int(Tier.DISK): Tier.DISK}
+_KEYS_AT = HEADER_BYTES // 8  # the key words' first index in the file's words
+
+
+def _build_probe() -> object:
+    from kvstore import _presence_kernel  # numba compiles it here (or loads its cache)
+
+    return _presence_kernel.probe
+
+
+# The probes compiled (kvstore._presence_kernel): a lookup, presence check or locate
+# of any length in one call, ~2-5 us where numpy's ~30 calls cost 30-100 us.
+_NATIVE = CompiledKernel(
+    _build_probe,
+    name="the presence table's probe",
+    off_env="KVSTORE_NATIVE_PROBE",
+    fallback="the presence table is probed in numpy",
+    log=log,
+)
+_LOOKUP, _PRESENT, _LOCATE = 0, 1, 2  # its modes (kvstore._presence_kernel)
+
+
+def compile_probes() -> None:
+    """Start compiling the probes now, in the background (once per process; the
+    first ``PresenceProbe.open`` starts it otherwise). An engine calls this at its
+    start: numba's import and cache load (~1 s of a thread that mostly holds the
+    interpreter lock) then overlap the engine's own start, not its first requests."""
+    _NATIVE.start()
+
+
+def compiled_probes(timeout_s: float | None = None) -> bool:
+    """Whether probes run compiled, once the compile started by the first
+    ``PresenceProbe.open`` is done (started here if not; waits up to ``timeout_s``,
+    None: until done): numba importable, KVSTORE_NATIVE_PROBE not 0, compiled."""
+    return _NATIVE.available(timeout_s)
+
+
 # A location word: the slot's offset in units of LOC_UNIT_BYTES (every DRAM slot
 # starts on a cache line: kvstore.tiers.dram.SLOT_ALIGN_BYTES) above a 24-bit
 # stamp. The stamp makes a block that comes back to the same slot (evicted,
@@ -612,6 +649,12 @@ class PresenceProbe:
         self.rows = self.flat.reshape(buckets, WAYS)
         self.buckets = buckets
         self._shift_int = 64 - (buckets.bit_length() - 1)
+        # the compiled probe's arguments: the whole file's words, the key words'
+        # count, a key's two buckets (buckets_of)
+        self._table = np.frombuffer(mapping, dtype=np.uint64)
+        self._n_words = buckets * WAYS
+        self._shift = np.uint64(self._shift_int)
+        self._mask = np.uint64(buckets - 1)
         n, h = buckets * WAYS, HEADER_BYTES // 8
         self._view = memoryview(mapping).cast("Q")
         # the table, one word at a time
@@ -655,6 +698,7 @@ class PresenceProbe:
         if not ok:
             mapping.close()
             return None
+        _NATIVE.start()  # numpy probes until it is compiled (kvstore.native)
         return cls(mapping, region_id)
 
     @property
@@ -675,12 +719,17 @@ class PresenceProbe:
         if not self.current:
             return None
         n = len(hashes)
-        counts = [0, 0, 0, 0]
-        # The first hashes in Python ints (a numpy call costs ~1-2 us here: a short
-        # lookup, or one that misses early, is done before numpy would start).
-        found = self._scan(salt, hashes, min(n, PYTHON_PROBES), counts)
-        if found == PYTHON_PROBES and n > found:
-            found += self._rounds(salt, np.asarray(hashes[found:], np.uint64), counts)
+        if _NATIVE.ready():
+            out = np.zeros((1, 4), dtype=np.uint64)
+            found = self._compiled(salt, hashes, _LOOKUP, out)
+            counts = out[0].tolist()
+        else:
+            counts = [0, 0, 0, 0]
+            # The first hashes in Python ints (a numpy call costs ~1-2 us here: a
+            # short lookup, or one that misses early, is done before numpy starts).
+            found = self._scan(salt, hashes, min(n, PYTHON_PROBES), counts)
+            if found == PYTHON_PROBES and n > found:
+                found += self._rounds(salt, np.asarray(hashes[found:], np.uint64), counts)
         if not self.current:  # retired or rebuilt while we read: nothing to trust
             return None
         by_tier = {tier: counts[bits] for bits, tier in _TIER_OF_BITS.items() if counts[bits]}
@@ -691,7 +740,11 @@ class PresenceProbe:
         prefix); None when the table is no longer current."""
         if not self.current:
             return None
-        if len(hashes) <= PYTHON_PROBES:
+        if _NATIVE.ready():
+            out = np.zeros((1, len(hashes)), dtype=np.uint64)
+            self._compiled(salt, hashes, _PRESENT, out)
+            found = out[0].astype(bool)
+        elif len(hashes) <= PYTHON_PROBES:
             # A decode step's few new blocks: Python ints (each numpy call costs
             # ~2 µs warm, 10-20 µs right after a forward has evicted the caches).
             find = self._find
@@ -708,6 +761,24 @@ class PresenceProbe:
         if not self.current:  # retired or rebuilt while we read
             return None
         return found
+
+    def _compiled(
+        self, salt: int, hashes: Sequence[int] | np.ndarray, mode: int, out: np.ndarray
+    ) -> int:
+        """The compiled probe (kvstore._presence_kernel) in ``mode``, answering into ``out``."""
+        return int(
+            _NATIVE.kernel(
+                self._table,
+                _KEYS_AT,
+                self._n_words,
+                self._shift,
+                self._mask,
+                np.uint64(salt),
+                np.ascontiguousarray(hashes, dtype=np.uint64),
+                mode,
+                out,
+            )
+        )
 
     def _scan(
         self, salt: int, hashes: Sequence[int] | np.ndarray, n: int, counts: list[int]
@@ -768,7 +839,19 @@ class PresenceProbe:
         if not self.current:
             return None
         n = len(hashes)
-        if n <= LOCATE_PYTHON_PROBES:
+        if _NATIVE.ready():
+            out = np.empty((4, n), dtype=np.uint64)
+            got = self._compiled(salt, hashes, _LOCATE, out)
+            found = got >> 1
+            located = Located(
+                out[0, :found].view(np.intp),
+                out[1, :found],
+                out[2, :found],
+                out[3, :found],
+                bool(got & 1),
+                self,
+            )
+        elif n <= LOCATE_PYTHON_PROBES:
             located = self._locate_few(salt, hashes)
         else:
             located = self._locate_many(salt, np.asarray(hashes, np.uint64))
@@ -873,6 +956,7 @@ class PresenceProbe:
 
     def close(self) -> None:
         self.header = self.flat = self.locs = self.sums = np.empty(0, dtype=np.uint64)
+        self._table = self.header
         self.rows = np.empty((0, WAYS), dtype=np.uint64)
         try:
             for view in (self._words, self._loc_words, self._sum_words):

@@ -278,6 +278,7 @@ def _lookup_in_daemon(repeats: int, n_hashes: int = 12_000) -> Summary:
 
 def run(args: argparse.Namespace) -> int:
     from kvstore.client import Client
+    from kvstore.presence import compiled_probes
     from kvstore.process import DaemonProcess
 
     if args.quick:
@@ -297,8 +298,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     try:
         with Client(address) as client:
+            # the presence table's probes compiled before anything is timed (kvstore.native)
+            probes = "compiled" if compiled_probes(120.0) else "numpy"
             print(
-                f"kvstore-bench local: {args.total_mib} MiB per measurement, {args.repeats} repeats, median [p10-p90]"
+                f"kvstore-bench local: {args.total_mib} MiB per measurement, {args.repeats} repeats, "
+                f"median [p10-p90]; presence probes: {probes}"
             )
             print("ratio = memcpy time / kvstore time (1.0 = as fast as a plain in-process memcpy)")
             for block_kib in args.block_kib:

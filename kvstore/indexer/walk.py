@@ -24,26 +24,21 @@ checked against it on random operations and against a real indexer's Score
   node with bit-sliced counters (64 nodes per word added in ~2 word ops), and
   CPU is the rest.
 
-numba is optional (the ``router`` extra installs it; vLLM depends on it): without
-it, with ``KVSTORE_NATIVE_WALK=0``, or if the kernel fails to compile, the
-numpy path answers; also while the kernel compiles (``start``: in a thread).
+numba is optional (``kvstore.native``): without it, with
+``KVSTORE_NATIVE_WALK=0``, or if the kernel fails to compile, the numpy path
+answers; also while the kernel compiles (``start``: in a thread).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("kvstore.indexer")
+from kvstore.native import CompiledKernel
 
-_kernel: Any = None
-_lock = threading.Lock()
-_compiling: threading.Thread | None = None
-_done = threading.Event()
+log = logging.getLogger("kvstore.indexer")
 
 
 def _build() -> Any:
@@ -70,51 +65,20 @@ def _build() -> Any:
     return kernel
 
 
-def _compile() -> None:
-    global _kernel
-    try:
-        _kernel = _build()
-        log.info("the Score's prefix walk is compiled")
-    except ImportError:
-        log.info("numba is not installed: the Score walks in numpy")
-    except Exception as e:  # a compile or cache failure: the numpy path answers
-        log.warning("the compiled Score walk is unavailable (%s): numpy walks", e)
-    finally:
-        _done.set()
-
-
-def start() -> None:
-    """Compile the walk in the background, once per process (idempotent).
-
-    Why not at the first Score or in the caller: the compile is ~1-2 s (~0.5 s
-    from numba's on-disk cache) on a quiet machine but took 20 s at load 10 on
-    2 cores; a process held that long in one call (an index built mid-run)
-    missed its gRPC peers' deadlines. In a thread it only shares the interpreter
-    lock, and the numpy walk answers until it is done (same answers)."""
-    global _compiling
-    with _lock:
-        if _compiling is not None or _done.is_set():
-            return
-        if os.environ.get("KVSTORE_NATIVE_WALK", "1") == "0":
-            log.info("KVSTORE_NATIVE_WALK=0: the Score walks in numpy")
-            _done.set()
-            return
-        _compiling = threading.Thread(target=_compile, name="kv-walk-compile", daemon=True)
-        _compiling.start()
-
-
-def ready() -> bool:
-    """Whether the compiled walk answers now (never waits)."""
-    return _kernel is not None
-
-
-def available(timeout_s: float | None = None) -> bool:
-    """Whether the compiled walk answers, once its compile is done (started here
-    if it was not; waits up to ``timeout_s``, None: until done): numba importable,
-    not turned off, the kernel compiled."""
-    start()
-    _done.wait(timeout_s)
-    return ready()
+_compiled = CompiledKernel(
+    _build,
+    name="the Score's prefix walk",
+    off_env="KVSTORE_NATIVE_WALK",
+    fallback="the Score walks in numpy",
+    log=log,
+)
+# Compile in the background, once per process (idempotent); the numpy walk
+# answers until it is done (kvstore.native says why not at the first Score).
+start = _compiled.start
+ready = _compiled.ready  # whether the compiled walk answers now (never waits)
+# Whether it answers once compiled (waits up to timeout_s, None: until done):
+# numba importable, not turned off, the kernel compiled.
+available = _compiled.available
 
 
 def walk(
@@ -137,5 +101,7 @@ def walk(
     ``prefix[b]`` (leading blocks held; 0 where not a candidate), ``gpu[b]`` and
     ``disk[b]`` (of those, GPU and DISK-only blocks); returns the blocks walked."""
     return int(
-        _kernel(keys, state, bits, n_w, mult, shift, mask, hashes, alive, pairs, prefix, gpu, disk)
+        _compiled.kernel(
+            keys, state, bits, n_w, mult, shift, mask, hashes, alive, pairs, prefix, gpu, disk
+        )
     )

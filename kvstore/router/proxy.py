@@ -165,6 +165,7 @@ class Router:
         self._inflight = 0
         self._score_warned_at = -math.inf
         """When an indexer failure was last logged (one line per SCORE_WARN_EVERY_S)."""
+        self._hasher_warned = False
         self.flow = FlowControl(
             classes=config.priority_classes,
             slots=max(1, int(len(config.backends) * config.backend_capacity)),
@@ -257,6 +258,12 @@ class Router:
         block_size = c.block_size_tokens or (info.block_size if info else 0)
         algo = c.hash_algo or (info.hash_algo if info and info.hash_algo else "sha256")
         if not block_size:
+            if not self._hasher_warned:  # one line: every decision until then is a fallback
+                self._hasher_warned = True
+                log.warning(
+                    "no engine has told its block size yet (vllm:cache_config_info) and "
+                    "router.block_size_tokens is unset: decisions route by load until one does"
+                )
             return None
         seed = c.hash_seed or None
         self._hashes = PrefixHashCache(BlockHasher(block_size, algo, seed), c.hash_cache_tokens)

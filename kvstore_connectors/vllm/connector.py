@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore.errors import ConfigError
 from kvstore.identity import client_token
+from kvstore.presence import compile_probes
 from kvstore_connectors.vllm import compat
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.hashes import block_hash_stride, hash_seed_fingerprint
@@ -237,6 +238,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_order = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self._num_blocks = kv_cache_config.num_blocks
         address = self.config.resolved_address()
+        # The client connects at the first request; the compiled presence probes
+        # (lookups, direct loads) start compiling now, while the engine starts.
+        compile_probes()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._kv_caches: list[tuple[str, torch.Tensor]] = []

@@ -10,6 +10,7 @@ import stat
 import numpy as np
 import pytest
 
+from kvstore import presence
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 from kvstore.files import FilePolicy
@@ -31,6 +32,16 @@ from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
 
 REGION_ID = 12345
+
+
+@pytest.fixture(autouse=True, params=["numpy", "compiled"])
+def probe_path(request, monkeypatch):
+    """Every test with each way a client probes: numpy (also what answers while the
+    kernel compiles) and compiled (kvstore._presence_kernel, numba)."""
+    assert presence.compiled_probes(120), "numba missing or the probe kernel failed to compile"
+    if request.param == "numpy":
+        monkeypatch.setattr(presence._NATIVE, "kernel", None)
+    return request.param
 
 
 @pytest.fixture
