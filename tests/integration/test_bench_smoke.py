@@ -151,6 +151,9 @@ def test_compare_quick_kvstore_and_redis_same_blocks(tmp_path: Path) -> None:
         assert r["verified"] is True, name
         assert r["n_blocks"] == 128
         assert r["load"]["median_s"] > 0 and r["memcpy"]["median_s"] > 0
+    # what was measured: the client's default channel, probes compiled before timing
+    assert rows["kvstore"]["settings"]["transport"].startswith("lean local channel")
+    assert rows["kvstore"]["settings"]["presence probes"] == "compiled"
     entry = data["summary"]["65536"]
     assert entry["best_peer_load"] == "redis"
     assert entry["kvstore_load_over_best_peer"] > 0
