@@ -75,7 +75,7 @@ class KVStoreSystem(System):
         import xxhash
 
         from kvstore.client import Client, NamespaceSpec
-        from kvstore.presence import compile_probes, compiled_probes
+        from kvstore.presence import compiled_probes
 
         self._xxh = xxhash.xxh3_64_intdigest
         # The presence probes compiled before anything is timed, as an engine has
@@ -83,8 +83,7 @@ class KVStoreSystem(System):
         # at the first store, numba's cache load (~1 s of a thread holding the
         # interpreter lock) fell inside the timed rounds: 64 KiB one-block store
         # p99 5.6 ms and load p99 1.1 ms against 0.5 / 0.17 ms with the numpy
-        # probes, same run (2026-12-04).
-        compile_probes()
+        # probes, alternated runs (2026-12-04).
         self._probes = "compiled" if compiled_probes(120.0) else "numpy"
         self.client = Client(p["address"])
         self.ns = self.client.declare_namespace(
@@ -123,13 +122,13 @@ class KVStoreSystem(System):
         self.client.close()
 
     def settings(self) -> dict[str, Any]:
+        channel = (
+            "lean local channel (Unix socket)"
+            if self.client.using_local_channel
+            else "gRPC over unix socket"
+        )
         return {
-            "transport": (
-                "lean local channel (Unix socket)"
-                if self.client.using_local_channel
-                else "gRPC over unix socket"
-            )
-            + " + shared-memory region",
+            "transport": f"{channel} + shared-memory region",
             "presence probes": self._probes,
             "address": self._address,
         }
