@@ -15,10 +15,11 @@ interpreter lock, and the numpy path answers until it is done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -81,3 +82,13 @@ class CompiledKernel:
         self.start()
         self._done.wait(timeout_s)
         return self.ready()
+
+    @contextlib.contextmanager
+    def switched_off(self) -> Iterator[None]:
+        """The fallback answers inside the block (tests and A/B measurements in one
+        process; the off switch works per process, at the compile's start)."""
+        kernel, self.kernel = self.kernel, None
+        try:
+            yield
+        finally:
+            self.kernel = kernel

@@ -57,6 +57,10 @@ MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 256
 MAX_IN_FLIGHT = 256
+# Pin releases are sent this long after the pull that asked (or ahead of the next
+# pin), up to this many in one frame: the owner keeps a pin ~1 ms longer.
+RELEASE_DELAY_S = 0.001
+MAX_RELEASE_BATCH = 256
 _LEN = struct.Struct("<I")
 _HEAD = struct.Struct("<BI")  # op, seq
 
@@ -85,6 +89,11 @@ async def _read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> tup
     data = await reader.readexactly(size)
     op, seq = _HEAD.unpack_from(data)
     return op, seq, data[_HEAD.size :]
+
+
+def _release_frame(lease_ids: list[int]) -> bytes:
+    """A release without an answer (seq 0)."""
+    return _frame(RELEASE, 0, peer_pb2.ReleasePullRequest(lease_ids=lease_ids).SerializeToString())
 
 
 def _error_body(exc: errors.KVStoreError) -> bytes:
@@ -259,6 +268,10 @@ class PinClient:
         self._waiting: dict[int, asyncio.Future[tuple[int, bytes]]] = {}
         self._in_flight = asyncio.Semaphore(MAX_IN_FLIGHT)
         self.broken: errors.KVStoreError | None = None
+        # Releases waiting to be sent (release_soon): one frame for all of them,
+        # sent RELEASE_DELAY_S later or ahead of the next pin, whichever is first.
+        self._releases: list[int] = []
+        self._release_timer: asyncio.TimerHandle | None = None
         self._reading = asyncio.get_running_loop().create_task(self._read_answers())
 
     @classmethod
@@ -341,7 +354,8 @@ class PinClient:
             seq = self._seq
             waiter: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
             self._waiting[seq] = waiter
-            self._writer.write(_frame(op, seq, message.SerializeToString()))
+            # Releases due ride ahead of the request, in the same send.
+            self._writer.write(self._take_releases() + _frame(op, seq, message.SerializeToString()))
             try:
                 got_op, body = await asyncio.wait_for(waiter, timeout_s)
             except TimeoutError:
@@ -369,12 +383,41 @@ class PinClient:
         owner); False if the channel is broken (the caller may use gRPC)."""
         if self.broken is not None or self._writer.is_closing():
             return False
-        self._writer.write(
-            _frame(RELEASE, 0, peer_pb2.ReleasePullRequest(lease_ids=lease_ids).SerializeToString())
-        )
+        self._writer.write(self._take_releases() + _release_frame(lease_ids))
         return True
 
+    def release_soon(self, lease_id: int) -> bool:
+        """Release a pin a little later (RELEASE_DELAY_S, or ahead of the next pin),
+        without an answer: the send and the owner's wake-up then come after the
+        pull's reply to its caller, not before it (measured ~60-140 us of a
+        one-block pull's first byte). False if the channel is broken."""
+        if self.broken is not None or self._writer.is_closing():
+            return False
+        self._releases.append(lease_id)
+        if len(self._releases) >= MAX_RELEASE_BATCH:
+            self._flush_releases()
+        elif self._release_timer is None:
+            loop = asyncio.get_running_loop()
+            self._release_timer = loop.call_later(RELEASE_DELAY_S, self._flush_releases)
+        return True
+
+    def _take_releases(self) -> bytes:
+        """The frame of the releases waiting (b"" if none); they count as sent."""
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        if not self._releases:
+            return b""
+        lease_ids, self._releases = self._releases, []
+        return _release_frame(lease_ids)
+
+    def _flush_releases(self) -> None:
+        frame = self._take_releases()
+        if frame and self.broken is None and not self._writer.is_closing():
+            self._writer.write(frame)
+
     async def aclose(self) -> None:
+        self._flush_releases()  # pins released before the connection goes
         self._reading.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await self._reading

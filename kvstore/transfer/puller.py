@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import grpc
 import msgspec
 import numpy as np
-import xxhash
 
+from kvstore.checksums import checksums_into, checksums_of, compile_checksums, lock_free
 from kvstore.errors import DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.manager import STORE_ALLOCATED, BlockManager
 from kvstore.namespace import NamespaceSpec
@@ -126,24 +126,20 @@ class PullResult:
     """Pieces the read was split into (1: read, then verified; more: pipelined)."""
 
 
-def checksums_of(region: np.ndarray, offsets: Sequence[int], block_bytes: int) -> list[int]:
-    # Slices of a memoryview, not of the array: ~1 us less per block (measured: 4096
-    # blocks of 64 KiB hashed in 44-52 ms instead of 57-85), the Python share of it.
-    view = region.data.cast("B")  # offsets are byte offsets: regions are flat uint8
-    return [xxhash.xxh3_64_intdigest(view[o : o + block_bytes]) for o in offsets]
-
-
 async def checksums_async(
     region: np.ndarray, offsets: Sequence[int], block_bytes: int
 ) -> list[int]:
     """xxh3 of each block, without stalling the event loop for long.
 
-    Large blocks are hashed in a thread (xxh3 releases the GIL during each call,
-    so it overlaps reads still in flight). Small blocks are hashed on the loop
-    in slices: one GIL hand-off per small block costs more than the hash while
-    the loop is busy polling NIXL.
+    Compiled (kvstore.checksums holds no interpreter lock while it hashes) or
+    large blocks (python-xxhash drops it for those): in a thread, beside reads
+    still in flight. Else small blocks are hashed on the loop in slices: one
+    lock hand-off per small block costs more than the hash while the loop is
+    busy polling NIXL.
     """
-    if block_bytes >= THREAD_HASH_MIN_BLOCK_BYTES:
+    if lock_free() and len(offsets) * block_bytes <= INLINE_HASH_MAX_BYTES:
+        return checksums_of(region, offsets, block_bytes)
+    if lock_free() or block_bytes >= THREAD_HASH_MIN_BLOCK_BYTES:
         return await asyncio.to_thread(checksums_of, region, list(offsets), block_bytes)
     per_slice = max(1, HASH_SLICE_BYTES // block_bytes)
     out: list[int] = []
@@ -173,6 +169,7 @@ class Puller:
     ) -> None:
         if piece_bytes <= 0:
             raise InvalidRequest(f"piece_bytes must be > 0, not {piece_bytes}")
+        compile_checksums()  # in the background; python-xxhash hashes until it is done
         self.piece_bytes = piece_bytes
         self.manager = manager
         self.region = region
@@ -473,7 +470,8 @@ class Puller:
         reads_done_s = [started]
 
         def share_gil() -> bool:
-            return hasher is not None and hasher.pending > 0
+            # (a compiled hash holds no lock to share: kvstore.checksums)
+            return hasher is not None and hasher.pending > 0 and not lock_free()
 
         async def piece(lo: int, hi: int) -> None:
             sub = ReadBatch(
@@ -484,12 +482,14 @@ class Puller:
                     link, sub, max(deadline_s - time.monotonic(), 0.001), share_gil=share_gil
                 )
             reads_done_s[0] = max(reads_done_s[0], time.monotonic())
-            offsets = batch.local_offsets[lo:hi].tolist()
             if len(pieces) == 1:
                 # Nothing to overlap with: hash on the loop (no thread hand-off).
                 if (hi - lo) * block_bytes <= INLINE_HASH_MAX_BYTES:
-                    landed[lo:hi] = checksums_of(self.region, offsets, block_bytes)
+                    checksums_into(
+                        self.region, batch.local_offsets[lo:hi], block_bytes, landed[lo:hi]
+                    )
                 else:
+                    offsets = batch.local_offsets[lo:hi].tolist()
                     landed[lo:hi] = await checksums_async(self.region, offsets, block_bytes)
                 return
             assert hasher is not None
@@ -581,8 +581,8 @@ class Puller:
         if not lease_id:
             return
         client = self._pin_clients.get(info.address)
-        if client is not None and client.release_nowait([lease_id]):
-            return  # one frame, no answer awaited, no task
+        if client is not None and client.release_soon(lease_id):
+            return  # one frame (shared), after the reply, no answer awaited, no task
         if len(self._releases) >= MAX_PENDING_RELEASES:
             log.warning(
                 "%d pin releases pending; letting pin %d expire", len(self._releases), lease_id
@@ -664,14 +664,15 @@ class _PieceHasher:
                 # Whole piece in one call when xxh3 drops the GIL itself; else in
                 # runs of ~GIL_HANDOFF_BYTES with the GIL handed over between them.
                 step = hi - lo
-                if self._block_bytes < GIL_HANDOFF_BYTES:
+                if self._block_bytes < GIL_HANDOFF_BYTES and not lock_free():
                     step = max(1, GIL_HANDOFF_BYTES // self._block_bytes)
                 for i in range(lo, hi, step):
                     if i > lo:
                         time.sleep(GIL_HANDOFF_S)
                     j = min(hi, i + step)
-                    offsets = self._offsets[i:j].tolist()
-                    self._out[i:j] = checksums_of(self._region, offsets, self._block_bytes)
+                    checksums_into(
+                        self._region, self._offsets[i:j], self._block_bytes, self._out[i:j]
+                    )
                 self._hashed += 1
         except BaseException as exc:  # reported to finish(), never lost in the thread
             error = exc

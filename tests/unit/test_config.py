@@ -103,13 +103,14 @@ def test_every_variable_the_code_reads_leaves_a_daemon_startable():
 
     root = pathlib.Path(__file__).resolve().parents[2]
     read = re.compile(
-        r"(?:environ(?:\.get|\.setdefault)?\s*[\[(]|getenv\()\s*\"(KVSTORE_[A-Z0-9_]+)\""
+        r"(?:environ(?:\.get|\.setdefault)?\s*[\[(]|getenv\(|off_env=)\s*\"(KVSTORE_[A-Z0-9_]+)\""
     )
     names: set[str] = set()
     for package in ("kvstore", "kvstore_connectors", "kvstore_bench", "kvstore_router_client"):
         for path in (root / package).rglob("*.py"):
             names.update(read.findall(path.read_text()))
     assert {"KVSTORE_LOCAL_CHANNEL", "KVSTORE_DIRECT_LOADS", "KVSTORE_SPIN_US"} <= names
+    assert {"KVSTORE_NATIVE_PROBE", "KVSTORE_NATIVE_CHECKSUM"} <= names  # kernels' off switches
     for name in sorted(names - {"KVSTORE_CONFIG"}):  # (that one names the config file)
         load_config(environ={name: "0"})  # raises ConfigError for a config-looking name
 

@@ -111,6 +111,56 @@ async def test_errors_keep_their_class_and_a_lost_owner_fails_the_waiters() -> N
         await server.close()
 
 
+async def test_releases_wait_a_moment_and_go_in_one_frame() -> None:
+    """A pull's release goes after the pull's reply (not on its path): batched in
+    one frame RELEASE_DELAY_S later, or ahead of the next pin, or at close."""
+    seen: list[Any] = []
+
+    async def pin(request: Any) -> Any:
+        seen.append(("pin", request.requester_node_id))
+        return peer_pb2.PinForPullResponse(lease_id=9)
+
+    async def release(request: Any) -> Any:
+        seen.append(("release", list(request.lease_ids)))
+        return peer_pb2.ReleasePullResponse(released=len(request.lease_ids))
+
+    server, port = await started(pin, release)
+    client = await open_client(port)
+    try:
+        assert client.release_soon(1) and client.release_soon(2)
+        await asyncio.sleep(0)
+        assert seen == []  # not sent on the caller's turn
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.005)
+        assert seen == [("release", [1, 2])]  # one frame, within a few ms
+        # a release due rides ahead of the next pin, in order
+        assert client.release_soon(3)
+        await client.pin(peer_pb2.PinForPullRequest(requester_node_id="b"), 2.0)
+        assert seen[1:] == [("release", [3]), ("pin", "b")]
+        # a full batch goes at once
+        for lease_id in range(100, 100 + pin_channel.MAX_RELEASE_BATCH):
+            assert client.release_soon(lease_id)
+        for _ in range(200):
+            if len(seen) > 3:
+                break
+            await asyncio.sleep(0.001)
+        assert seen[3] == ("release", list(range(100, 100 + pin_channel.MAX_RELEASE_BATCH)))
+        # what waits at close is sent before the connection goes
+        assert client.release_soon(4)
+        await client.aclose()
+        for _ in range(200):
+            if len(seen) > 4:
+                break
+            await asyncio.sleep(0.005)
+        assert seen[4] == ("release", [4])
+        assert not client.release_soon(5)  # closed: the caller falls back to gRPC
+    finally:
+        await client.aclose()
+        await server.close()
+
+
 async def test_nothing_listening_is_unavailable() -> None:
     server, port = await started()
     await server.close()
