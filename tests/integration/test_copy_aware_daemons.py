@@ -10,6 +10,8 @@ deletes its copy after the pull taught the puller it holds one), not by timing.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -74,7 +76,20 @@ def pull(puller: DaemonProcess, hashes, owner: DaemonProcess) -> int:  # type: i
             ),
             timeout=30,
         )
+    pins_released(owner)
     return int(reply.fetched_blocks)
+
+
+def pins_released(owner: DaemonProcess) -> None:
+    """Wait until the owner's pins for a pull are gone: the puller releases them
+    ~1 ms after the pull returns, off the reply's path (docs/peer-transfer.md),
+    and a pinned block can be neither evicted nor freed (the tests' eviction
+    pressure and deletes need them gone)."""
+    deadline = time.monotonic() + 10.0  # far under the pin's TTL: a release, not an expiry
+    with Client(owner.address) as c:
+        while c.stats().active_leases:
+            assert time.monotonic() < deadline, "the pull's pin was never released"
+            time.sleep(0.01)
 
 
 def put(d: DaemonProcess, hashes) -> None:  # type: ignore[no-untyped-def]
@@ -86,7 +101,7 @@ def put(d: DaemonProcess, hashes) -> None:  # type: ignore[no-untyped-def]
 def delete(d: DaemonProcess, hashes) -> None:  # type: ignore[no-untyped-def]
     with Client(d.address) as c:
         ns = c.declare_namespace(make_spec(BLOCK))
-        assert c.delete(ns, list(hashes))[0] == len(hashes)
+        assert c.delete(ns, list(hashes)) == (len(hashes), 0)  # none pinned: pull waited
 
 
 def held(d: DaemonProcess, hashes) -> list[int]:  # type: ignore[no-untyped-def]
