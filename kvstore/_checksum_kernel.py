@@ -3,9 +3,10 @@
 Imported only when the kernel is built (``kvstore.native``): a plain
 ``import kvstore`` never pays numba's import.
 
-``hash_blocks`` calls libxxhash's ``XXH3_64bits`` (the very function
-python-xxhash's ``xxh3_64_intdigest`` calls, seed 0) once per block, from
-compiled code with the interpreter lock released for the whole batch. The
+``hash_blocks`` calls libxxhash's XXH3-64 (the very function python-xxhash's
+``xxh3_64_intdigest`` runs, seed 0: its runtime-dispatched entry where the
+extension exports it, ``kvstore.checksums``) once per block, from compiled
+code with the interpreter lock released for the whole batch. The
 function's address is an argument, not a constant of the code: numba cannot
 cache code that embeds a ctypes pointer (it would recompile, ~1 s, in every
 process), and the address differs per process anyway.
