@@ -1,4 +1,4 @@
-"""The presence table's probes compiled (see ``kvstore.presence``); imports numba.
+"""The presence table's probes and writes compiled (see ``kvstore.presence``); imports numba.
 
 Imported only when the kernel is built (``kvstore.native``): a plain
 ``import kvstore`` never pays numba's import.
@@ -20,12 +20,28 @@ A location is read after its key word, as the numpy path reads them; the
 compiler may load them in either order, and either is safe: ``intact`` after
 the copy compares both with what this read, so a word and location that were
 not one entry's together never pass (kvstore.presence, module doc).
+
+The daemon's writes (``put``, ``remove``; clients never write) follow the
+rules of ``PresenceTable.put_few`` and ``remove_one``, one block after the
+other:
+
+- ``put``: a block recorded already gets its word rewritten in place (unless
+  ``new``: the caller knows none is); a new one takes the first free way of the
+  emptier of its two buckets (the first bucket on a tie), or is refused when
+  both are full. Its location and checksum are written before its key word.
+- ``remove``: the key word is cleared first (a reader stops finding it), then
+  its location and checksum.
+
+Those orders are what a reader of the shared table relies on; x86 keeps stores
+in program order, and ``_release_fence`` keeps the compiler from moving one
+store past another (an LLVM ``fence release``: no instruction on x86).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import intrinsic
 
 LOOKUP, PRESENT, LOCATE = 0, 1, 2
 
@@ -61,6 +77,18 @@ SIGNATURES = [
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _key(block_hash: np.uint64, salt: np.uint64) -> np.uint64:
+    """presence.mix_key: fmix64(hash ^ salt), the tier's 2 bits cleared, bit 2 set."""
+    x = block_hash ^ salt
+    x ^= x >> _S33
+    x *= _C1
+    x ^= x >> _S33
+    x *= _C2
+    x ^= x >> _S33
+    return (x & ~_LOW) | _SET
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def _find(
     body: np.ndarray, keys_at: int, key: np.uint64, shift: np.uint64, mask: np.uint64
 ) -> np.int64:
@@ -90,13 +118,7 @@ def probe(
 ) -> int:
     done = 0
     for i in range(hashes.shape[0]):
-        x = hashes[i] ^ salt
-        x ^= x >> _S33
-        x *= _C1
-        x ^= x >> _S33
-        x *= _C2
-        x ^= x >> _S33
-        key = (x & ~_LOW) | _SET
+        key = _key(hashes[i], salt)
         at = _find(body, keys_at, key, shift, mask)
         if mode == PRESENT:
             if at >= 0:
@@ -119,3 +141,143 @@ def probe(
         out[3, i] = body[keys_at + 2 * n_words + at]
         done += 1
     return done * 2 if mode == LOCATE else done
+
+
+# ------------------------------------------------------------------ writes
+
+
+@intrinsic
+def _release_fence(typingctx):  # type: ignore[no-untyped-def]
+    """No store before it moves after a store behind it (compiler only on x86)."""
+    sig = numba.types.void()
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        builder.fence("release")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_BODY = numba.types.Array(numba.uint64, 1, "C")
+_U64 = [numba.types.Array(numba.uint64, 1, "C", readonly=ro) for ro in (False, True)]
+_I64 = numba.types.Array(numba.int64, 1, "C")
+# Explicit signatures: compiled when this module is imported (in kvstore.native's
+# thread), and a call with other types is a TypeError, never a compile on the
+# hot path.
+PUT_SIGNATURES = [
+    numba.int64(
+        _BODY,  # the file's words
+        numba.int64,  # keys_at: the key words' first index
+        numba.int64,  # n_words: key words (= locations = checksums)
+        numba.uint64,  # shift: a key's first bucket is key >> shift
+        numba.uint64,  # mask: its second is (key >> 2) & mask
+        numba.uint64,  # salt (presence.namespace_salt)
+        hashes,
+        numba.uint64,  # tier bits
+        _I64,  # DRAM slot offsets (-1: no location); empty: none has one
+        _U64[0],  # checksums; empty: 0
+        numba.int64,  # new: 1 when none of them is recorded
+        numba.int64,  # loc_unit_shift: log2(LOC_UNIT_BYTES)
+        numba.int64,  # stamp_bits (LOC_STAMP_BITS)
+        _I64,  # state: [0] the last stamp (in and out), [1] refused (out)
+    )
+    for hashes in _U64
+]
+REMOVE_SIGNATURES = [
+    numba.int64(_BODY, numba.int64, numba.int64, numba.uint64, numba.uint64, numba.uint64, hashes)
+    for hashes in _U64
+]
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _free(body: np.ndarray, keys_at: int, base: int) -> np.int64:
+    n = 0
+    for i in range(_WAYS):
+        if body[keys_at + base + i] == 0:
+            n += 1
+    return np.int64(n)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _first_free(body: np.ndarray, keys_at: int, base: int) -> np.int64:
+    for i in range(_WAYS):
+        if body[keys_at + base + i] == 0:
+            return np.int64(base + i)
+    return np.int64(-1)
+
+
+@numba.njit(PUT_SIGNATURES, cache=True, nogil=True)
+def put(
+    body: np.ndarray,
+    keys_at: int,
+    n_words: int,
+    shift: np.uint64,
+    mask: np.uint64,
+    salt: np.uint64,
+    hashes: np.ndarray,
+    tier: np.uint64,
+    offsets: np.ndarray,
+    checksums: np.ndarray,
+    new: int,
+    loc_unit_shift: int,
+    stamp_bits: int,
+    state: np.ndarray,
+) -> int:
+    """Record ``hashes``; returns how many took a new entry (``state[1]``: refused)."""
+    stamp_mask = (np.int64(1) << stamp_bits) - 1
+    stamp = state[0]
+    added = 0
+    refused = 0
+    with_offsets = offsets.shape[0] > 0
+    with_sums = checksums.shape[0] > 0
+    for i in range(hashes.shape[0]):
+        key = _key(hashes[i], salt)
+        at = np.int64(-1) if new else _find(body, keys_at, key, shift, mask)
+        fresh = at < 0
+        if fresh:
+            base1 = np.int64(key >> shift) * _WAYS
+            base2 = np.int64((key >> _S2) & mask) * _WAYS
+            if _free(body, keys_at, base2) > _free(body, keys_at, base1):
+                at = _first_free(body, keys_at, base2)
+            else:
+                at = _first_free(body, keys_at, base1)
+            if at < 0:
+                refused += 1
+                continue
+        loc = np.uint64(0)
+        if with_offsets and offsets[i] >= 0:
+            stamp = (stamp + 1) & stamp_mask
+            loc = np.uint64(((offsets[i] >> loc_unit_shift) << stamp_bits) | stamp)
+        body[keys_at + n_words + at] = loc
+        body[keys_at + 2 * n_words + at] = checksums[i] if with_sums else np.uint64(0)
+        _release_fence()
+        body[keys_at + at] = key | tier
+        if fresh:
+            added += 1
+    state[0] = stamp
+    state[1] = refused
+    return added
+
+
+@numba.njit(REMOVE_SIGNATURES, cache=True, nogil=True)
+def remove(
+    body: np.ndarray,
+    keys_at: int,
+    n_words: int,
+    shift: np.uint64,
+    mask: np.uint64,
+    salt: np.uint64,
+    hashes: np.ndarray,
+) -> int:
+    """Forget ``hashes`` (those not recorded: nothing); returns how many were."""
+    removed = 0
+    for i in range(hashes.shape[0]):
+        at = _find(body, keys_at, _key(hashes[i], salt), shift, mask)
+        if at < 0:
+            continue
+        body[keys_at + at] = 0
+        _release_fence()
+        body[keys_at + n_words + at] = 0
+        body[keys_at + 2 * n_words + at] = 0
+        removed += 1
+    return removed

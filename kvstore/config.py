@@ -513,6 +513,7 @@ NON_CONFIG_ENV = frozenset(
         "KVSTORE_NATIVE_WALK",  # 0: the index Score walks in numpy (kvstore.indexer.walk)
         "KVSTORE_NATIVE_PROBE",  # 0: a client probes the presence table in numpy (kvstore.presence)
         "KVSTORE_NATIVE_CHECKSUM",  # 0: blocks hashed by python-xxhash (kvstore.checksums)
+        "KVSTORE_NATIVE_PRESENCE_WRITE",  # 0: the daemon writes presence in numpy (kvstore.presence)
         "KVSTORE_SPIN_US",  # a client's poll for an answer before it sleeps (kvstore.local_client)
         "KVSTORE_LOCAL_CHANNEL",  # 0: a client's calls go over gRPC (kvstore.client)
         "KVSTORE_DIRECT_LOADS",  # 0: a client's loads take leases (kvstore.client)

@@ -454,36 +454,40 @@ class BlockManager:
             fresh = dict.fromkeys(h for h in hashes if h not in blocks and h not in pending)
             made = [Block(ns, h) for h in fresh]
             free_offsets = placement.reserve_dram_free(ns, made)
-        try:
-            for i, h in enumerate(hashes):
-                present = ns.blocks.get(h)
-                if present is not None:
-                    statuses[i] = STORE_PRESENT
-                    placement.touch(present, load=False)
-                    placement.pin(present)
-                    held.append(present)
-                    continue
-                if h in ns.pending or h in seen:
-                    statuses[i] = STORE_IN_FLIGHT
-                    continue
-                k = len(reserved)
-                offset: int | None
-                if k < len(free_offsets):
-                    block, offset = made[k], free_offsets[k]
-                    assert block.block_hash == h, "new blocks out of step with their slots"
-                else:
-                    block = Block(ns, h)
-                    offset = placement.reserve_dram(block) if gpu is None else gpu.reserve(block)
-                if offset is None:
-                    statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
-                    break
-                placement.occupy(block, tier, offset, ahead=ahead)
-                reserved.append(block)
-                seen.add(h)
-                offsets[i] = offset
-        finally:
-            for block in held:
-                placement.unpin(block)
+        # Blocks evicted for room leave the presence table together (one call).
+        with placement.presence_batch():
+            try:
+                for i, h in enumerate(hashes):
+                    present = ns.blocks.get(h)
+                    if present is not None:
+                        statuses[i] = STORE_PRESENT
+                        placement.touch(present, load=False)
+                        placement.pin(present)
+                        held.append(present)
+                        continue
+                    if h in ns.pending or h in seen:
+                        statuses[i] = STORE_IN_FLIGHT
+                        continue
+                    k = len(reserved)
+                    offset: int | None
+                    if k < len(free_offsets):
+                        block, offset = made[k], free_offsets[k]
+                        assert block.block_hash == h, "new blocks out of step with their slots"
+                    else:
+                        block = Block(ns, h)
+                        offset = (
+                            placement.reserve_dram(block) if gpu is None else gpu.reserve(block)
+                        )
+                    if offset is None:
+                        statuses[i:] = bytes([STORE_NO_ROOM]) * (n - i)
+                        break
+                    placement.occupy(block, tier, offset, ahead=ahead)
+                    reserved.append(block)
+                    seen.add(h)
+                    offsets[i] = offset
+            finally:
+                for block in held:
+                    placement.unpin(block)
         if not reserved and STORE_NO_ROOM in statuses:
             if gpu is None and self.disk is not None and self.disk.keeps_dirty():
                 raise CapacityExhausted(

@@ -31,6 +31,7 @@ freed or moved; a doomed block's slots go at its last unpin.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -195,6 +196,11 @@ class Placement:
         """Publish the index of ``namespaces`` in a presence table, and keep it so."""
         recorder.table.rebuild(namespaces)
         self.presence = recorder
+
+    def presence_batch(self) -> contextlib.AbstractContextManager[None]:
+        """Blocks that leave the index inside leave the presence table together at
+        its end (PresenceRecorder.batch); wraps a call that may remove many."""
+        return self.presence.batch() if self.presence is not None else contextlib.nullcontext()
 
     def attach_gpu(self, allocator: SlabAllocator) -> GpuSlabPool:
         self.gpu = GpuSlabPool(allocator, self.eviction_policy)
@@ -609,15 +615,16 @@ class Placement:
         Returns (removed now, doomed)."""
         deleted = busy = 0
         removed: dict[str, list[int]] = {}
-        for block in blocks:
-            if block.pins:
-                media = self.doom(block)
-                busy += 1
-            else:
-                media = self.remove(block, emit=False)
-                deleted += 1
-            for medium in media:
-                removed.setdefault(medium, []).append(block.block_hash)
+        with self.presence_batch():
+            for block in blocks:
+                if block.pins:
+                    media = self.doom(block)
+                    busy += 1
+                else:
+                    media = self.remove(block, emit=False)
+                    deleted += 1
+                for medium in media:
+                    removed.setdefault(medium, []).append(block.block_hash)
         for medium, hashes in removed.items():
             self.sink.blocks_removed(ns, hashes, medium)
         return deleted, busy

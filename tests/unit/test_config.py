@@ -110,7 +110,11 @@ def test_every_variable_the_code_reads_leaves_a_daemon_startable():
         for path in (root / package).rglob("*.py"):
             names.update(read.findall(path.read_text()))
     assert {"KVSTORE_LOCAL_CHANNEL", "KVSTORE_DIRECT_LOADS", "KVSTORE_SPIN_US"} <= names
-    assert {"KVSTORE_NATIVE_PROBE", "KVSTORE_NATIVE_CHECKSUM"} <= names  # kernels' off switches
+    assert {
+        "KVSTORE_NATIVE_PROBE",
+        "KVSTORE_NATIVE_CHECKSUM",
+        "KVSTORE_NATIVE_PRESENCE_WRITE",
+    } <= names  # kernels' off switches
     for name in sorted(names - {"KVSTORE_CONFIG"}):  # (that one names the config file)
         load_config(environ={name: "0"})  # raises ConfigError for a config-looking name
 

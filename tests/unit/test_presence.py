@@ -44,8 +44,18 @@ def probe_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["python-writes", "compiled-writes"])
+def writes(request, monkeypatch):
+    """Each way the daemon writes the table: numpy and Python ints (also what writes
+    while the kernel compiles) and compiled (kvstore._presence_kernel: put, remove)."""
+    assert presence._WRITER.available(120), "the presence write kernel failed to compile"
+    if request.param == "python-writes":
+        monkeypatch.setattr(presence._WRITER, "kernel", None)
+    return request.param
+
+
 @pytest.fixture
-def table(tmp_path):
+def table(tmp_path, writes):
     made: list[PresenceTable] = []
 
     def make(capacity_bytes: int = 1 << 20, region_id: int = REGION_ID) -> PresenceTable:
@@ -187,6 +197,88 @@ def test_small_commits_fill_a_table_as_numpy_puts_do(tmp_path):
     by_python.close()
 
 
+def test_compiled_writes_leave_the_table_python_ints_leave(tmp_path):
+    """The compiled put and remove against put_few and remove_one (the rules they
+    follow, one block after the other), through random commits, moves, removals
+    and full buckets: the same words everywhere (keys, locations with their
+    stamps, checksums, the counts), but the generation each table draws."""
+    assert presence._WRITER.available(120), "the presence write kernel failed to compile"
+    compiled, python = (
+        PresenceTable.create(str(tmp_path / name), 0, FilePolicy(), REGION_ID)
+        for name in ("compiled.presence", "python.presence")
+    )
+    rng = np.random.default_rng(3)
+    salts = [namespace_salt("ns-a"), namespace_salt("ns-b")]
+    universe = rng.integers(1, 2**63, 12000).astype(np.uint64)
+    for step in range(400):
+        salt = salts[step % 2]
+        pick = rng.choice(universe, int(rng.integers(2, 120)), replace=False)
+        op = int(rng.integers(0, 5))
+        if op <= 2:
+            tier = int(rng.integers(1, 4))
+            offsets = sums = None
+            if tier == 2:
+                offsets = rng.integers(-1, 1 << 20, len(pick)) * 64  # -1 * 64: no slot
+                offsets[offsets < 0] = -1
+            if op != 2:
+                sums = rng.integers(0, 2**63, len(pick)).astype(np.uint64)
+            new = op == 1 and step < 40  # new=True only while nothing was put twice
+            compiled.put(salt, pick, tier, new=new, offsets=offsets, checksums=sums)
+            python.put_few(
+                salt,
+                pick.tolist(),
+                tier,
+                new=new,
+                offsets=None if offsets is None else offsets.tolist(),
+                checksums=None if sums is None else sums.tolist(),
+            )
+        else:
+            compiled.remove(salt, pick.tolist())
+            for h in pick.tolist():
+                python.remove_one(salt, h)
+        for a, b in (
+            (compiled.flat, python.flat),
+            (compiled.locs, python.locs),
+            (compiled.sums, python.sums),
+            (np.delete(compiled.header, 5), np.delete(python.header, 5)),
+        ):
+            assert np.array_equal(a, b), f"step {step}: the tables differ"
+    assert compiled.refused == python.refused > 0  # 12,000 keys for 8,192 ways: full buckets
+    assert int(compiled.header[6]) > 1000
+    compiled.close()
+    python.close()
+
+
+def test_removals_in_a_batch_land_in_order_with_the_writes_around_them(tmp_path, writes):
+    """Blocks deleted inside presence_batch() leave the table at its end; blocks
+    deleted and stored again inside it are there after it with their new
+    locations, once each (a write in between writes the pending removals first:
+    else a block's old entry could outlive its new one). Buckets are filled
+    unevenly first, so old and new entries land in either of their buckets."""
+    with _manager_and_table(tmp_path) as (m, t, ns, p):
+        other = namespace_salt("ns-filler")
+        t.put(other, np.arange(10**6, 10**6 + 5000, dtype=np.uint64), 3)
+        salt = namespace_salt(ns.namespace_id)
+        hashes = list(range(1, 129))
+        m.commit_store(m.prepare_store(ns.namespace_id, hashes).lease_id)
+        before = {h: p.locate(salt, [h]) for h in hashes}
+        with m.placement.presence_batch():
+            assert m.delete(ns.namespace_id, hashes) == (128, 0)
+            m.commit_store(m.prepare_store(ns.namespace_id, hashes[:64]).lease_id)
+        blocks = m.namespaces[ns.namespace_id].blocks
+        got = p.present(salt, np.array(hashes, dtype=np.uint64))
+        assert got is not None and got.tolist() == [True] * 64 + [False] * 64
+        for h in hashes[:64]:
+            key = mix_key(salt, h)
+            assert int(((t.flat ^ np.uint64(key)) < 4).sum()) == 1, "one entry a block"
+            now = p.locate(salt, [h])
+            old = before[h]
+            assert now is not None and old is not None and now.found == 1
+            assert int(now.offsets()[0]) == blocks[h].offset
+            assert int(now.locs[0]) != int(old.locs[0])  # a new stamp, whatever the slot
+        assert int(t.header[6]) == 5000 + 64
+
+
 def test_long_prefixes_are_probed_in_rounds(table):
     t = table(capacity_bytes=1 << 30)
     salt = namespace_salt("ns-long")
@@ -282,7 +374,7 @@ def _manager_and_table(tmp_path):  # type: ignore[no-untyped-def]
         region.close(unlink=True)
 
 
-def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path):
+def test_a_manager_keeps_the_table_in_step_with_lookup(tmp_path, writes):
     """Stores, deletes, evictions (4x the capacity) and a clear, through the manager's
     own paths: after each, the probe answers what Lookup answers."""
     with _manager_and_table(tmp_path) as (m, t, ns, p):
@@ -428,7 +520,7 @@ def test_a_gpu_or_disk_block_in_the_prefix_is_elsewhere(table):
     assert located is not None and located.found == 0 and located.elsewhere
 
 
-def test_a_manager_publishes_every_dram_block_where_it_lies(tmp_path):
+def test_a_manager_publishes_every_dram_block_where_it_lies(tmp_path, writes):
     """Through the manager's own paths (stores, evictions of 4x the capacity,
     deletes): every block locate finds is at the slot the manager has it in, with
     its checksum, and a located prefix stays intact exactly while no block of it
