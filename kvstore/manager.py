@@ -444,26 +444,43 @@ class BlockManager:
         held: list[Block] = []
         placement = self.placement
         # DRAM slots for the new blocks from free room in one go (the slots one
-        # reserve_dram per block would give, in order); past them, per block,
-        # evicting. Nothing is evicted before they run out, so the blocks found
-        # present or in flight are the same either way.
+        # reserve_dram per block would give, in order); then, when that runs
+        # short, from the victims reserve_dram would evict for them, evicted in
+        # one pass (Placement.evict_for) once every block found present is pinned
+        # (so none of them is evicted for a new one before it in the request);
+        # past them, per block, evicting.
         made: list[Block] = []
         free_offsets: list[int] = []
-        if gpu is None:
-            blocks, pending = ns.blocks, ns.pending
-            fresh = dict.fromkeys(h for h in hashes if h not in blocks and h not in pending)
-            made = [Block(ns, h) for h in fresh]
-            free_offsets = placement.reserve_dram_free(ns, made)
+        pinned_early = False
         # Blocks evicted for room leave the presence table together (one call).
         with placement.presence_batch():
             try:
+                if gpu is None:
+                    blocks, pending = ns.blocks, ns.pending
+                    fresh = dict.fromkeys(h for h in hashes if h not in blocks and h not in pending)
+                    made = [Block(ns, h) for h in fresh]
+                    free_offsets = placement.reserve_dram_free(ns, made)
+                    short = len(made) - len(free_offsets)
+                    if short > 0:
+                        pinned_early = True
+                        for h in hashes:
+                            present = blocks.get(h)
+                            if present is not None:
+                                placement.touch(present, load=False)
+                                placement.pin(present)
+                                held.append(present)
+                        if placement.evict_for(ns, short):
+                            free_offsets += placement.reserve_dram_free(
+                                ns, made[len(free_offsets) :]
+                            )
                 for i, h in enumerate(hashes):
                     present = ns.blocks.get(h)
                     if present is not None:
                         statuses[i] = STORE_PRESENT
-                        placement.touch(present, load=False)
-                        placement.pin(present)
-                        held.append(present)
+                        if not pinned_early:
+                            placement.touch(present, load=False)
+                            placement.pin(present)
+                            held.append(present)
                         continue
                     if h in ns.pending or h in seen:
                         statuses[i] = STORE_IN_FLIGHT

@@ -481,6 +481,46 @@ class Placement:
         account.used_bytes[_DRAM] += taken
         return offsets
 
+    def evict_for(self, ns: Namespace, count: int) -> int:
+        """Evict up to ``count`` DRAM blocks of ns's slot size in one pass: the very
+        victims ``reserve_dram`` would take one by one for ``count`` new blocks of
+        ns, where that choice depends on nothing but the order: LRU, no disk tier,
+        no copy-aware eviction, no namespace quota, no tenant cap or range (0
+        otherwise: ``reserve_dram`` decides per block). There each search takes
+        the coldest unpinned block, looking past every pinned one (``_evict_one``),
+        so these are the ``count`` coldest unpinned blocks. Returns how many went
+        (fewer when the order runs out: the rest goes through ``reserve_dram``).
+        Each its own BlockRemoved, as one by one; their presence entries in one
+        write."""
+        account = ns.account or self.account(ns)
+        if (
+            count <= 0
+            # LRU's victims() only reads its order; S3-FIFO's walk moves keys as it
+            # goes, so a longer walk is not the same as several short ones
+            or self.eviction_policy != "lru"
+            or self.disk is not None
+            or self.copy_aware
+            or self.quota_bytes
+            or account.quota_bytes[_DRAM]
+            or account.dram_part
+        ):
+            return 0
+        victims: list[Block] = []
+        for block in self.dram.policy(ns.slot_bytes).victims():
+            assert isinstance(block, Block)
+            if block.pins:
+                continue
+            victims.append(block)
+            if len(victims) == count:
+                break
+        with self.presence_batch():
+            for block in victims:
+                if block.replica_loads >= 0:
+                    self.counters.evicted_replica_blocks += 1
+                self.remove(block, emit=True)  # its own BlockRemoved, as _evict's
+        self.counters.evicted_blocks += len(victims)
+        return len(victims)
+
     def reserve_gpu(self, block: Block) -> int | None:
         """A free GPU pool slot for ``block`` (making room is the GPU mover's: it must copy)."""
         assert self.gpu is not None, "no GPU tier"
@@ -781,7 +821,10 @@ class Placement:
             self._expire_cold(slot_bytes, now_s)
         # Replicas do not move on hits, so the ones a store has just pinned (the
         # prefix it pulled) can fill the head of the order: look past all of them.
-        cold = self.dram.policy(slot_bytes).cold_len()
+        # And past every pinned block: a load lease held while newer blocks come in
+        # leaves its blocks at the cold end, and a search that saw only them failed
+        # (a store was refused room with unpinned blocks right behind them).
+        cold = self.dram.policy(slot_bytes).cold_len() + self.pinned_blocks
         if self.disk is not None:
             prefer: Callable[[Block], bool] = self._clean
             if clean_only and self.replicas:
