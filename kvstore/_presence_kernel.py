@@ -21,9 +21,10 @@ compiler may load them in either order, and either is safe: ``intact`` after
 the copy compares both with what this read, so a word and location that were
 not one entry's together never pass (kvstore.presence, module doc).
 
-The daemon's writes (``put``, ``remove``; clients never write) follow the
-rules of ``PresenceTable.put_few`` and ``remove_one``, one block after the
-other:
+The daemon's writes (``put``, ``remove``, ``set_checksums``; clients never
+write) follow the
+rules of ``PresenceTable.put_few``, ``remove_one`` and ``set_checksum``, one
+block after the other:
 
 - ``put``: a block recorded already gets its word rewritten in place (unless
   ``new``: the caller knows none is); a new one takes the first free way of the
@@ -183,6 +184,19 @@ PUT_SIGNATURES = [
     )
     for hashes in _U64
 ]
+SET_CHECKSUMS_SIGNATURES = [
+    numba.int64(
+        _BODY,
+        numba.int64,
+        numba.int64,
+        numba.uint64,
+        numba.uint64,
+        numba.uint64,
+        hashes,
+        _U64[0],  # each hash's checksum
+    )
+    for hashes in _U64
+]
 REMOVE_SIGNATURES = [
     numba.int64(_BODY, numba.int64, numba.int64, numba.uint64, numba.uint64, numba.uint64, hashes)
     for hashes in _U64
@@ -281,3 +295,25 @@ def remove(
         body[keys_at + 2 * n_words + at] = 0
         removed += 1
     return removed
+
+
+@numba.njit(SET_CHECKSUMS_SIGNATURES, cache=True, nogil=True)
+def set_checksums(
+    body: np.ndarray,
+    keys_at: int,
+    n_words: int,
+    shift: np.uint64,
+    mask: np.uint64,
+    salt: np.uint64,
+    hashes: np.ndarray,
+    checksums: np.ndarray,
+) -> int:
+    """The checksum beside each recorded one of ``hashes`` (nothing for the others);
+    returns how many were recorded."""
+    done = 0
+    for i in range(hashes.shape[0]):
+        at = _find(body, keys_at, _key(hashes[i], salt), shift, mask)
+        if at >= 0:
+            body[keys_at + 2 * n_words + at] = checksums[i]
+            done += 1
+    return done

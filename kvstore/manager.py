@@ -908,8 +908,7 @@ class BlockManager:
     def set_checksums(self, blocks: Sequence[Block], checksums: Sequence[int]) -> None:
         """Record verified xxh3-64 checksums of committed blocks (peer paths: the
         next peer need not rehash)."""
-        for block, checksum in zip(blocks, checksums, strict=True):
-            self.placement.set_checksum(block, checksum)
+        self.placement.set_checksums(blocks, checksums)
 
     def note_held_elsewhere(
         self, blocks: Sequence[Block], holder_node_id: str, *, served: bool = False

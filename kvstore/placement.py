@@ -346,6 +346,14 @@ class Placement:
         if self.presence is not None:
             self.presence.checksummed(block)
 
+    def set_checksums(self, blocks: Sequence[Block], checksums: Sequence[int]) -> None:
+        """set_checksum for each block (a pin's, a pull's), the presence table's
+        entries in one write."""
+        for block, checksum in zip(blocks, checksums, strict=True):
+            block.checksum = checksum
+        if self.presence is not None:
+            self.presence.checksummed_many(blocks)
+
     # ------------------------------------------- copies on other nodes
 
     def note_held_elsewhere(

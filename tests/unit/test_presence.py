@@ -198,9 +198,9 @@ def test_small_commits_fill_a_table_as_numpy_puts_do(tmp_path):
 
 
 def test_compiled_writes_leave_the_table_python_ints_leave(tmp_path):
-    """The compiled put and remove against put_few and remove_one (the rules they
-    follow, one block after the other), through random commits, moves, removals
-    and full buckets: the same words everywhere (keys, locations with their
+    """The compiled put, remove and set_checksums against put_few, remove_one and
+    set_checksum (the rules they follow, one block after the other), through
+    random commits, moves, removals, checksums learnt and full buckets: the same words everywhere (keys, locations with their
     stamps, checksums, the counts), but the generation each table draws."""
     assert presence._WRITER.available(120), "the presence write kernel failed to compile"
     compiled, python = (
@@ -213,8 +213,13 @@ def test_compiled_writes_leave_the_table_python_ints_leave(tmp_path):
     for step in range(400):
         salt = salts[step % 2]
         pick = rng.choice(universe, int(rng.integers(2, 120)), replace=False)
-        op = int(rng.integers(0, 5))
-        if op <= 2:
+        op = int(rng.integers(0, 6))
+        if op == 5:  # checksums learnt (a pin's, a pull's); some hashes not recorded
+            sums = rng.integers(1, 2**63, len(pick)).astype(np.uint64)
+            compiled.set_checksums(salt, pick.tolist(), sums.tolist())
+            for h, c in zip(pick.tolist(), sums.tolist(), strict=True):
+                python.set_checksum(salt, h, c)
+        elif op <= 2:
             tier = int(rng.integers(1, 4))
             offsets = sums = None
             if tier == 2:
@@ -277,6 +282,23 @@ def test_removals_in_a_batch_land_in_order_with_the_writes_around_them(tmp_path,
             assert int(now.offsets()[0]) == blocks[h].offset
             assert int(now.locs[0]) != int(old.locs[0])  # a new stamp, whatever the slot
         assert int(t.header[6]) == 5000 + 64
+
+
+def test_checksums_set_on_many_blocks_are_published_where_they_lie(tmp_path, writes):
+    """A pin's or a pull's checksums (BlockManager.set_checksums, one write for all)
+    beside each block's entry; a block deleted meanwhile is not written back."""
+    with _manager_and_table(tmp_path) as (m, _t, ns, p):
+        salt = namespace_salt(ns.namespace_id)
+        hashes = list(range(1, 25))
+        m.commit_store(m.prepare_store(ns.namespace_id, hashes).lease_id)
+        blocks = [m.namespaces[ns.namespace_id].blocks[h] for h in hashes]
+        m.delete(ns.namespace_id, hashes[20:])
+        m.set_checksums(blocks, [h * 11 for h in hashes])
+        located = p.locate(salt, hashes)
+        assert located is not None and located.found == 20
+        assert located.checksums.tolist() == [h * 11 for h in hashes[:20]]
+        assert [b.checksum for b in blocks[:20]] == located.checksums.tolist()
+        assert p.lookup(salt, hashes[20:]) == (0, {})
 
 
 def test_long_prefixes_are_probed_in_rounds(table):
