@@ -15,7 +15,9 @@ Each is run with request steps of `--step-blocks` blocks (default: 64, and the
 whole transfer in one step) and with slots in allocation order ("contiguous",
 what a fresh daemon gives a request) and shuffled ("scattered", what a daemon
 after heavy churn gives). Also: control overhead per request-step (the RPCs
-with no bytes copied) and the daemon's lookup of 12,000 hashes, in-process.
+with no bytes copied; with a daemon the bench started, also into a DRAM tier
+full of unpinned blocks, each step evicting as many: ``store_step_full_tier``)
+and the daemon's lookup of 12,000 hashes, in-process.
 """
 
 from __future__ import annotations
@@ -128,6 +130,33 @@ def _transfer(
         "store_ratio": m.median_s / st.median_s,
         "load_ratio": m.median_s / ld.median_s,
     }
+
+
+def _full_tier_steps(client: Any, repeats: int, blocks: int = 64) -> Summary:
+    """Store steps (PrepareStore + CommitStore of ``blocks`` new 4 KiB blocks) into a
+    DRAM tier full of unpinned blocks, as a cache runs once warm: each step's
+    prepare evicts ``blocks`` of them. Fills the tier first (untimed), so only
+    for a daemon the bench started."""
+    from kvstore.v1 import store_pb2 as pb
+
+    ns = client.declare_namespace(_spec(4096, "bench-full-tier"))
+    dram = next(t for t in client.stats().tiers if t.tier == pb.TIER_DRAM)
+    fill_steps = int(dram.capacity_bytes // (4096 * blocks)) + 2
+    base = 1
+    for _ in range(fill_steps):  # every slot taken: the last steps evict already
+        client.commit_store(
+            client.prepare_store(ns, np.arange(base, base + blocks, dtype=np.uint64))
+        )
+        base += blocks
+    samples = []
+    for _ in range(repeats * 20):
+        hashes = np.arange(base, base + blocks, dtype=np.uint64)
+        base += blocks
+        t = time.perf_counter()
+        client.commit_store(client.prepare_store(ns, hashes))
+        samples.append(time.perf_counter() - t)
+    client.clear(ns)
+    return summarize(samples)
 
 
 def _control_overhead(client: Any, repeats: int, blocks: int = 64) -> dict[str, Summary]:
@@ -318,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
                             f"x{r['store_ratio']:.2f} | load {_fmt(r['load'], total)} x{r['load_ratio']:.2f}"
                         )
             control = _control_overhead(client, args.repeats)
+            if daemon is not None:  # fills the tier: never a daemon the bench was pointed at
+                control["store_step_full_tier"] = _full_tier_steps(client, args.repeats)
         print("control overhead per request-step of 64 blocks (RPCs only, no bytes), p50 / p99:")
         for name, s in control.items():
             print(f"  {name:<19} {s.median_s * 1e3:.3f} ms / {s.p99_s * 1e3:.3f} ms")

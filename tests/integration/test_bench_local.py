@@ -33,3 +33,20 @@ def test_transfer_rounds_reuse_the_namespace_and_drop_warmup(tmp_path: Path) -> 
             assert r["store"].n == r["load"].n == r["memcpy"].n == 3  # warm-up rounds dropped
     finally:
         daemon.stop()
+
+
+def test_full_tier_steps_evict_as_many_blocks_as_they_store(tmp_path: Path) -> None:
+    """store_step_full_tier: the tier is full before the timed steps, and each
+    timed step's prepare evicts as many blocks as it stores (no free room left)."""
+    daemon = DaemonProcess(str(tmp_path), dram_bytes=16 * MiB, chunk_bytes=4 * MiB)
+    daemon.start()
+    try:
+        with Client(daemon.address) as client:
+            s = local._full_tier_steps(client, repeats=2, blocks=64)
+            assert s.n == 40
+            stats = client.stats()
+            # 16 MiB of 4 KiB slots = 4,096: two untimed steps past the fill, 40 timed
+            assert stats.evicted_blocks >= (2 + 40) * 64
+            assert stats.stored_blocks == stats.evicted_blocks + 4096
+    finally:
+        daemon.stop()
