@@ -22,9 +22,8 @@ the copy compares both with what this read, so a word and location that were
 not one entry's together never pass (kvstore.presence, module doc).
 
 The daemon's writes (``put``, ``remove``, ``set_checksums``; clients never
-write) follow the
-rules of ``PresenceTable.put_few``, ``remove_one`` and ``set_checksum``, one
-block after the other:
+write) follow the rules of ``PresenceTable.put_few``, ``remove_one`` and
+``set_checksum``, one block after the other:
 
 - ``put``: a block recorded already gets its word rewritten in place (unless
   ``new``: the caller knows none is); a new one takes the first free way of the
@@ -162,17 +161,16 @@ def _release_fence(typingctx):  # type: ignore[no-untyped-def]
 _BODY = numba.types.Array(numba.uint64, 1, "C")
 _U64 = [numba.types.Array(numba.uint64, 1, "C", readonly=ro) for ro in (False, True)]
 _I64 = numba.types.Array(numba.int64, 1, "C")
+# A write's first arguments: the file's words, keys_at (the key words' first
+# index), n_words (key words = locations = checksums), shift and mask (a key's
+# buckets: key >> shift, (key >> 2) & mask), the salt (presence.namespace_salt).
+_GEOMETRY = (_BODY, numba.int64, numba.int64, numba.uint64, numba.uint64, numba.uint64)
 # Explicit signatures: compiled when this module is imported (in kvstore.native's
 # thread), and a call with other types is a TypeError, never a compile on the
 # hot path.
 PUT_SIGNATURES = [
     numba.int64(
-        _BODY,  # the file's words
-        numba.int64,  # keys_at: the key words' first index
-        numba.int64,  # n_words: key words (= locations = checksums)
-        numba.uint64,  # shift: a key's first bucket is key >> shift
-        numba.uint64,  # mask: its second is (key >> 2) & mask
-        numba.uint64,  # salt (presence.namespace_salt)
+        *_GEOMETRY,
         hashes,
         numba.uint64,  # tier bits
         _I64,  # DRAM slot offsets (-1: no location); empty: none has one
@@ -184,23 +182,8 @@ PUT_SIGNATURES = [
     )
     for hashes in _U64
 ]
-SET_CHECKSUMS_SIGNATURES = [
-    numba.int64(
-        _BODY,
-        numba.int64,
-        numba.int64,
-        numba.uint64,
-        numba.uint64,
-        numba.uint64,
-        hashes,
-        _U64[0],  # each hash's checksum
-    )
-    for hashes in _U64
-]
-REMOVE_SIGNATURES = [
-    numba.int64(_BODY, numba.int64, numba.int64, numba.uint64, numba.uint64, numba.uint64, hashes)
-    for hashes in _U64
-]
+SET_CHECKSUMS_SIGNATURES = [numba.int64(*_GEOMETRY, hashes, _U64[0]) for hashes in _U64]
+REMOVE_SIGNATURES = [numba.int64(*_GEOMETRY, hashes) for hashes in _U64]
 
 
 @numba.njit(cache=True, nogil=True, inline="always")

@@ -165,9 +165,9 @@ LOC_UNIT_BYTES = 64
 LOC_STAMP_BITS = 24
 _STAMP_MASK = (1 << LOC_STAMP_BITS) - 1
 MAX_LOC_OFFSET_BYTES = LOC_UNIT_BYTES << (64 - LOC_STAMP_BITS)
-_UNIT_SHIFT = np.uint64(LOC_UNIT_BYTES.bit_length() - 1)  # offset // 64
+_UNIT_SHIFT_INT = LOC_UNIT_BYTES.bit_length() - 1  # offset // 64
+_UNIT_SHIFT = np.uint64(_UNIT_SHIFT_INT)
 _STAMP_SHIFT = np.uint64(LOC_STAMP_BITS)
-_UNIT_SHIFT_INT = LOC_UNIT_BYTES.bit_length() - 1
 
 
 @functools.lru_cache(maxsize=4096)

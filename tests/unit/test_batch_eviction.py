@@ -12,6 +12,7 @@ import pytest
 from kvstore.config import load_config
 from kvstore.errors import CapacityExhausted
 from kvstore.manager import STORE_ALLOCATED, STORE_PRESENT, BlockManager
+from kvstore.namespace import Tier
 from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
 from tests.sinks import RecordingSink
@@ -46,7 +47,7 @@ def make_manager(tmp_path):
 def _state(m: BlockManager) -> tuple:
     blocks = {ns_id: sorted(ns.blocks) for ns_id, ns in sorted(m.namespaces.items())}
     c = m.placement.counters
-    removed = collections.Counter(m.placement.sink.hashes("removed", "cpu"))
+    removed = collections.Counter(m.placement.sink.hashes("removed", Tier.DRAM.medium))
     return blocks, c.evicted_blocks, c.evicted_replica_blocks, c.admitted_replicas, removed
 
 
