@@ -16,6 +16,11 @@ one array of words (header, key words, locations, checksums: the layout of
   the location, the checksum. Returns ``found * 2 + elsewhere`` (elsewhere: the
   block after the prefix is held, in a tier a client cannot read).
 
+LOOKUP and LOCATE read a block's key word again after ``_find`` found its way,
+and go on only where it still holds the key: a block that left in between may
+have had its way taken by another block, whose word and location ``intact``
+would pass (docs/presence.md "Direct loads").
+
 A location is read after its key word, as the numpy path reads them; the
 compiler may load them in either order, and either is safe: ``intact`` after
 the copy compares both with what this read, so a word and location that were
@@ -128,6 +133,12 @@ def probe(
         if at < 0:
             return done * 2 if mode == LOCATE else done
         word = body[keys_at + at]
+        if word ^ key >= _SET:
+            # The block left between _find's read and this one, and another block
+            # took its way: this word (and the location beside it) is that block's,
+            # which intact would find unchanged. Held nowhere readable now: the
+            # daemon answers (LOCATE), or the prefix ends here (LOOKUP).
+            return done * 2 + 1 if mode == LOCATE else done
         if mode == LOOKUP:
             out[0, word & _LOW] += 1
             done += 1

@@ -1039,10 +1039,16 @@ class PresenceProbe:
         checks: list[int] = []
         elsewhere = False
         for h in hashes:
-            a = self._find(mix_key(salt, int(h)))
+            key = mix_key(salt, int(h))
+            a = self._find(key)
             if a < 0:
                 break  # not held: the prefix ends here
             word, loc = words[a], locs[a]
+            if word ^ key >= 4:
+                # it left since _find read its way, and another block took the
+                # way: word and location are that block's (intact would pass them)
+                elsewhere = True
+                break
             if word & 3 != int(Tier.DRAM) or not loc:
                 elsewhere = True  # held, but not where a client can read it
                 break
@@ -1080,7 +1086,10 @@ class PresenceProbe:
             held[second] = got.ravel().take(np.arange(0, second.size * WAYS, WAYS) + way) < 4
         words = self.flat.take(at)
         locs = self.locs.take(at)
-        readable = held & ((words & _LOW) == _DRAM_BITS) & (locs != 0)
+        # read again: a block that left since the reads above may have had its way
+        # taken by another block, whose word and location intact would pass
+        still = (words ^ keys) < 4
+        readable = held & still & ((words & _LOW) == _DRAM_BITS) & (locs != 0)
         if readable.all():
             return Located(at, words, locs, self.sums.take(at), False, self)
         k = int(readable.argmin())
