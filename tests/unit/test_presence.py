@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -47,7 +49,7 @@ def probe_path(request, monkeypatch):
 @pytest.fixture(params=["python-writes", "compiled-writes"])
 def writes(request, monkeypatch):
     """Each way the daemon writes the table: numpy and Python ints (also what writes
-    while the kernel compiles) and compiled (kvstore._presence_kernel: put, remove)."""
+    while the kernel compiles) and compiled (kvstore._presence_write_kernel: put, remove)."""
     assert presence._WRITER.available(120), "the presence write kernel failed to compile"
     if request.param == "python-writes":
         monkeypatch.setattr(presence._WRITER, "kernel", None)
@@ -650,3 +652,20 @@ def test_a_manager_publishes_every_dram_block_where_it_lies(tmp_path, writes):
             intact_seen += want == before.found
             lost_seen += want < before.found
         assert intact_seen and lost_seen  # both outcomes ran
+
+
+def test_a_client_compiles_the_probes_only():
+    """A client process (probes ready) compiles the probe kernel and nothing else of the
+    table's: the daemon's write kernels cost ~3x the probe's compile from a cold
+    cache, and a client never writes."""
+    code = (
+        "import sys; from kvstore import presence; "
+        "from numba.core.registry import CPUDispatcher; "
+        "assert presence.compiled_probes(120); "
+        "print({f'{m}.{n}' for m, mod in list(sys.modules.items()) if m.startswith('kvstore') "
+        "for n, o in vars(mod).items() if isinstance(o, CPUDispatcher) and o.signatures})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=True
+    ).stdout
+    assert out.strip() == "{'kvstore._presence_kernel.probe'}"
