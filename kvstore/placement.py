@@ -54,9 +54,10 @@ log = logging.getLogger(__name__)
 # DRAM victims looked at for a clean one (also on disk) before a dirty block
 # is dropped instead.
 CLEAN_VICTIM_WINDOW = 64
-# Disk victims looked at per slot a demotion needs.
+# Unpinned disk victims looked at per slot a demotion needs (past every pinned one).
 DISK_VICTIM_WINDOW = 64
-# GPU victims looked at per slot a store needs before giving up.
+# Unpinned GPU victims looked at per slot a store needs before giving up (past
+# every pinned one).
 GPU_VICTIM_WINDOW = 64
 # Tier indexes of a TenantAccount's lists, as plain ints (the hot paths index them
 # once or twice per block: an IntEnum member costs an attribute lookup and __index__).
@@ -1025,7 +1026,11 @@ class Placement:
             return slot
         # The coldest unpinned disk copy of this size goes (the victim search DRAM
         # and the GPU pool use); its slot is of this size, so one is enough.
-        victim = self.disk_orders.victim(self.disk_orders.slot_bytes_of(ns), DISK_VICTIM_WINDOW)
+        # Past every pinned block, as in DRAM (_evict_one): a load lease's blocks at
+        # the cold end stopped a search of the coldest 64 with unpinned copies behind.
+        victim = self.disk_orders.victim(
+            self.disk_orders.slot_bytes_of(ns), DISK_VICTIM_WINDOW + self.pinned_blocks
+        )
         if victim is not None:
             self._drop_disk_victim(victim)
             slot = disk.allocate(ns.block_bytes)
@@ -1131,7 +1136,9 @@ class Placement:
     def gpu_victim(self, slot_bytes: int) -> Block | None:
         """The coldest unpinned GPU block of a size (to demote for room)."""
         assert self.gpu is not None
-        return self.gpu.victim(slot_bytes, GPU_VICTIM_WINDOW)
+        # Past every pinned block, as in DRAM (_evict_one): a load lease's blocks at
+        # the cold end stopped a search of the coldest 64 with unpinned blocks behind.
+        return self.gpu.victim(slot_bytes, GPU_VICTIM_WINDOW + self.pinned_blocks)
 
     def gpu_chunk_victims(self, slot_bytes: int) -> list[Block] | None:
         """The GPU blocks of the coldest chunk of another size that can all move."""

@@ -385,3 +385,66 @@ async def test_demoter_copies_the_blocks_dram_drops_next_not_the_oldest_commits(
     assert all(ns.blocks[h].tier is Tier.DISK for h in range(300, 300 + target))
     assert all(ns.blocks[h].tier is Tier.DRAM for h in range(300))
     await node.close()
+
+
+async def test_a_disk_full_of_pinned_copies_at_its_cold_end_still_takes_demotions(tmp_path):
+    """Seventy blocks written down, then pinned by a load lease (the disk order's
+    coldest 70 copies); the disk fills: each new block's write drops the coldest
+    unpinned copy behind the pinned ones (a block still in DRAM: only that copy
+    goes). Before 2026-12-05 the search looked at the 64 coldest only, all
+    pinned, and 81..90 stayed unwritten (dirty, their only copy in DRAM)."""
+    node = Node(tmp_path, dram="2MiB", disk="1280KiB")  # 128 in DRAM, 80 on disk
+    m = node.m
+    for i in range(1, 71, 10):
+        node.put(list(range(i, i + 10)))
+        await node.settle()
+    assert m.disk.blocks() == 70
+    lease = await m.prepare_load_async(node.ns.namespace_id, list(range(1, 71)))
+    assert len(lease.blocks) == 70
+    node.put(list(range(71, 91)))  # 10 fit; 10 need a victim
+    await node.settle()
+    on_disk = {h for h, b in node.ns.blocks.items() if b.disk_slot >= 0}
+    assert set(range(1, 71)) <= on_disk  # pinned: kept
+    assert set(range(81, 91)) <= on_disk  # written, in the room of 71..80's copies
+    assert not on_disk & set(range(71, 81))
+    assert len(node.ns.blocks) == 90 and m.stats().counters.evicted_blocks == 0
+    m.release([lease.lease_id])
+    await node.close()
+
+
+async def test_a_gpu_pool_full_of_pinned_blocks_at_its_cold_end_still_takes_stores(tmp_path):
+    """Seventy pool blocks pinned by a load lease at the pool's cold end, the pool
+    full: a store into the pool moves the coldest unpinned block behind them down
+    to DRAM (host mode: gpu.device = cpu). Before 2026-12-05 the search looked at
+    the 64 coldest only, all pinned, and the store was refused
+    (CapacityExhausted: "full of pinned or in-flight blocks")."""
+    pytest.importorskip("torch")
+    node = Node(
+        tmp_path,
+        dram="2MiB",
+        disk="4MiB",
+        **{
+            "gpu.device": "cpu",
+            "gpu.capacity_bytes": "1280KiB",  # 80 blocks
+            "gpu.chunk_bytes": "64KiB",
+            "gpu.demote_free_fraction": 0,
+        },
+    )
+    m, ns_id = node.m, node.ns.namespace_id
+
+    def store_gpu(hashes):  # type: ignore[no-untyped-def]
+        plan = m.prepare_store(ns_id, hashes, tier=Tier.GPU)
+        m.commit_store(plan.lease_id)
+        return plan
+
+    store_gpu(list(range(1, 71)))
+    lease = await m.prepare_load_async(ns_id, list(range(1, 71)), tier=Tier.GPU)
+    assert len(lease.blocks) == 70
+    store_gpu(list(range(71, 81)))
+    assert [node.tier_of(h) for h in range(1, 81)] == [Tier.GPU] * 80
+    store_gpu([81])
+    assert node.tier_of(81) is Tier.GPU
+    assert node.tier_of(71) is Tier.DRAM  # the coldest unpinned one moved down
+    assert [node.tier_of(h) for h in range(1, 71)] == [Tier.GPU] * 70
+    m.release([lease.lease_id])
+    await node.close()
