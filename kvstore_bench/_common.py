@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -181,17 +180,3 @@ def write_figures(path: str | os.PathLike[str] | None, figures: Sequence[Figure]
     with open(path, "ab") as f:
         for fig in figures:
             f.write(msgspec.json.encode(fig) + b"\n")
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on loopback (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()

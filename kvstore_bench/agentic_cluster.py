@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore_bench import _common
+from kvstore_bench.ports import free_ports
 
 # The one model every daemon, engine model and the indexer serve in the replay.
 MODEL = "kvstore-bench/agentic"
@@ -50,7 +51,7 @@ def cluster(
     nodes: list[NodeProcs] = []
     tag = f"{os.getpid()}-{int(time.monotonic() * 1000) % 100000}"
     names = [f"node{i}" for i in range(n)]
-    ports = _common.free_ports(n) if peer_transport else [0] * n
+    ports = free_ports(n) if peer_transport else [0] * n
     secret = secrets.token_hex(16)
     env = dict(os.environ)
     if peer_transport:

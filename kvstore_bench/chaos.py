@@ -39,7 +39,7 @@ from kvstore import errors
 from kvstore.client import Client
 from kvstore.process import DaemonProcess
 from kvstore_bench import soak_client as SC
-from kvstore_bench._common import free_ports
+from kvstore_bench.ports import free_ports
 
 FAULT_KINDS = (
     "kill9",  # kill -9 of a daemon, restart (DRAM lost, disk journal kept)

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore_bench import _common
+from kvstore_bench.ports import free_port
 
 DEFAULT_SYSTEMS = ("kvstore", "redis", "lmcache-mp", "lmcache-cpu", "mooncake")
 # LMCache + kvstore against LMCache alone and LMCache + Redis (docs/lmcache.md)
@@ -67,12 +68,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="32 MiB batches, 3 repeats, 10 latency ops")
     p.add_argument("--results", default="results", help="results folder")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(check, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -117,7 +112,7 @@ def _service(
                 exe = shutil.which("redis-server")
                 if not exe:
                     raise RuntimeError("redis-server not installed (apt-get install redis-server)")
-                port = _free_port()
+                port = free_port()
                 procs.append(
                     subprocess.Popen(
                         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
@@ -197,7 +192,7 @@ def _service(
             py = _common.env_python("mooncake")
             if not py:
                 raise RuntimeError("no .venv-mooncake: run bash kvstore_bench/setup_peers.sh")
-            rpc, http = _free_port(), _free_port()
+            rpc, http = free_port(), free_port()
             master = str(Path(py).parent / "mooncake_master")
             env = dict(
                 os.environ,
@@ -260,7 +255,7 @@ def _service(
                 raise RuntimeError("no .venv-lmcache: run bash kvstore_bench/setup_peers.sh")
             params: dict[str, Any] = {"python": py, "capacity_bytes": no_delete_bytes}
             if system == "lmcache-mp":
-                port, http = _free_port(), _free_port()
+                port, http = free_port(), free_port()
                 lmcache_exe = str(Path(py).parent / "lmcache")
                 procs.append(
                     subprocess.Popen(

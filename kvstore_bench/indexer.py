@@ -42,6 +42,7 @@ from kvstore.indexer.backend import IndexBackend, NodeScore
 from kvstore.indexer.memory import MemoryIndex
 from kvstore.indexer.subscriber import SourceSpec, Subscriber
 from kvstore_bench._common import repeat, summarize
+from kvstore_bench.ports import free_port
 
 MEDIUMS = ("GPU", "CPU", "DISK")
 
@@ -244,9 +245,7 @@ class LocalRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server not found (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="kvbench-redis-")
         self.proc = subprocess.Popen(
             [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--dir", self.dir,

@@ -65,7 +65,7 @@ def test_sglang_server_serves_a_flushed_prefix_from_kvstore(daemon_factory, tmp_
     if check.returncode:
         pytest.fail(f"CUDA is here but {PYTHON} has no full SGLang install: {check.stderr[-800:]}")
     from kvstore.client import Client
-    from tests.integration._redis import free_port
+    from kvstore_bench.ports import free_port
     from tests.integration.vllm_model import make_tiny_llama, prompt_ids
 
     daemon = daemon_factory(dram_bytes=512 << 20)

@@ -119,7 +119,7 @@ class LMCacheMPServer:
     as its L2 (kvstore_connectors.lmcache.l2), on free ports."""
 
     def __init__(self, daemon_address: str, workdir: str, *, l1_size_gb: float) -> None:
-        from tests.integration._redis import free_port
+        from kvstore_bench.ports import free_port
 
         self.port, http = free_port(), free_port()
         self.http_url = f"http://127.0.0.1:{http}"

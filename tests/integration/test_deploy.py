@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore.client import Client
 from kvstore.namespace import NamespaceSpec
 from kvstore.process import DaemonProcess
+from kvstore_bench.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -214,12 +215,6 @@ def _health(address: str, service: str, timeout_s: float) -> int:
         return int(reply.status)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _recv_messages(sock: socket.socket, timeout_s: float) -> list[dict[str, str]]:
     sock.settimeout(timeout_s)
     try:
@@ -251,7 +246,7 @@ def test_notify_ready_after_grpc_answers_then_watchdog_and_stopping(
     """What systemd sees of kvstored.service / kvstore-indexer.service (Type=notify)."""
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(str(tmp_path / "notify.sock"))
-    tcp_address = f"127.0.0.1:{_free_port()}"
+    tcp_address = f"127.0.0.1:{free_port()}"
     cmd, service = _notify_command(kind, tmp_path, tcp_address)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTORE_")}
     env.update(NOTIFY_SOCKET=str(tmp_path / "notify.sock"), WATCHDOG_USEC="1000000")
@@ -440,7 +435,7 @@ def test_register_sidecar_keeps_the_node_in_the_indexer_until_stopped(tmp_path: 
     """The DaemonSet's register sidecar, against a real indexer and daemon on loopback."""
     from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
 
-    events_port, replay_port = _free_port(), _free_port()
+    events_port, replay_port = free_port(), free_port()
     indexer, indexer_address = _start_indexer(tmp_path)
     register = None
     try:

@@ -360,7 +360,7 @@ def test_redis_layout_mismatch_is_refused(redis_server):  # noqa: F811
 def test_redis_unreachable_is_unavailable():
     from kvstore.errors import Unavailable
     from kvstore.indexer.redis_index import RedisIndex
-    from tests.integration._redis import free_port
+    from kvstore_bench.ports import free_port
 
     with pytest.raises(Unavailable):
         RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)

@@ -29,8 +29,9 @@ from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
+from kvstore_bench.ports import free_port
 from tests.conftest import make_spec
-from tests.integration._redis import free_port, redis_server  # noqa: F401
+from tests.integration._redis import redis_server  # noqa: F401
 
 BLOCK_BYTES = 4096
 CONVERGE_BOUND_S = 30.0

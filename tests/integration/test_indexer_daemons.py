@@ -17,9 +17,9 @@ from kvstore.indexer.backend import NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
+from kvstore_bench.ports import free_port
 from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
-from tests.integration._redis import free_port
 from tests.vllm_python import vllm_python
 
 

@@ -27,9 +27,10 @@ from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
 from kvstore.process import DaemonProcess
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc
+from kvstore_bench.ports import free_port
 from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
-from tests.integration._redis import free_port, redis_server  # noqa: F401
+from tests.integration._redis import redis_server  # noqa: F401
 from tests.integration.test_indexer_events import RawPublisher
 
 BLOCK_BYTES = 4096

@@ -33,6 +33,7 @@ from kvstore.errors import (
 )
 from kvstore.process import DaemonProcess
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
+from kvstore_bench.ports import free_port
 from tests.conftest import make_spec
 
 HAVE_NIXL = (
@@ -56,12 +57,6 @@ def blocks_for(hashes, block_bytes):  # type: ignore[no-untyped-def]
             for h in hashes
         ]
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

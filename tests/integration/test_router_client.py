@@ -13,6 +13,7 @@ from kvstore.events.publisher import ZmqEventPublisher
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer, serve
 from kvstore.indexer.subscriber import SourceSpec
+from kvstore_bench.ports import dead_address
 from kvstore_router_client import NodeHit, Policy, RouterClient, ScoreResult, choose
 
 
@@ -117,10 +118,7 @@ def test_pick_routes_to_the_node_holding_the_prefix(cluster):
 
 
 def test_unreachable_indexer_falls_back_within_deadline():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once closed
-    with RouterClient(f"127.0.0.1:{port}", deadline_s=0.2) as rc:
+    with RouterClient(dead_address(), deadline_s=0.2) as rc:
         t0 = time.monotonic()
         d = rc.pick("llama", list(range(64)), ["a", "b"], default="b")
         assert (d.node, d.reason) == ("b", "fallback")

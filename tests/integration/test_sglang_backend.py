@@ -246,8 +246,8 @@ def test_daemon_killed_gives_misses_one_warning_no_exception(daemon_factory, wor
 
 def test_pages_stored_through_sglang_appear_in_kv_events(daemon_factory, worker):
     from kvstore.events.wire import BlockStored, full_decoder
+    from kvstore_bench.ports import free_port
     from tests.integration._events import EventTap
-    from tests.integration._redis import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = daemon_factory(

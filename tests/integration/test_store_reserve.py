@@ -159,8 +159,8 @@ def test_a_commit_asks_for_the_next_reserve_in_the_same_frame(daemon):
 
 def test_placeholders_never_appear_in_events(daemon_factory):
     from kvstore.events.wire import BlockStored, full_decoder
+    from kvstore_bench.ports import free_port
     from tests.integration._events import EventTap
-    from tests.integration._redis import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     d = daemon_factory(

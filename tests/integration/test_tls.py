@@ -32,9 +32,9 @@ from kvstore.process import DaemonProcess
 from kvstore.router.backends import Fleet
 from kvstore.tls import ClientCredentials, TlsFiles
 from kvstore.v1 import indexer_pb2, indexer_pb2_grpc, store_pb2, store_pb2_grpc
+from kvstore_bench.ports import free_port
 from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
-from tests.integration._redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "tls-test-secret"

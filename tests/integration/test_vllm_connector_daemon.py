@@ -505,8 +505,8 @@ def test_llmd_consumer_gets_one_chain_per_request_with_tokens_parent_first(daemo
     node id: llm-d's scorer, which names the engine by the topic and re-hashes
     token ids from the parent, could place none of them."""
     from kvstore.events.wire import AllBlocksCleared, BlockStored, full_decoder
+    from kvstore_bench.ports import free_port
     from tests.integration._events import EventTap
-    from tests.integration._redis import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     daemon = daemon_factory(

@@ -9,7 +9,6 @@ Run with the vLLM environment: ``.venv-vllm/bin/python -m pytest -m vllm``.
 from __future__ import annotations
 
 import importlib.util
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 
 from kvstore.client import Client
 from kvstore.v1 import store_pb2
+from kvstore_bench.ports import dead_address
 from tests.integration import vllm_model as vm
 
 pytestmark = [
@@ -299,13 +299,6 @@ PEER_SECRET = "vllm-e2e-peer-secret"
 NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 
 
-def _dead_address() -> str:
-    """host:port nothing listens on (bound, then released: connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def _usable_blocks(prompts: list[list[int]]) -> int:
     """Distinct blocks an external hit can cover over ``prompts`` (shared prefixes once)."""
     return len({tuple(p[: i * BS]) for p in prompts for i in range(1, (len(p) - 1) // BS + 1)})
@@ -348,7 +341,7 @@ def peer_daemons(tmp_path_factory):
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
 def test_peer_pull_then_hit(model_dir, workdir, reference, peer_daemons):
     a, b = peer_daemons
-    dead = _dead_address()
+    dead = dead_address()
     # Node A's engine: its hint names a peer nobody runs, so every lookup comes up
     # short and the pull fails; it computes everything, right, and stores it on A.
     on_a = vm.run_once(workdir, "peer_a", _spec(model_dir, a.address, [_step(PEER)], peer=dead))[
@@ -452,8 +445,8 @@ def test_llmd_reads_one_chain_per_request_with_tokens_from_a_real_engine(
     parent. llm-d's scorer re-hashes token ids from the parent and names the engine by
     the topic: every event must carry its chain's tokens, after its parent."""
     from kvstore.events.wire import BlockStored, full_decoder
+    from kvstore_bench.ports import free_port
     from tests.integration._events import EventTap
-    from tests.integration._redis import free_port
 
     pod = "10.0.0.5:8000"
     endpoint = f"tcp://127.0.0.1:{free_port()}"

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore_bench.ports import free_port
 from tests.integration import vllm_model as vm
-from tests.integration._redis import free_port
 from tests.vllm_python import vllm_python
 
 pytestmark = [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import socket
 
 import grpc
 import pytest
@@ -14,6 +13,7 @@ from kvstore.manager import BlockManager
 from kvstore.tiers.dram import Region
 from kvstore.transfer.grpc_stream import GrpcStreamTransport
 from kvstore.transfer.puller import Puller
+from kvstore_bench.ports import free_port
 from tests.conftest import make_spec
 
 # What the daemon may keep per hint source: the LRU bound (64) plus configured peers.
@@ -48,12 +48,6 @@ def puller(tmp_path):
     region.close(unlink=True)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again when the with block ends
-
-
 def _live_channels() -> int:
     gc.collect()
     return sum(isinstance(o, grpc.aio.Channel) for o in gc.get_objects())
@@ -62,7 +56,7 @@ def _live_channels() -> int:
 async def test_thousands_of_distinct_hints_keep_a_bounded_number_of_channels(puller):
     manager, p = puller
     ns = manager.declare_namespace(make_spec(4096))
-    port = _closed_port()
+    port = free_port()
     before = _live_channels()
     # 2,000 distinct dead addresses (all of 127/8 is loopback: refused at once).
     for i in range(2000):

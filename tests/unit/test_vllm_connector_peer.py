@@ -5,7 +5,6 @@ vLLM, in tests/integration/test_vllm_e2e.py::test_peer_pull_then_hit)."""
 from __future__ import annotations
 
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from kvstore.client import Client
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHasher, to_int_hashes
+from kvstore_bench.ports import dead_address
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.namespace import EngineLayout
 from kvstore_connectors.vllm.peer import PeerTarget, peer_hint
@@ -92,13 +92,6 @@ def _scheduler(address: str, clock: Clock | None = None, **extra: Any) -> Schedu
         address, timeout_s=config.timeout_s, retry_initial_s=1.0, retry_max_s=4.0, map_region=False
     )
     return SchedulerSide(config, LAYOUT, session, hash_stride=1, clock=clock or Clock())
-
-
-def _dead_address() -> str:
-    # A port nothing listens on (bound, then released: refused at once).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
 
 
 def _peer_settings(**peers: str) -> dict[str, str]:
@@ -193,7 +186,7 @@ def test_unreachable_or_unknown_peer_means_no_extra_hit_and_keeps_the_daemon(
     b = daemon_factory("node-b", settings=_peer_settings())
     clock = Clock()
     sched = _scheduler(b.address, clock)
-    dead = _dead_address()
+    dead = dead_address()
     req = Req("r1", _tokens(3, 4 * BS + 2), {"kvstore_peer": dead})
     _put(b.address, req.int_hashes()[:1])
     with caplog.at_level(logging.WARNING, logger="kvstore_connectors.vllm.scheduler"):
