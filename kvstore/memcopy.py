@@ -18,7 +18,7 @@ Three ways to copy a large block, and which is fastest depends on the machine:
 
 So the first copy of ``NT_MIN_BYTES`` or more in a process times all three,
 in both directions, between a shared anonymous mapping (what the region is)
-and private memory, on 64 KiB and on 2 MiB pieces (~20-60 ms, once), and
+and private memory, on 64 KiB and on 2 MiB pieces (~0.35 s, once), and
 keeps the fastest for each of the two size classes; a log line says what was
 chosen and the figures. ``KVSTORE_NT_COPY=1`` takes the non-temporal loop for
 every large copy without measuring, ``0`` never loads the loops (memmove).
@@ -234,10 +234,15 @@ METHODS = (MEMMOVE, NT, VEC)
 # Copies of at least this many bytes are "large" (timed on 2 MiB pieces);
 # from NT_MIN_BYTES up to it "small" (timed on 64 KiB pieces).
 LARGE_MIN_BYTES = 1 << 20
-# Bytes copied per method, direction and round: the large pieces' working set
-# (3x this) is past a 32 MiB L3, so they are timed as they run on a region.
-SMALL_CALIBRATION_BYTES = 4 << 20
-LARGE_CALIBRATION_BYTES = 16 << 20
+# Bytes copied per method, direction, piece size and round (the same bytes for
+# both piece sizes). The working set (3x this: a shared mapping twice its size,
+# a private one its size) must be past what the CPU caches, or the copies are
+# timed in cache, where ordinary stores win and non-temporal ones lose: on the
+# Intel VMs of 2026-12-05, 16 MiB chose memmove for 2 MiB pieces at 14.1 GB/s
+# against nt's 6.2, while copies of a 256 MiB transfer ran memmove 6.9, nt 11.3
+# GB/s (2 MiB and 4 MiB pieces, both directions). From 64 MiB the measurement
+# agrees with the transfer (memmove 6.6, nt 10.3).
+CALIBRATION_BYTES = 64 << 20
 CALIBRATION_ROUNDS = 2
 # A loop is chosen over memmove only when at least 5% faster (memmove is the
 # safe answer: it is what every other program on the machine uses).
@@ -276,7 +281,7 @@ def copy_methods() -> tuple[str, str]:
 
 def _start_measuring() -> threading.Thread | None:
     """Start the one measurement of this process (in the background: copies use
-    memmove until it is done, ~0.1 s, rather than stall the first store)."""
+    memmove until it is done, ~0.35 s, rather than stall the first store)."""
     global _measuring
     if _settled:
         return None
@@ -294,8 +299,7 @@ def _measure() -> None:
         small_m = large_m = NT
         log.info("block copies: non-temporal loop (KVSTORE_NT_COPY=1)")
     else:
-        small = _calibrate(_LOADED, 64 << 10, SMALL_CALIBRATION_BYTES)
-        large = _calibrate(_LOADED, 2 << 20, LARGE_CALIBRATION_BYTES)
+        small, large = _calibrate(_LOADED, (64 << 10, 2 << 20), CALIBRATION_BYTES)
         small_m, large_m = _fastest(small), _fastest(large)
         log.info(
             "block copies: %s below %d KiB, %s from there (GB/s measured on 64 KiB / "
@@ -304,8 +308,8 @@ def _measure() -> None:
             LARGE_MIN_BYTES >> 10,
             large_m,
             ", ".join(
-                f"{m} {SMALL_CALIBRATION_BYTES * 2 / small[m] / 1e9:.1f} / "
-                f"{LARGE_CALIBRATION_BYTES * 2 / large[m] / 1e9:.1f}"
+                f"{m} {CALIBRATION_BYTES * 2 / small[m] / 1e9:.1f} / "
+                f"{CALIBRATION_BYTES * 2 / large[m] / 1e9:.1f}"
                 for m in METHODS
             ),
         )
@@ -318,32 +322,35 @@ def _fastest(times: dict[str, float]) -> str:
     return best if times[best] < MUST_WIN_BY * times[MEMMOVE] else MEMMOVE
 
 
-def _calibrate(loops: Loops, piece: int, nbytes: int) -> dict[str, float]:
-    """Best time of each method copying ``nbytes`` of ``piece``-byte pieces out
-    of a shared anonymous mapping and back into it (what the region is: shared
-    memory in 4 KiB pages, read and written at scattered slots)."""
-    n = nbytes // piece
+def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[str, float]]:
+    """For each piece size, the best time of each method copying ``nbytes`` of
+    such pieces out of a shared anonymous mapping and back into it (what the
+    region is: shared memory in 4 KiB pages, read and written at scattered
+    slots). One set of buffers for all sizes: its pages are touched once."""
     shared = mmap.mmap(-1, 2 * nbytes)
     try:
         region = np.frombuffer(shared, np.uint8)
         region[:] = 1  # every page touched first: no page faults timed
         private = np.ones(nbytes, np.uint8)
         r0, p0 = _address(region), _address(private)
-        # every other slot of the shared mapping, so reads and writes skip around
-        pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(n)]
-        best = dict.fromkeys(METHODS, math.inf)
-        for _ in range(CALIBRATION_ROUNDS):
-            for method in METHODS:
-                t0 = time.perf_counter()
-                for p, r in pairs:
-                    copy_with(method, p, r, piece)
-                for p, r in pairs:
-                    copy_with(method, r, p, piece)
-                best[method] = min(best[method], time.perf_counter() - t0)
-        del region
+        results = []
+        for piece in pieces:
+            # every other slot of the shared mapping, so reads and writes skip around
+            pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(nbytes // piece)]
+            best = dict.fromkeys(METHODS, math.inf)
+            for _ in range(CALIBRATION_ROUNDS):
+                for method in METHODS:
+                    t0 = time.perf_counter()
+                    for p, r in pairs:
+                        copy_with(method, p, r, piece)
+                    for p, r in pairs:
+                        copy_with(method, r, p, piece)
+                    best[method] = min(best[method], time.perf_counter() - t0)
+            results.append(best)
+        del region, private
     finally:
         shared.close()
-    return best
+    return results
 
 
 def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:

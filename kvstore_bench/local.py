@@ -5,6 +5,13 @@ Measured in one run, interleaved, so the machine's swings hit both alike:
 - memcpy: numpy.copyto of the whole buffer between two pre-faulted private
   arrays (the best plain copy of the same bytes; the reference).
 - store: Client.put = PrepareStore RPC + scatter into the shared region + CommitStore RPC.
+- store into reserves (where the client has them: the lean channel): the vLLM
+  connector's save path. Each step scatters into slots reserved by the last
+  step's commit, then sends its commit naming the positions and asking for
+  the next reserve, without waiting; timed to the last answer read (flush), so
+  every commit has landed. Not Client.put: a put must skip blocks the daemon
+  has, which only its prepare knows (a reserve cannot, so a reserve's commit
+  of a block already there counts it skipped; here none is).
 - load: Client.get = PrepareLoad RPC + gather out of the region + Release (not awaited).
 
 The control calls go over the daemon's lean local channel when the client can
@@ -83,7 +90,8 @@ def _transfer(
     data = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
     out = np.zeros_like(data)
     ref_dst = np.zeros_like(data)
-    mem, store, load = [], [], []
+    mem, store, load, reserved = [], [], [], []
+    reserves = bool(getattr(client, "reserves", False))
     # scattered: blocks reach the daemon in a random order, so neighbours in a
     # later load request sit in non-neighbouring slots. The shuffled copy of
     # the data is made here, outside the timed region.
@@ -109,6 +117,13 @@ def _transfer(
         t_load = time.perf_counter() - t
         if not np.array_equal(out, data):
             raise AssertionError("loaded bytes differ from stored bytes")
+        if reserves:
+            client.delete(ns, hashes)
+            t_reserved = _store_into_reserves(client, ns, store_hashes, data_in_store_order, step)
+            out[:] = 0
+            got = client.get(ns, hashes, out=out)
+            if got.found != n or not np.array_equal(out, data):
+                raise AssertionError("blocks stored into reserves came back different")
         # Room for the next round, untimed. delete, not clear: a clear that
         # empties a namespace drops it, and the next round's first put then paid
         # two more round trips (NamespaceNotFound, declare again) that no workload
@@ -118,6 +133,8 @@ def _transfer(
             mem.append(t_mem)
             store.append(t_store)
             load.append(t_load)
+            if reserves:
+                reserved.append(t_reserved)
     client.clear(ns)
     m, st, ld = summarize(mem), summarize(store), summarize(load)
     return {
@@ -129,7 +146,59 @@ def _transfer(
         "load": ld,
         "store_ratio": m.median_s / st.median_s,
         "load_ratio": m.median_s / ld.median_s,
+        **(
+            {
+                "store_reserved": summarize(reserved),
+                "store_reserved_ratio": m.median_s / summarize(reserved).median_s,
+            }
+            if reserved
+            else {}
+        ),
     }
+
+
+def _store_into_reserves(
+    client: Any, ns: Any, hashes: np.ndarray, data: np.ndarray, step: int
+) -> float:
+    """Seconds to store ``data`` as the connector's worker does (see the module
+    docstring): the first reserve is asked for untimed (an engine has one from
+    its last step), the time runs to the last commit's answer."""
+    from kvstore.client import scatter
+
+    n, block_bytes = len(hashes), ns.block_bytes
+    got: list[Any] = []
+    committed: list[int | Exception] = []
+    client.reserve_store_later(ns, step, on_done=got.append)
+    client.flush()
+    t = time.perf_counter()
+    for s in range(0, n, step):
+        k = min(step, n - s)
+        if not got:
+            client.flush()
+        h = got.pop()
+        if isinstance(h, Exception):
+            raise h
+        rows = np.arange(k)
+        written = scatter(
+            client.region, h.offsets[:k], data[s : s + k], rows, block_bytes,
+            deadline_s=h.deadline_s,
+        )  # fmt: skip
+        if written < k:
+            raise AssertionError(f"a reserve ran out before its {k} blocks were written")
+        client.commit_store_later(
+            h,
+            hashes[s : s + k],
+            positions=rows,
+            on_done=committed.append,
+            reserve_blocks=step if s + k < n else 0,
+            on_reserved=got.append,
+        )
+    client.flush()
+    elapsed = time.perf_counter() - t
+    if sum(c for c in committed if isinstance(c, int)) != n:
+        raise AssertionError(f"commits into reserves answered {committed}, not {n} blocks")
+    client.release_all([h for h in got if not isinstance(h, Exception)])
+    return elapsed
 
 
 def _full_tier_steps(client: Any, repeats: int, blocks: int = 64) -> Summary:
@@ -346,6 +415,11 @@ def run(args: argparse.Namespace) -> int:
                             f"memcpy {_fmt(r['memcpy'], total)} | store {_fmt(r['store'], total)} "
                             f"x{r['store_ratio']:.2f} | load {_fmt(r['load'], total)} x{r['load_ratio']:.2f}"
                         )
+                        if "store_reserved" in r:
+                            print(
+                                f"  {'':>38} store into reserves (the connector's path) "
+                                f"{_fmt(r['store_reserved'], total)} x{r['store_reserved_ratio']:.2f}"
+                            )
             control = _control_overhead(client, args.repeats)
             if daemon is not None:  # fills the tier: never a daemon the bench was pointed at
                 control["store_step_full_tier"] = _full_tier_steps(client, args.repeats)

@@ -50,3 +50,24 @@ def test_full_tier_steps_evict_as_many_blocks_as_they_store(tmp_path: Path) -> N
             assert stats.stored_blocks == stats.evicted_blocks + 4096
     finally:
         daemon.stop()
+
+
+def test_stores_into_reserves_land_every_block_and_keep_no_reserve(tmp_path: Path) -> None:
+    """The connector's save path measured by `local` (store into reserves): every
+    block committed and read back equal inside the bench (it raises otherwise),
+    and no reserve or lease outlives a round (the last step asks for none)."""
+    daemon = DaemonProcess(str(tmp_path), dram_bytes=64 * MiB, chunk_bytes=4 * MiB)
+    daemon.start()
+    try:
+        with Client(daemon.address) as client:
+            assert client.reserves  # the lean channel: CI must measure this path
+            # 64 blocks in steps of 24: the last step is short (16 blocks)
+            r = local._transfer(client, 64 * 1024, 4 * MiB, 24, True, 3)
+            assert r["store_reserved"].n == 3 and r["store_reserved_ratio"] > 0
+            client.flush()
+            stats = client.stats()
+            assert stats.active_leases == 0
+            dram = next(t for t in stats.tiers if t.capacity_bytes == 64 * MiB)
+            assert dram.used_bytes == 0 and dram.pinned_blocks == 0
+    finally:
+        daemon.stop()
