@@ -137,6 +137,7 @@ def _transfer(
                 reserved.append(t_reserved)
     client.clear(ns)
     m, st, ld = summarize(mem), summarize(store), summarize(load)
+    rs = summarize(reserved) if reserved else None
     return {
         "block_bytes": block_bytes,
         "step_blocks": step,
@@ -147,11 +148,8 @@ def _transfer(
         "store_ratio": m.median_s / st.median_s,
         "load_ratio": m.median_s / ld.median_s,
         **(
-            {
-                "store_reserved": summarize(reserved),
-                "store_reserved_ratio": m.median_s / summarize(reserved).median_s,
-            }
-            if reserved
+            {"store_reserved": rs, "store_reserved_ratio": m.median_s / rs.median_s}
+            if rs is not None
             else {}
         ),
     }

@@ -2,16 +2,16 @@
 
 A port must be chosen before the process that binds it starts (peers and
 restarts need it in advance), so there is always a window in which something
-else can take it. Two things took ports in that window in CI (a daemon of the
-soak failed with "Address already in use"):
+else can take it (in CI a daemon of the soak failed with "Address already in
+use"). Ports bound to 0 and released could be lost in that window two ways:
 
 - The kernel hands out a port bound to 0 from the ephemeral range, the same
   range every outgoing connection (a client, a Redis readiness probe, gRPC)
   draws its local port from. Ports here come from just below that range,
   where no connection is given one.
 - A port closed after the check can be handed out again by the next check in
-  the same process (the soak's indexer drew the port it had just given a
-  daemon). A process never hands out the same port twice.
+  the same process (the soak's indexer and Redis choose theirs after the
+  daemons'). A process never hands out the same port twice.
 
 Within the band a port is drawn at random (seeded from os.urandom, so two
 processes drawing at once rarely meet) and checked free by binding it.

@@ -91,16 +91,27 @@ def test_bad_arguments_get_precise_errors_and_write_nothing():
     assert not dst.any() and not ro.any()
 
 
+def _fresh_python(code: str, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a new interpreter (memcopy measures once per process) with
+    these environment variables set, or removed where None; it must succeed."""
+    full = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name, value in env.items():
+        if value is None:
+            full.pop(name, None)
+        else:
+            full[name] = value
+    return subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, check=True
+    )
+
+
 def test_switched_off_by_environment_falls_back_to_memmove_and_says_so():
     code = (
         "import logging, numpy as np; logging.basicConfig(level=logging.INFO);"
         "from kvstore import memcopy; a = np.arange(1 << 21, dtype=np.uint8); b = np.empty_like(a);"
         "memcopy.copy(b, a); assert (a == b).all(); print(memcopy.fast_copy_available())"
     )
-    env = {**os.environ, "KVSTORE_NT_COPY": "0", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = _fresh_python(code, KVSTORE_NT_COPY="0")
     assert out.stdout.strip() == "False"
     assert "block copies: plain memmove (KVSTORE_NT_COPY=0)" in out.stderr
 
@@ -170,11 +181,7 @@ def test_auto_mode_measures_both_methods_once_and_says_which_it_keeps():
         "memcopy.copy(b, a); memcopy.copy(b, a); assert (a == b).all();"
         "print(memcopy.fast_copy_available(), *memcopy.copy_methods())"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSTORE_NT_COPY", None)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = _fresh_python(code, KVSTORE_NT_COPY=None)
     loaded, small, large = out.stdout.split()
     assert loaded == str(X86_LINUX)
     lines = [ln for ln in out.stderr.splitlines() if "measured on 64 KiB / 2 MiB" in ln]
@@ -194,10 +201,7 @@ def test_forced_on_takes_the_loop_without_measuring():
         "from kvstore import memcopy; a = np.arange(1 << 21, dtype=np.uint8); b = np.empty_like(a);"
         "memcopy.copy(b, a); assert (a == b).all(); print(*memcopy.copy_methods())"
     )
-    env = {**os.environ, "KVSTORE_NT_COPY": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = _fresh_python(code, KVSTORE_NT_COPY="1")
     assert out.stdout.split() == (["nt", "nt"] if X86_LINUX else ["memmove", "memmove"])
     assert "measured on" not in out.stderr
 
@@ -284,10 +288,7 @@ def test_one_thread_when_switched_off():
         "print(any(t.name.startswith('kvstore-copy_') for t in threading.enumerate()))"
     )
     for threads, helper in (("1", False), ("2", len(os.sched_getaffinity(0)) > 1)):
-        env = {**os.environ, "KVSTORE_COPY_THREADS": threads, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-        )
+        out = _fresh_python(code, KVSTORE_COPY_THREADS=threads)
         assert out.stdout.strip() == str(helper), out.stdout
 
 
@@ -344,11 +345,7 @@ def test_the_measured_choice_holds_for_a_transfer_past_the_caches():
         "    best[meth] = min(t)\n"
         "print(large, *(f'{k}={v:.4f}' for k, v in best.items()))"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("KVSTORE_NT_COPY", None)
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = _fresh_python(code, KVSTORE_NT_COPY=None)
     kept, *pairs = out.stdout.split()
     times = {k: float(v) for k, v in (x.split("=") for x in pairs)}
     assert min(times.values()) / times[kept] >= 0.8, (kept, times)
