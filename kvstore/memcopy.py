@@ -38,6 +38,12 @@ tail of a large one stay plain ``memmove``: below 64 KiB the ctypes call and
 the alignment split cost more than the loops save, and ``memmove`` is the
 one correct answer for overlap. Measurements: docs/tiers.md "Block copies".
 
+A batch of small pieces (``copy_pieces``: a step's blocks of 64 KiB to 1 MiB)
+that the non-temporal loop takes goes to it in groups, one ctypes call a group of up to
+``GROUP_BYTES`` (``nt_copy_pieces``): a call from Python costs ~3.5 us, which
+for 64 KiB pieces was a third of the copy (scattered 64 KiB blocks out of the
+shared region: 6.3 GB/s one call each, 7.4-7.8 GB/s grouped).
+
 Large batches are also split between the calling thread and one helper thread
 (``copy_pieces``): on these VMs one core does not saturate memory bandwidth
 (2 MiB blocks, 128 MiB: 1.5x of one thread). Only batches of at least
@@ -51,6 +57,7 @@ Primitives:
     copy_raw(dst_address, src_address, nbytes)
     copy_list(dst_addresses, src_addresses, nbytes)   many small equal pieces, one call
     copy_pieces(pieces, deadline_s=..., fence_reads=...) -> pieces copied in time
+                         (grouped into one call of the loop where it takes them)
     copy_with(method, dst_address, src_address, nbytes)   one named method
     fast_copy_available() -> bool   the loops are loaded and run here
     copy_methods() -> (small, large)   the methods chosen (measured on first call)
@@ -58,8 +65,10 @@ Primitives:
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
+import itertools
 import logging
 import math
 import mmap
@@ -106,6 +115,7 @@ from 1 MiB on (0.85-0.9x of one large copy)."""
 _PAGE_BYTES = 4096
 _CHUNK_4X_BYTES = 4 * _PAGE_BYTES  # what one trip of the 4-page loop copies
 _LINE_BYTES = 64
+_STORE_ALIGN_BYTES = 16  # movntdq's
 
 # kvstore/memcopy_x86_64.S assembled (GNU as, objcopy -O binary; the unit test
 # reassembles it where binutils are installed and compares):
@@ -114,6 +124,8 @@ _LINE_BYTES = 64
 #   vec_copy_64(dst rdi, src rsi, n rdx) at +0x171: n > 0, n % 64 == 0 (ordinary stores)
 #   vec_copy_list(dsts rdi, srcs rsi, pieces rdx, n rcx) at +0x1a6: pieces > 0,
 #     n > 0, n % 64 == 0; piece i from srcs[i] to dsts[i], any alignment
+#   nt_copy_pieces(pieces rdi, count rsi) at +0x1fd: count > 0; pieces: count
+#     (dst, src, n) triples of uint64, each dst 16-byte aligned, n > 0, n % 64 == 0
 # all: dst 16-byte aligned, src any; the two nt_ ones sfence before ret.
 _CODE = bytes.fromhex(
     "48c7c1400000000f188e800000000f188e801000000f188e802000000f188e803000"
@@ -130,17 +142,21 @@ _CODE = bytes.fromhex(
     "0f6f4e10f30f6f5620f30f6f5e30660f7f07660f7f4f10660f7f5720660f7f5f3048"
     "83c6404883c7404883ea4075ccc34989f84989f14989d24989cb498b38498b314c89"
     "daf30f6f06f30f6f4e10f30f6f5620f30f6f5e30f30f7f07f30f7f4f10f30f7f5720"
-    "f30f7f5f304883c6404883c7404883ea4075cc4983c0084983c10849ffca75b6c3"
+    "f30f7f5f304883c6404883c7404883ea4075cc4983c0084983c10849ffca75b6c349"
+    "89f84989f1498b38498b70084d8b50104c89d24881e200c0ffff7405e8e1fdffff4c"
+    "89d24881e2ff3f00007405e809ffffff4983c01849ffc975cac3"
 )
 NT_COPY_64_OFFSET = 0x139
 VEC_COPY_64_OFFSET = 0x171
 VEC_COPY_LIST_OFFSET = 0x1A6
+NT_COPY_PIECES_OFFSET = 0x1FD
 
 _Copy = Callable[[int, int, int], object]
 _CFUNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
 _CFUNC_LIST = ctypes.CFUNCTYPE(
     None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t
 )
+_CFUNC_PIECES = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t)
 _memmove: _Copy = ctypes.memmove  # C memmove through ctypes: the GIL is released
 
 
@@ -153,6 +169,7 @@ class Loops(NamedTuple):
     nt_64: _Copy
     vec_64: _Copy
     vec_list: Callable[[int, int, int, int], object]
+    nt_pieces: Callable[[int, int], object]
 
 
 def _load() -> Loops | None:
@@ -183,11 +200,13 @@ def _load() -> Loops | None:
         _CFUNC(page + NT_COPY_64_OFFSET),
         _CFUNC(page + VEC_COPY_64_OFFSET),
         _CFUNC_LIST(page + VEC_COPY_LIST_OFFSET),
+        _CFUNC_PIECES(page + NT_COPY_PIECES_OFFSET),
     )
     if not (
         _self_test(loops.nt_4x, loops.nt_64)
         and _self_test(loops.vec_64, loops.vec_64)
         and _self_test_list(loops.vec_list)
+        and _self_test_pieces(loops.nt_pieces)
     ):
         log.warning("block copies: plain memmove (a copy loop failed its self-test)")
         return None
@@ -224,6 +243,27 @@ def _self_test_list(vec_list: Callable[[int, int, int, int], object]) -> bool:
     for k, s in enumerate((2, 0, 1)):
         at = gap + k * (piece + gap)
         want[at : at + piece] = src[7 + s * piece : 7 + (s + 1) * piece]
+    return bool(np.array_equal(dst, want))
+
+
+def _self_test_pieces(nt_pieces: Callable[[int, int], object]) -> bool:
+    """The pieces loop copies pieces of three lengths (whole 16 KiB chunks, lines
+    only, both) out of order exactly, and writes nothing around them."""
+    lengths, gap = (_CHUNK_4X_BYTES, 3 * _LINE_BYTES, _CHUNK_4X_BYTES + _LINE_BYTES), 128
+    total = sum(lengths)
+    src = np.random.default_rng(14).integers(0, 256, total + 5, dtype=np.uint8)
+    dst = np.zeros(total + 4 * gap + _LINE_BYTES, dtype=np.uint8)
+    base = _address(dst) + (-_address(dst)) % _LINE_BYTES + gap
+    starts = np.cumsum((0, *lengths[:-1]))
+    triples, want = [], np.zeros_like(dst)
+    at = base
+    for k in (2, 0, 1):  # sources taken out of order
+        triples += [at, _address(src) + 5 + int(starts[k]), lengths[k]]
+        off = at - _address(dst)
+        want[off : off + lengths[k]] = src[5 + starts[k] : 5 + starts[k] + lengths[k]]
+        at += lengths[k] + gap
+    table = np.array(triples, dtype=np.uint64)
+    nt_pieces(_address(table), 3)
     return bool(np.array_equal(dst, want))
 
 
@@ -462,6 +502,12 @@ def copy_list(dst_addresses: np.ndarray, src_addresses: np.ndarray, nbytes: int)
 # ------------------------------------------------------------ batches
 
 PARALLEL_MIN_BYTES = 8 << 20
+# Small pieces the non-temporal loop takes are handed to it in groups of at most
+# this many bytes, one call a group: a step's 64 scattered 64 KiB blocks copied one
+# call each ran at 6.3 GB/s out of the shared region, in one call 7.4 GB/s
+# (docs/tiers.md "Block copies"). A group is far below COPY_CHUNK_BYTES, the
+# most a copy may run past its deadline (kvstore.client).
+GROUP_BYTES = 8 << 20
 PARALLEL_MIN_PIECE_BYTES = 512 << 10
 # A piece larger than this is cut so that both threads get a share of one long run.
 _SPLIT_BYTES = 4 << 20
@@ -514,14 +560,52 @@ def _run(
     clock: Callable[[], float],
     fence_reads: bool,
 ) -> int:
-    """Copy pieces in order; how many leading ones were copied in time."""
-    for k, (d, s, n) in enumerate(pieces):
+    """Copy pieces in order; how many leading ones were copied in time. Runs of
+    pieces the non-temporal loop takes go to it in one call per group
+    (``_group_end``); the deadline is checked between groups as between pieces."""
+    k, count = 0, len(pieces)
+    while k < count:
         if clock() > deadline_s:
             return k
-        copy_raw(d, s, n)
+        end = _group_end(pieces, k)
+        if end - k > 1:
+            group = pieces[k:end]
+            table = array.array("Q", itertools.chain.from_iterable(group))
+            assert _LOADED is not None
+            _LOADED.nt_pieces(table.buffer_info()[0], len(group))
+        else:
+            copy_raw(*pieces[k])
         if fence_reads and clock() > deadline_s:
             return k  # read (in part) after the deadline: not valid
-    return len(pieces)
+        k = end
+    return count
+
+
+def _group_end(pieces: Sequence[Piece], k: int) -> int:
+    """The end of the group of pieces from ``k`` that one call of the pieces loop
+    takes: small pieces (from NT_MIN_BYTES to below LARGE_MIN_BYTES: for larger
+    ones a call is nothing next to the bytes, and 2 MiB blocks' loads grouped
+    measured 0.9x), the measured method for them the non-temporal loop, whole
+    lines to a 16-byte aligned destination (what its stores need; copy_raw would
+    first align to a line, which measured no faster: numpy's large arrays start
+    16 bytes past a page), no overlap, at most GROUP_BYTES in all. ``k + 1``
+    when piece k is not such."""
+    if _LOADED is None or not _settled:
+        return k + 1
+    small = _small_method == NT
+    end, total = k, 0
+    for d, s, n in itertools.islice(pieces, k, None):
+        if (
+            not NT_MIN_BYTES <= n < LARGE_MIN_BYTES
+            or n % _LINE_BYTES
+            or d % _STORE_ALIGN_BYTES
+            or not small
+            or (d < s + n and s < d + n)
+            or total + n > GROUP_BYTES
+        ):
+            break
+        end, total = end + 1, total + n
+    return max(end, k + 1)
 
 
 def copy_pieces(

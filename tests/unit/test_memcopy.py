@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
@@ -255,10 +256,12 @@ def test_batches_copy_every_byte_exactly_wherever_they_run(sizes):
     assert (dst[sum(sizes) :] == 0xA5).all()
 
 
-def test_a_split_batch_counts_only_leading_pieces_copied_in_time():
+def test_a_split_batch_counts_only_leading_pieces_copied_in_time(monkeypatch):
     # 8 pieces of 2 MiB: two threads, 4 each. The clock passes the deadline at
     # its 4th reading; whichever thread reads it, the answer is a leading count
     # of pieces all of whose bytes were copied, and no piece starts late.
+    # (One piece a call here; groups have their own test below.)
+    monkeypatch.setattr(memcopy, "GROUP_BYTES", 0)
     sizes = [2 * MIB] * 8
     src = _src(sum(sizes), 3)
     dst = np.zeros(sum(sizes), np.uint8)
@@ -349,3 +352,106 @@ def test_the_measured_choice_holds_for_a_transfer_past_the_caches():
     kept, *pairs = out.stdout.split()
     times = {k: float(v) for k, v in (x.split("=") for x in pairs)}
     assert min(times.values()) / times[kept] >= 0.8, (kept, times)
+
+
+# ------------------------------------------------------------ groups: one call, many pieces
+
+
+@pytest.fixture
+def pieces_calls(monkeypatch):
+    """The settled non-temporal choice, one thread, and every call of the pieces
+    loop recorded (how many pieces each)."""
+    if not memcopy.fast_copy_available():
+        pytest.skip("the copy loops are x86-64 Linux only")
+    memcopy.copy_methods()
+    monkeypatch.setattr(memcopy, "_small_method", memcopy.NT)
+    monkeypatch.setattr(memcopy, "_large_method", memcopy.NT)
+    monkeypatch.setattr(memcopy, "_THREADS", 1)
+    calls: list[int] = []
+    loops = memcopy._LOADED
+    assert loops is not None
+
+    def counted(table: int, count: int) -> None:
+        calls.append(count)
+        loops.nt_pieces(table, count)
+
+    monkeypatch.setattr(memcopy, "_LOADED", loops._replace(nt_pieces=counted))
+    return calls
+
+
+def test_a_steps_scattered_blocks_are_one_call_and_bit_exact(pieces_calls):
+    # 64 blocks of 64 KiB from scattered places into rows 16 bytes past a line
+    # (where numpy's large arrays start), then pieces the loop does not take:
+    # an odd length, a destination off 16 bytes, one below NT_MIN_BYTES.
+    block, n = 64 << 10, 64
+    src = _src(n * block, 21)
+    dst = np.full(n * block + 3 * T + 4 * GUARD, 0xA5, np.uint8)
+    d0 = GUARD + (-(dst.ctypes.data + GUARD)) % 64 + 16
+    order = np.random.default_rng(5).permutation(n).tolist()
+    pieces = [
+        (dst.ctypes.data + d0 + i * block, src.ctypes.data + k * block, block)
+        for i, k in enumerate(order)
+    ]
+    want = np.concatenate([src[k * block : (k + 1) * block] for k in order])
+    assert memcopy.copy_pieces(pieces) == n
+    assert pieces_calls == [n]
+    np.testing.assert_array_equal(dst[d0 : d0 + n * block], want)
+    assert (dst[:d0] == 0xA5).all()
+
+    tail = d0 + n * block + GUARD
+    odd = [
+        (dst.ctypes.data + tail, src.ctypes.data, T + 1),
+        (dst.ctypes.data + tail + T + 72, src.ctypes.data + 5, T),  # dst 8 bytes off
+        (dst.ctypes.data + tail + 2 * T + 160, src.ctypes.data + 9, T - 64),
+    ]
+    pieces_calls.clear()
+    assert memcopy.copy_pieces(odd) == 3
+    assert pieces_calls == []  # each one call of its own, as before
+    for d, s, nbytes in odd:
+        got = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(d))
+        want_piece = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(s))
+        np.testing.assert_array_equal(got, want_piece)
+    assert (dst[d0 + n * block : tail] == 0xA5).all()
+
+
+def test_groups_end_at_group_bytes_and_take_only_small_pieces_of_the_loop(
+    pieces_calls, monkeypatch
+):
+    k = 512 << 10
+    sizes = [k] * 33 + [2 * MIB, 2 * MIB]  # 16 pieces make 8 MiB; 2 MiB is a large piece
+    src = _src(sum(sizes), 22)
+    dst = np.zeros(sum(sizes), np.uint8)
+    assert memcopy.copy_pieces(_pieces(dst, src, sizes, list(range(len(sizes))))) == len(sizes)
+    np.testing.assert_array_equal(dst, src)
+    assert pieces_calls == [16, 16]  # the 33rd and the large ones: one call each
+
+    # where memmove was measured faster for small pieces, they are copied by it
+    monkeypatch.setattr(memcopy, "_small_method", memcopy.MEMMOVE)
+    pieces_calls.clear()
+    small = [64 << 10] * 8
+    dst[:] = 0
+    assert memcopy.copy_pieces(_pieces(dst, src, small, list(range(8)))) == 8
+    np.testing.assert_array_equal(dst[: sum(small)], src[: sum(small)])
+    assert pieces_calls == []
+
+
+def test_a_group_is_never_started_late_and_counts_only_if_done_in_time(pieces_calls):
+    # 64 pieces of 512 KiB, groups of 16. Each group reads the clock before and
+    # (fence_reads) after; the clock passes the deadline at its 4th reading,
+    # the one after the second group: that group was started in time but ended
+    # late, so only the first group's 16 pieces count, and no later group starts.
+    k = 512 << 10
+    sizes = [k] * 64
+    src = _src(sum(sizes), 23)
+    dst = np.zeros(sum(sizes), np.uint8)
+    reads = iter(range(1000))
+    got = memcopy.copy_pieces(
+        _pieces(dst, src, sizes, list(range(64))),
+        deadline_s=2.0,
+        clock=lambda: float(next(reads)),
+        fence_reads=True,
+    )
+    assert got == 16
+    assert pieces_calls == [16, 16]
+    np.testing.assert_array_equal(dst[: 32 * k], src[: 32 * k])
+    assert not dst[32 * k :].any()  # never started
