@@ -287,6 +287,11 @@ class LocalChannel:
     def unanswered(self) -> int:
         return len(self._unanswered)
 
+    @property
+    def queued(self) -> int:
+        """Messages ``post`` queued that no frame has carried yet."""
+        return len(self._queued)
+
     def close(self) -> None:
         """Flush and collect (bounded by timeout_s per read), then close the socket."""
         try:

@@ -18,12 +18,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 
 import numpy as np
 import pytest
 
+from kvstore import client as client_module
 from kvstore import errors
 from kvstore.client import Client, gather
 from kvstore.v1 import store_pb2 as pb
@@ -51,7 +53,10 @@ def _metric(d, name: str) -> float:
     raise AssertionError(f"{name} not on /metrics")
 
 
-def test_a_get_of_dram_blocks_makes_no_round_trip_and_the_daemon_counts_it(daemon_factory):
+def test_a_get_of_dram_blocks_makes_no_round_trip_and_the_daemon_counts_it(
+    daemon_factory, monkeypatch
+):
+    monkeypatch.setattr(client_module, "NOTICE_DELAY_S", 60.0)  # no notice on its own here
     d = daemon_factory(metrics=True)
     with Client(d.address) as c:
         ns = c.declare_namespace(make_spec(BLOCK))
@@ -64,14 +69,64 @@ def test_a_get_of_dram_blocks_makes_no_round_trip_and_the_daemon_counts_it(daemo
             got = c.get(ns, hashes[:n] + [9999])
             assert got.found == n and np.array_equal(got.data, content(hashes[:n]))
         assert local.waits == waits, "a direct get waited for an answer"
-        assert local.frames_sent == frames + 4  # one unanswered loaded_direct each
+        # Nothing sent during the loads: one unanswered loaded_direct each, queued
+        assert local.frames_sent == frames and local.queued == 4
         assert c.direct_loaded_blocks == 1 + 16 + 17 + 64 and c.direct_lost_blocks == 0
-        c.flush()
+        # This client's next call (gRPC too) sends them first: its stats count them.
         assert c.stats().loaded_blocks == 98
+        assert local.frames_sent == frames + 1 and local.queued == 0
         assert c.stats().active_leases == 0
         assert _metric(d, "kvstore_load_direct_blocks") == 98
         # a miss at the first block: nothing read, nothing sent
-        assert c.get(ns, [1, 2]).found == 0 and local.frames_sent == frames + 4
+        assert c.get(ns, [1, 2]).found == 0 and local.frames_sent == frames + 1
+        assert local.queued == 0
+
+
+def test_a_direct_loads_notice_rides_the_next_frame_or_goes_within_the_delay(
+    daemon_factory, monkeypatch
+):
+    """What a direct load tells the daemon is never lost and never waits long: it
+    rides in the client's next lean frame; a client that makes no next call sends
+    it on its own within NOTICE_DELAY_S; close() sends what is still queued."""
+    d = daemon_factory()
+    with Client(d.address) as w:
+        ns = w.declare_namespace(make_spec(BLOCK))
+        w.put(ns, list(range(1, 33)), content(list(range(1, 33))))
+        base = w.stats().loaded_blocks
+
+        def loaded() -> int:  # asked by another client: no flush of the reader's queue
+            return int(w.stats().loaded_blocks) - base
+
+        monkeypatch.setattr(client_module, "NOTICE_DELAY_S", 60.0)
+        with Client(d.address) as c:
+            cns = c.declare_namespace(make_spec(BLOCK))
+            local = c.local
+            assert local is not None
+            frames = local.frames_sent
+            assert c.get(cns, [1, 2, 3]).found == 3 and local.queued == 1
+            assert loaded() == 0  # not sent yet
+            c.put(cns, [40], content([40]))  # a call: prepare, then commit
+            assert local.frames_sent == frames + 2 and local.queued == 0
+            assert loaded() == 3  # rode in the prepare's frame
+            assert c.get(cns, [7, 8]).found == 2 and local.queued == 1
+        assert loaded() == 5  # close() sent it
+
+        monkeypatch.setattr(client_module, "NOTICE_DELAY_S", 0.05)
+        threads = _notice_threads()
+        with Client(d.address) as c:
+            cns = c.declare_namespace(make_spec(BLOCK))
+            t0 = time.monotonic()
+            assert c.get(cns, [10, 11, 12, 13]).found == 4
+            while loaded() < 9 and time.monotonic() - t0 < 5.0:
+                time.sleep(0.01)
+            assert loaded() == 9, "the notice was not sent on its own"
+            assert c.local is not None and c.local.queued == 0
+            assert _notice_threads() == threads + 1
+        assert _notice_threads() == threads  # close() stopped it
+
+
+def _notice_threads() -> int:
+    return sum(t.name == "kvstore-notices" and t.is_alive() for t in threading.enumerate())
 
 
 def test_direct_loads_can_be_turned_off(daemon, monkeypatch):

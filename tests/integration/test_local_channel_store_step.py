@@ -62,8 +62,10 @@ def test_blocks_just_loaded_are_not_asked_for_again(daemon, engine_parts):
     sent = client.local.frames_sent
     b.worker.start_step(plan)
     b.worker.finish_step()
-    # A direct load (docs/presence.md): one unanswered loaded_direct, no PrepareLoad,
-    # no Release; no PrepareStore for the 3 blocks it just loaded.
+    # A direct load (docs/presence.md): one unanswered loaded_direct (queued: sent
+    # by the notices' thread or by this flush), no PrepareLoad, no Release; no
+    # PrepareStore for the 3 blocks it just loaded.
+    client.flush()
     assert client.local.frames_sent == sent + 1
     assert b.worker.counters.loaded_blocks == b.worker.counters.direct_loaded_blocks == 3
     assert b.worker.counters.save_skipped_blocks == 3
