@@ -93,7 +93,7 @@ LOCAL_RETRY_S = 1.0
 # LoadedDirect) rides in the next frame this client sends, or goes on its own
 # after at most this long (kvstore.client._Notices). Sent at once, each cost the
 # load the daemon's wake-up, paid by the sender (~55 us on these VMs): one-block
-# loads measured 73-74 -> 50-51 us p50 for 64 KiB, 336-339 -> 274-288 us for 2 MiB.
+# loads measured 75-76 -> 56-57 us p50 for 64 KiB, 331-347 -> 288-298 us for 2 MiB.
 NOTICE_DELAY_S = 0.005
 # Direct loads check after the copy that what they read was never another block's:
 # sound where loads are not reordered with older loads (x86's TSO order). On other

@@ -406,8 +406,8 @@ def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:
         return
     if not _settled:
         _start_measuring()  # memmove meanwhile
-    if dst_address < src_address + nbytes and src_address < dst_address + nbytes:
-        _memmove(dst_address, src_address, nbytes)  # overlap
+    if _overlap(dst_address, src_address, nbytes):
+        _memmove(dst_address, src_address, nbytes)
         return
     copy_with(
         _large_method if nbytes >= LARGE_MIN_BYTES else _small_method,
@@ -415,6 +415,10 @@ def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:
         src_address,
         nbytes,
     )
+
+
+def _overlap(dst_address: int, src_address: int, nbytes: int) -> bool:
+    return dst_address < src_address + nbytes and src_address < dst_address + nbytes
 
 
 def copy_with(method: str, dst_address: int, src_address: int, nbytes: int) -> None:
@@ -590,17 +594,15 @@ def _group_end(pieces: Sequence[Piece], k: int) -> int:
     first align to a line, which measured no faster: numpy's large arrays start
     16 bytes past a page), no overlap, at most GROUP_BYTES in all. ``k + 1``
     when piece k is not such."""
-    if _LOADED is None or not _settled:
+    if _LOADED is None or not _settled or _small_method != NT:
         return k + 1
-    small = _small_method == NT
     end, total = k, 0
     for d, s, n in itertools.islice(pieces, k, None):
         if (
             not NT_MIN_BYTES <= n < LARGE_MIN_BYTES
             or n % _LINE_BYTES
             or d % _STORE_ALIGN_BYTES
-            or not small
-            or (d < s + n and s < d + n)
+            or _overlap(d, s, n)
             or total + n > GROUP_BYTES
         ):
             break
