@@ -42,7 +42,11 @@ A batch of small pieces (``copy_pieces``: a step's blocks of 64 KiB to 1 MiB)
 that the non-temporal loop takes goes to it in groups, one ctypes call a group of up to
 ``GROUP_BYTES`` (``nt_copy_pieces``): a call from Python costs ~3.5 us, which
 for 64 KiB pieces was a third of the copy (scattered 64 KiB blocks out of the
-shared region: 6.3 GB/s one call each, 7.4-7.8 GB/s grouped).
+shared region: 6.3 GB/s one call each, 7.4-7.8 GB/s grouped). Whether to
+group is measured too, the pieces loop timed as it runs (``GROUPED``) against
+the small method one call a piece: nt and vec one call a piece measured within
+2% of each other on the Intel VM, so tying grouping to nt winning that toss
+turned it off in about half of the processes.
 
 Large batches are also split between the calling thread and one helper thread
 (``copy_pieces``): on these VMs one core does not saturate memory bandwidth
@@ -271,6 +275,9 @@ _LOADED = _load()
 
 MEMMOVE, NT, VEC = "memmove", "nt", "vec"
 METHODS = (MEMMOVE, NT, VEC)
+# The non-temporal pieces loop, a whole group of small pieces a call (copy_pieces):
+# timed beside the methods, never one a single copy is made with.
+GROUPED = "nt-grouped"
 # Copies of at least this many bytes are "large" (timed on 2 MiB pieces);
 # from NT_MIN_BYTES up to it "small" (timed on 64 KiB pieces).
 LARGE_MIN_BYTES = 1 << 20
@@ -291,6 +298,9 @@ MUST_WIN_BY = 0.95
 # The methods chosen for small and large copies: memmove until measured, then
 # set once by _measure() (a plain read per copy: no lock on the copy path).
 _small_method = _large_method = MEMMOVE
+# Whether copy_pieces hands a step's small pieces to the non-temporal pieces loop
+# in groups (measured against the small method one call a piece).
+_group_small = False
 _settled = _LOADED is None
 _measuring: threading.Thread | None = None
 _settle_lock = threading.Lock()
@@ -333,27 +343,37 @@ def _start_measuring() -> threading.Thread | None:
 
 
 def _measure() -> None:
-    global _small_method, _large_method, _settled
+    global _small_method, _large_method, _group_small, _settled
     assert _LOADED is not None
     if os.environ.get("KVSTORE_NT_COPY", "auto") == "1":
         small_m = large_m = NT
+        group = True
         log.info("block copies: non-temporal loop (KVSTORE_NT_COPY=1)")
     else:
         small, large = _calibrate(_LOADED, (64 << 10, 2 << 20), CALIBRATION_BYTES)
         small_m, large_m = _fastest(small), _fastest(large)
+        # Grouping is its own choice, timed as copy_pieces runs it, against the
+        # small method one call a piece: the per-call figures of nt and vec were
+        # a toss here (9.2-9.8 GB/s each), and a toss won by vec used to turn
+        # grouping off. No margin: it is one of our loops against another (where
+        # nt stores are slow, as on the AMD VM, the grouped figure loses plainly).
+        group = small[GROUPED] < small[small_m]
         log.info(
-            "block copies: %s below %d KiB, %s from there (GB/s measured on 64 KiB / "
-            "2 MiB pieces: %s; KVSTORE_NT_COPY=0/1 overrides)",
+            "block copies: %s below %d KiB, %s from there, a step's small pieces %s "
+            "(GB/s measured on 64 KiB / 2 MiB pieces: %s; 64 KiB pieces grouped, nt %.1f; "
+            "KVSTORE_NT_COPY=0/1 overrides)",
             small_m,
             LARGE_MIN_BYTES >> 10,
             large_m,
+            "grouped (nt)" if group else "one call each",
             ", ".join(
                 f"{m} {CALIBRATION_BYTES * 2 / small[m] / 1e9:.1f} / "
                 f"{CALIBRATION_BYTES * 2 / large[m] / 1e9:.1f}"
                 for m in METHODS
             ),
+            CALIBRATION_BYTES * 2 / small[GROUPED] / 1e9,
         )
-    _small_method, _large_method = small_m, large_m
+    _small_method, _large_method, _group_small = small_m, large_m, group
     _settled = True
 
 
@@ -366,7 +386,9 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
     """For each piece size, the best time of each method copying ``nbytes`` of
     such pieces out of a shared anonymous mapping and back into it (what the
     region is: shared memory in 4 KiB pages, read and written at scattered
-    slots). One set of buffers for all sizes: its pages are touched once."""
+    slots), one call a piece; for sizes the pieces loop takes (``_groupable``),
+    also that loop's, in groups of GROUP_BYTES (``GROUPED``). One set of
+    buffers for all sizes: its pages are touched once."""
     shared = mmap.mmap(-1, 2 * nbytes)
     try:
         region = np.frombuffer(shared, np.uint8)
@@ -378,6 +400,15 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
             # every other slot of the shared mapping, so reads and writes skip around
             pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(nbytes // piece)]
             best = dict.fromkeys(METHODS, math.inf)
+            tables: list[tuple[array.array[int], array.array[int], int]] = []
+            if _groupable(piece):
+                best[GROUPED] = math.inf
+                per_group = max(1, GROUP_BYTES // piece)
+                for g in range(0, len(pairs), per_group):
+                    group = pairs[g : g + per_group]
+                    out = array.array("Q", [x for p, r in group for x in (p, r, piece)])
+                    back = array.array("Q", [x for p, r in group for x in (r, p, piece)])
+                    tables.append((out, back, len(group)))
             for _ in range(CALIBRATION_ROUNDS):
                 for method in METHODS:
                     t0 = time.perf_counter()
@@ -386,11 +417,23 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
                     for p, r in pairs:
                         copy_with(method, r, p, piece)
                     best[method] = min(best[method], time.perf_counter() - t0)
+                if tables:
+                    t0 = time.perf_counter()
+                    for out, _, count in tables:
+                        loops.nt_pieces(out.buffer_info()[0], count)
+                    for _, back, count in tables:
+                        loops.nt_pieces(back.buffer_info()[0], count)
+                    best[GROUPED] = min(best[GROUPED], time.perf_counter() - t0)
             results.append(best)
         del region, private
     finally:
         shared.close()
     return results
+
+
+def _groupable(nbytes: int) -> bool:
+    """Whether pieces of ``nbytes`` are of the size the pieces loop takes (_group_end)."""
+    return NT_MIN_BYTES <= nbytes < LARGE_MIN_BYTES and nbytes % _LINE_BYTES == 0
 
 
 def copy_raw(dst_address: int, src_address: int, nbytes: int) -> None:
@@ -589,12 +632,12 @@ def _group_end(pieces: Sequence[Piece], k: int) -> int:
     """The end of the group of pieces from ``k`` that one call of the pieces loop
     takes: small pieces (from NT_MIN_BYTES to below LARGE_MIN_BYTES: for larger
     ones a call is nothing next to the bytes, and 2 MiB blocks' loads grouped
-    measured 0.9x), the measured method for them the non-temporal loop, whole
-    lines to a 16-byte aligned destination (what its stores need; copy_raw would
+    measured 0.9x), grouping measured faster than the small method one call a
+    piece (``_group_small``), whole lines to a 16-byte aligned destination (what its stores need; copy_raw would
     first align to a line, which measured no faster: numpy's large arrays start
     16 bytes past a page), no overlap, at most GROUP_BYTES in all. ``k + 1``
     when piece k is not such."""
-    if _LOADED is None or not _settled or _small_method != NT:
+    if _LOADED is None or not _settled or not _group_small:
         return k + 1
     end, total = k, 0
     for d, s, n in itertools.islice(pieces, k, None):

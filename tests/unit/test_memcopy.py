@@ -194,6 +194,36 @@ def test_auto_mode_measures_both_methods_once_and_says_which_it_keeps():
     assert f"block copies: {small} below 1024 KiB, {large} from there" in lines[0]
     for method in memcopy.METHODS:  # every figure is printed
         assert re.search(rf"{method} [0-9.]+ / [0-9.]+", lines[0]), lines[0]
+    # and the pieces loop's, timed on its own: grouping is a choice of its own
+    assert re.search(r"64 KiB pieces grouped, nt [0-9.]+;", lines[0]), lines[0]
+    assert re.search(r"a step's small pieces (grouped \(nt\)|one call each) \(", lines[0])
+
+
+@pytest.mark.parametrize(
+    ("grouped_s", "small", "group"),
+    [
+        # vec a hair faster than nt one call a piece, the pieces loop far faster:
+        # vec for single copies, and a step's pieces grouped all the same
+        (0.6, "vec", True),
+        # the pieces loop slower than vec one call a piece: no grouping
+        (1.01, "vec", False),
+    ],
+)
+def test_grouping_is_measured_against_the_small_method_one_call_a_piece(
+    monkeypatch, grouped_s, small, group
+):
+    if not memcopy.fast_copy_available():
+        pytest.skip("the copy loops are x86-64 Linux only")
+    memcopy.copy_methods()  # settled first: no measuring thread races this one
+    for name in ("_small_method", "_large_method", "_group_small", "_settled"):
+        monkeypatch.setattr(memcopy, name, getattr(memcopy, name))
+    monkeypatch.delenv("KVSTORE_NT_COPY", raising=False)
+    times = {memcopy.MEMMOVE: 1.4, memcopy.NT: 1.01, memcopy.VEC: 1.0, memcopy.GROUPED: grouped_s}
+    large = {memcopy.MEMMOVE: 1.0, memcopy.NT: 0.8, memcopy.VEC: 0.9}
+    monkeypatch.setattr(memcopy, "_calibrate", lambda *a: [times, large])
+    memcopy._measure()
+    assert memcopy.copy_methods() == (small, memcopy.NT)
+    assert memcopy._group_small is group
 
 
 def test_forced_on_takes_the_loop_without_measuring():
@@ -359,13 +389,14 @@ def test_the_measured_choice_holds_for_a_transfer_past_the_caches():
 
 @pytest.fixture
 def pieces_calls(monkeypatch):
-    """The settled non-temporal choice, one thread, and every call of the pieces
-    loop recorded (how many pieces each)."""
+    """The settled non-temporal choice with grouping, one thread, and every call
+    of the pieces loop recorded (how many pieces each)."""
     if not memcopy.fast_copy_available():
         pytest.skip("the copy loops are x86-64 Linux only")
     memcopy.copy_methods()
     monkeypatch.setattr(memcopy, "_small_method", memcopy.NT)
     monkeypatch.setattr(memcopy, "_large_method", memcopy.NT)
+    monkeypatch.setattr(memcopy, "_group_small", True)
     monkeypatch.setattr(memcopy, "_THREADS", 1)
     calls: list[int] = []
     loops = memcopy._LOADED
@@ -425,8 +456,8 @@ def test_groups_end_at_group_bytes_and_take_only_small_pieces_of_the_loop(
     np.testing.assert_array_equal(dst, src)
     assert pieces_calls == [16, 16]  # the 33rd and the large ones: one call each
 
-    # where memmove was measured faster for small pieces, they are copied by it
-    monkeypatch.setattr(memcopy, "_small_method", memcopy.MEMMOVE)
+    # where grouping was not measured faster, small pieces are one call each
+    monkeypatch.setattr(memcopy, "_group_small", False)
     pieces_calls.clear()
     small = [64 << 10] * 8
     dst[:] = 0
