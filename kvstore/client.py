@@ -1017,6 +1017,7 @@ class Client:
         token_ids: Sequence[int] | np.ndarray | None = None,
         chains: Sequence[tuple[int, int | None]] | None = None,
         positions: Sequence[int] | np.ndarray | None = None,
+        keep_rest: bool = False,
     ) -> int:
         """Commit the lease's blocks (``hashes``; None = all of them).
 
@@ -1028,11 +1029,15 @@ class Client:
         ``positions`` (a reserve's handle, and only then): the index into
         ``handle.offsets`` each of ``hashes`` was written at. Blocks the daemon
         already has (or another client is storing) are not committed: the count
-        says so; slots not named are freed.
+        says so; slots not named are freed, or with ``keep_rest`` stay reserved
+        at their positions for this handle's later commits (each position is
+        committed once; ``reserve_keep`` says whether the daemon serves it).
         """
         if not handle.lease_id:
             return 0
-        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions)
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions, keep_rest)
+        if keep_rest:
+            self._check_keep()
         try:
             if fields.positions is not None:
                 return int(self._local_call(_local_commit(handle.lease_id, fields)).committed)
@@ -1058,6 +1063,7 @@ class Client:
         reserve_blocks: int = 0,
         reserve_ttl_s: float = 0.0,
         on_reserved: Callable[[StoreHandle | errors.KVStoreError], None] | None = None,
+        keep_rest: bool = False,
     ) -> None:
         """commit_store without waiting for the answer (over the lean channel).
 
@@ -1068,10 +1074,10 @@ class Client:
         the blocks committed. Over gRPC it is commit_store, answered at once.
         Errors sending it raise here (on_done is not called then).
 
-        ``positions``: as for commit_store (a reserve). ``reserve_blocks``: ask
-        in the same frame for the next reserve of that many slots in the handle's
-        namespace and tier, for ``reserve_ttl_s`` (as reserve_store_later;
-        ``on_reserved`` gets it).
+        ``positions``, ``keep_rest``: as for commit_store (a reserve).
+        ``reserve_blocks``: ask in the same frame for the next reserve of that
+        many slots in the handle's namespace and tier, for ``reserve_ttl_s`` (as
+        reserve_store_later; ``on_reserved`` gets it).
         """
         if not handle.lease_id:
             if on_done is not None:
@@ -1085,7 +1091,7 @@ class Client:
                     on_done=on_reserved,
                 )
             return
-        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions)
+        fields = _commit_fields(hashes, parent_block_hash, token_ids, chains, positions, keep_rest)
         local = self._local()
         if (fields.positions is not None or reserve_blocks) and (
             local is None or not local.reserves
@@ -1093,6 +1099,8 @@ class Client:
             raise errors.StateConflict(
                 "reserves need the lean local channel to a daemon that serves them"
             )
+        if keep_rest:
+            self._check_keep()
         if local is None:
             n = self.commit_store(
                 handle,
@@ -1132,6 +1140,20 @@ class Client:
         """Whether reserve_store is served: the lean channel, to a daemon that has it."""
         local = self._local()
         return local is not None and local.reserves
+
+    @property
+    def reserve_keep(self) -> bool:
+        """Whether a reserve's commit may keep the rest of its slots (``keep_rest``)."""
+        local = self._local()
+        return local is not None and local.reserves and local.reserve_keep
+
+    def _check_keep(self) -> None:
+        # An older daemon would decode the commit without keep_rest and free the
+        # slots the caller means to write next: refused here, before any send.
+        if not self.reserve_keep:
+            raise errors.StateConflict(
+                "keep_rest needs the lean local channel to a daemon that serves it"
+            )
 
     def reserve_store(
         self, ns: Namespace, blocks: int, lease_ttl_s: float = 0.0, *, tier: str = "dram"
@@ -1313,9 +1335,18 @@ class Client:
         self.release_all([lease_id], wait=wait)
 
     def release_all(
-        self, handles: Sequence[LoadHandle | StoreHandle | int], *, wait: bool = True
+        self,
+        handles: Sequence[LoadHandle | StoreHandle | int],
+        *,
+        wait: bool = True,
+        now: bool = True,
     ) -> None:
-        """End several leases in one message (wait=False: sent at once, not answered)."""
+        """End several leases in one message (wait=False: sent at once, not answered).
+
+        ``now=False`` (with wait=False, over the lean channel): queued, to ride
+        this client's next frame, or sent on its own within NOTICE_DELAY_S (a
+        reserve's leftover slots, given back right before the step's commit
+        goes out: one send, not two)."""
         ids = [h if isinstance(h, int) else h.lease_id for h in handles]
         ids = [i for i in ids if i]
         if not ids:
@@ -1327,7 +1358,10 @@ class Client:
                 return
             with self._lock:
                 local.post(local_wire.Release(0, ids))
-                local.flush()  # now: pins held until a later call would delay eviction
+                if now:
+                    local.flush()  # now: pins held until a later call would delay eviction
+            if not now:
+                self._notices.queued()
             return
         if wait:
             self._call(self._stub.Release, pb.ReleaseRequest(lease_ids=ids))
@@ -1874,6 +1908,7 @@ class _CommitFields:
     token_ids: bytes
     chains: list[tuple[int, int | None, bytes]]  # (blocks, parent, packed token ids)
     positions: bytes | None = None  # packed uint32: a reserve's commit (lean only)
+    keep_rest: bool = False  # a reserve's slots not named stay reserved (lean only)
 
 
 def _commit_fields(
@@ -1882,8 +1917,11 @@ def _commit_fields(
     token_ids: Sequence[int] | np.ndarray | None,
     chains: Sequence[tuple[int, int | None]] | None,
     positions: Sequence[int] | np.ndarray | None = None,
+    keep_rest: bool = False,
 ) -> _CommitFields:
     """A commit's fields packed as both channels send them."""
+    if keep_rest and positions is None:
+        raise errors.InvalidRequest("keep_rest is for a reserve's commit, which names positions")
     packed_hashes = b"" if hashes is None else pack_hashes(hashes)
     packed_positions = None
     if positions is not None:
@@ -1907,7 +1945,9 @@ def _commit_fields(
             split.append((count, parent, packed[start : start + count * per_block]))
             start += count * per_block
         packed = b""
-    return _CommitFields(packed_hashes, parent_block_hash, packed, split, packed_positions)
+    return _CommitFields(
+        packed_hashes, parent_block_hash, packed, split, packed_positions, keep_rest
+    )
 
 
 def _pb_commit(lease_id: int, f: _CommitFields) -> Any:
@@ -1931,7 +1971,14 @@ def _pb_commit(lease_id: int, f: _CommitFields) -> Any:
 def _local_commit(lease_id: int, f: _CommitFields) -> Callable[[int], Any]:
     chains = [local_wire.Chain(n, p, t) for n, p, t in f.chains]
     return lambda seq: local_wire.CommitStore(
-        seq, lease_id, f.block_hashes, f.parent_block_hash, f.token_ids, chains, f.positions
+        seq,
+        lease_id,
+        f.block_hashes,
+        f.parent_block_hash,
+        f.token_ids,
+        chains,
+        f.positions,
+        f.keep_rest,
     )
 
 

@@ -334,8 +334,10 @@ class StoreRequests:
         owner: str,
         who: Caller | None = None,
         positions: bytes | None = None,
+        keep_rest: bool = False,
     ) -> int:
-        """``positions``: packed uint32 lease indexes, one per hash (a reserve's commit)."""
+        """``positions``: packed uint32 lease indexes, one per hash (a reserve's commit);
+        ``keep_rest``: the reserve's slots not named stay reserved (lean channel)."""
         self.allow_leases(who, "CommitStore")
         hashes = self.hashes(block_hashes) if block_hashes else None
         where = None if positions is None else unpack_u32(positions, "positions")
@@ -356,6 +358,7 @@ class StoreRequests:
             chains=store_chains or None,
             positions=where,
             owner=owner,
+            keep_rest=keep_rest,
         )
 
     def lookup(

@@ -60,6 +60,10 @@ class Lease:
     # A store lease of slots reserved ahead (placeholder hashes): its commit binds
     # real hashes to lease positions (BlockManager.reserve_store).
     reserve: bool = False
+    # A reserve's slots by position, for its whole life: a commit that keeps the
+    # rest (keep_rest) leaves the lease, with None where a slot was committed;
+    # ``blocks`` holds the open ones only (what a release or expiry gives back).
+    slots: list[Block | None] = field(default_factory=list)
 
 
 class LeaseIds:

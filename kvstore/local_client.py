@@ -123,6 +123,7 @@ class LocalChannel:
         self.waits = 0  # calls that waited for their answer (tests count them)
         self.reserves = False  # the daemon serves reserve_store (HelloReply.reserves)
         self.direct_loads = False  # it serves loaded_direct (HelloReply.direct_loads)
+        self.reserve_keep = False  # it serves CommitStore.keep_rest (HelloReply.reserve_keep)
 
     def quiet(self) -> bool:
         """Nothing to read and not hung up: as far as this connection knows, the
@@ -158,6 +159,7 @@ class LocalChannel:
         ch.presence_path = reply.presence_path
         ch.reserves = reply.reserves
         ch.direct_loads = reply.direct_loads
+        ch.reserve_keep = reply.reserve_keep
         return ch
 
     def map_tenant(self, namespace_id: str) -> tuple[TenantRange, int | None]:

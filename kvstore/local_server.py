@@ -516,6 +516,7 @@ class LocalServer:
             self.presence_path,
             reserves=True,
             direct_loads=bool(self.presence_path),
+            reserve_keep=True,
         )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
@@ -606,6 +607,7 @@ class LocalServer:
                     owner,
                     who,
                     m.positions,
+                    m.keep_rest,
                 )
                 return Committed(m.seq, n)
             if isinstance(m, ReserveStore):

@@ -103,6 +103,10 @@ class CommitStore(_Message, frozen=True, tag="commit_store"):
     # A reserve's commit: packed little-endian uint32 lease positions, one per
     # hash (None: not a reserve). Last and defaulted: older clients still decode.
     positions: bytes | None = None
+    # A reserve's commit that keeps its slots not named, at their positions, for
+    # later commits (HelloReply.reserve_keep says the daemon serves it: an older
+    # one would decode the frame without it and free them).
+    keep_rest: bool = False
 
 
 class PrepareLoad(_Message, frozen=True, tag="prepare_load"):
@@ -201,6 +205,8 @@ class HelloReply(_Message, frozen=True, tag="hello"):
     # Whether it serves ``loaded_direct`` and publishes slot locations in its
     # presence table: clients may load DRAM blocks without a lease.
     direct_loads: bool = False
+    # Whether it serves CommitStore.keep_rest: a reserve committed in parts.
+    reserve_keep: bool = False
 
 
 class Declared(_Message, frozen=True, tag="declared"):

@@ -420,6 +420,7 @@ class BlockManager:
         lease = self.leases.add(
             LeaseKind.STORE, ns, reserved, expires_at_s, owner, client, reserve=True
         )
+        lease.slots = list(reserved)
         return StorePlan(lease.lease_id, statuses, offsets, ttl_s)
 
     def _reserve_slots(
@@ -541,6 +542,7 @@ class BlockManager:
         chains: Sequence[StoreChain] | None = None,
         positions: Sequence[int] | None = None,
         owner: str = "",
+        keep_rest: bool = False,
     ) -> int:
         """Make a store lease's blocks loadable; what is not committed is freed.
 
@@ -552,12 +554,26 @@ class BlockManager:
         re-hash tokens from the parent (llm-d) as chains.
 
         ``positions`` (a reserve_store lease, and only then): the lease index
-        each of ``hashes`` was written at (see _commit_reserve).
+        each of ``hashes`` was written at (see _commit_reserve). ``keep_rest``
+        (a reserve only): the slots not named stay reserved under the same
+        lease, positions unchanged, for later commits, instead of being freed.
         """
         lease = self._lease(lease_id, LeaseKind.STORE, owner)
         if lease.reserve or positions is not None:
             return self._commit_reserve(
-                lease, hashes or [], positions, parent_block_hash, token_ids, chains, owner
+                lease,
+                hashes or [],
+                positions,
+                parent_block_hash,
+                token_ids,
+                chains,
+                owner,
+                keep_rest=keep_rest,
+            )
+        if keep_rest:
+            raise InvalidRequest(
+                f"lease {lease_id} is not a reserve (prepare_store): only a reserve's "
+                "commit can keep the rest of its slots"
             )
         ns = lease.namespace
         if hashes:
@@ -616,12 +632,16 @@ class BlockManager:
         token_ids: Sequence[int] | None,
         chains: Sequence[StoreChain] | None,
         owner: str,
+        *,
+        keep_rest: bool = False,
     ) -> int:
         """Commit a reserve: ``hashes[i]`` was written at lease index ``positions[i]``.
 
         A hash already committed or in flight in the namespace is not committed
         (its slot is freed, no event: the "already there" of prepare_store);
-        positions not named are freed. Every check runs before anything changes,
+        positions not named are freed, or, with ``keep_rest``, stay reserved
+        under this lease at the same positions (a position is committed once:
+        naming it again is refused). Every check runs before anything changes,
         so a refused commit loses nothing: the lease still stands.
         """
         lease_id = lease.lease_id
@@ -639,12 +659,19 @@ class BlockManager:
             raise InvalidRequest(
                 f"a reserve's commit has {len(positions)} positions for {len(hashes)} hashes"
             )
-        size = len(lease.blocks)
+        slots = lease.slots
+        size = len(slots)
         if len(set(positions)) != len(positions):
             raise InvalidRequest("a reserve's commit names a position twice")
         bad = [p for p in positions if not 0 <= p < size]
         if bad:
             raise InvalidRequest(f"position {bad[0]} is outside reserve {lease_id} of {size} slots")
+        used = [p for p in positions if slots[p] is None]
+        if used:
+            raise InvalidRequest(
+                f"position {used[0]} of reserve {lease_id} was committed already "
+                "(an earlier commit kept the rest: name each position once)"
+            )
         if len(set(hashes)) != len(hashes):
             raise InvalidRequest("a reserve's commit names a block hash twice")
         ns = lease.namespace
@@ -662,21 +689,37 @@ class BlockManager:
             _check_chains(chains, hashes, len(hashes), block_size)
         else:
             chains = [StoreChain(len(hashes), parent_block_hash, token_ids or None)]
-        self.leases.pop(lease_id, owner)
-        tier = lease.blocks[0].tier if lease.blocks else Tier.DRAM
-        placement = self.placement
-        keep: list[bool] = []
-        real: list[int | None] = [None] * size
+        named: list[Block] = []
+        real: list[int | None] = []
         for h, p in zip(hashes, positions, strict=True):
+            block = slots[p]
+            assert block is not None
             there = ns.blocks.get(h)
             if there is not None:
-                placement.touch(there, load=False)  # as prepare_store's PRESENT does
-            fresh = there is None and h not in ns.pending
-            keep.append(fresh)
-            if fresh:
-                real[p] = h
-        placement.bind(lease.blocks, real)
-        to_commit = [lease.blocks[p] for p, k in zip(positions, keep, strict=True) if k]
+                self.placement.touch(there, load=False)  # as prepare_store's PRESENT does
+            named.append(block)
+            real.append(h if there is None and h not in ns.pending else None)
+        open_left = len(lease.blocks) - len(named)
+        if keep_rest and open_left:
+            # The lease stays, holding the slots not named, at their positions.
+            chosen = set(map(id, named))
+            lease.blocks = [b for b in lease.blocks if id(b) not in chosen]
+            for p in positions:
+                slots[p] = None
+            for block in named:
+                del lease.by_hash[block.block_hash]
+            to_bind, to_real = named, real
+        else:
+            self.leases.pop(lease_id, owner)
+            # every open slot: the named ones bound, the rest given back
+            by_block = {id(b): h for b, h in zip(named, real, strict=True)}
+            to_bind = lease.blocks
+            to_real = [by_block.get(id(b)) for b in to_bind]
+        tier = named[0].tier if named else (lease.blocks[0].tier if lease.blocks else Tier.DRAM)
+        placement = self.placement
+        placement.bind(to_bind, to_real)
+        keep = [h is not None for h in real]
+        to_commit = [b for b, k in zip(named, keep, strict=True) if k]
         placement.commit(
             to_commit, to_commit, tier, _kept_batches(hashes, keep, chains, block_size)
         )

@@ -6,10 +6,13 @@ Measured in one run, interleaved, so the machine's swings hit both alike:
   arrays (the best plain copy of the same bytes; the reference).
 - store: Client.put = PrepareStore RPC + scatter into the shared region + CommitStore RPC.
 - store into reserves (where the client has them: the lean channel): the vLLM
-  connector's save path. Each step scatters into slots reserved by the last
-  step's commit, then sends its commit naming the positions and asking for
-  the next reserve, without waiting; timed to the last answer read (flush), so
-  every commit has landed. Not Client.put: a put must skip blocks the daemon
+  connector's save path (``_Reserves``). Each step scatters into the next
+  slots of the reserve held, then sends its commit naming the positions and
+  keeping the rest, without waiting; the commit of a step that leaves fewer
+  slots than a step asks for the next reserve (the connector's RESERVE_STEPS
+  steps within its default store_reserve_blocks: one step at 64 blocks, four
+  at 16 or fewer); timed to the last answer read (flush), so every commit has
+  landed. Not Client.put: a put must skip blocks the daemon
   has, which only its prepare knows (a reserve cannot, so a reserve's commit
   of a block already there counts it skipped; here none is).
 - load: Client.get = PrepareLoad RPC + gather out of the region + Release (not awaited).
@@ -159,44 +162,90 @@ def _store_into_reserves(
     client: Any, ns: Any, hashes: np.ndarray, data: np.ndarray, step: int
 ) -> float:
     """Seconds to store ``data`` as the connector's worker does (see the module
-    docstring): the first reserve is asked for untimed (an engine has one from
-    its last step), the time runs to the last commit's answer."""
+    docstring and ``_Reserves``): the first reserve is asked for untimed (an
+    engine has one from its last step), the time runs to the last commit's answer."""
     from kvstore.client import scatter
 
     n, block_bytes = len(hashes), ns.block_bytes
-    got: list[Any] = []
     committed: list[int | Exception] = []
-    client.reserve_store_later(ns, step, on_done=got.append)
-    client.flush()
+    reserves = _Reserves(client, ns, step)
     t = time.perf_counter()
     for s in range(0, n, step):
         k = min(step, n - s)
-        if not got:
-            client.flush()
-        h = got.pop()
-        if isinstance(h, Exception):
-            raise h
+        h, base = reserves.take(k)
         rows = np.arange(k)
         written = scatter(
-            client.region, h.offsets[:k], data[s : s + k], rows, block_bytes,
+            client.region, h.offsets[base : base + k], data[s : s + k], rows, block_bytes,
             deadline_s=h.deadline_s,
         )  # fmt: skip
         if written < k:
             raise AssertionError(f"a reserve ran out before its {k} blocks were written")
-        client.commit_store_later(
-            h,
-            hashes[s : s + k],
-            positions=rows,
-            on_done=committed.append,
-            reserve_blocks=step if s + k < n else 0,
-            on_reserved=got.append,
-        )
+        reserves.commit(h, hashes[s : s + k], base, on_done=committed.append, last=s + k >= n)
     client.flush()
     elapsed = time.perf_counter() - t
     if sum(c for c in committed if isinstance(c, int)) != n:
         raise AssertionError(f"commits into reserves answered {committed}, not {n} blocks")
-    client.release_all([h for h in got if not isinstance(h, Exception)])
+    reserves.close()
     return elapsed
+
+
+class _Reserves:
+    """Store steps' slots as the connector's worker takes them (docs/vllm.md, "Store
+    steps"): in order from the reserve held, each commit keeping the rest
+    (``keep_rest``, where the daemon serves it); the commit of a step that leaves
+    fewer slots than a step asks, in its frame, for the next reserve of
+    RESERVE_STEPS steps within the connector's default ``store_reserve_blocks``
+    (one step where keep_rest is not served); its answer is read by the next
+    step, waited for only if it has not arrived. The old reserve's leftover
+    slots go back with the next frame."""
+
+    def __init__(self, client: Any, ns: Any, step: int) -> None:
+        from kvstore_connectors.vllm.config import RESERVE_STEPS, ConnectorConfig
+
+        self.client, self.ns, self.step = client, ns, step
+        self.keep = bool(getattr(client, "reserve_keep", False))
+        limit = ConnectorConfig().store_reserve_blocks
+        self.size = max(step, min(step * RESERVE_STEPS, limit)) if self.keep else step
+        self.got: list[Any] = []
+        self.held: Any = None
+        self.cursor = 0
+        client.reserve_store_later(ns, self.size, on_done=self.got.append)
+        client.flush()  # untimed: an engine has one from its last step
+
+    def take(self, k: int) -> tuple[Any, int]:
+        """The reserve to write ``k`` blocks into and the position of the first."""
+        if self.held is None or len(self.held.allocated) - self.cursor < k:
+            if not self.got:
+                self.client.flush()
+            fresh = self.got.pop()
+            if isinstance(fresh, Exception):
+                raise fresh
+            if self.held is not None:
+                self.client.release_all([self.held], wait=False, now=False)
+            self.held, self.cursor = fresh, 0
+        base = self.cursor
+        self.cursor += k
+        return self.held, base
+
+    def commit(self, h: Any, hashes: np.ndarray, base: int, *, on_done: Any, last: bool) -> None:
+        left = len(h.allocated) - self.cursor
+        ask = self.size if not last and left < self.step and not self.got else 0
+        self.client.commit_store_later(
+            h,
+            hashes,
+            positions=np.arange(base, base + len(hashes)),
+            keep_rest=self.keep and left > 0,
+            on_done=on_done,
+            reserve_blocks=ask,
+            on_reserved=self.got.append,
+        )
+        if not (self.keep and left > 0):
+            self.held = None
+
+    def close(self) -> None:
+        self.client.flush()
+        held = [self.held] if self.held is not None else []
+        self.client.release_all(held + [h for h in self.got if not isinstance(h, Exception)])
 
 
 def _full_tier_steps(client: Any, repeats: int, blocks: int = 64) -> Summary:
@@ -308,30 +357,24 @@ def _reserved_steps(
     base: int,
     between: Callable[[], None] | None,
 ) -> list[float]:
-    """Store steps into reserves, as the connector's worker makes them: the step's
-    slots from the reserve asked for with the last commit (its answer read, and
-    waited for if it has not arrived), the commit naming positions and asking
-    for the next reserve in one frame. ``between``: untimed work between steps.
-    Not Client.put: a put must skip blocks the daemon has, which only a prepare
+    """Store steps into reserves, as the connector's worker makes them
+    (``_Reserves``): the step's slots from the reserve held (the next reserve's
+    answer read, and waited for if it has not arrived), the commit naming
+    positions, keeping the rest and, when few are left, asking for the next
+    reserve in one frame. ``between``: untimed work between steps. Not
+    Client.put: a put must skip blocks the daemon has, which only a prepare
     knows."""
-    got: list[Any] = []
-    client.reserve_store_later(ns, blocks, on_done=got.append)
-    positions = np.arange(blocks)
+    reserves = _Reserves(client, ns, blocks)
     times = []
     for rep in range(steps):
         if between is not None:
             between()
         hashes = np.arange(blocks, dtype=np.uint64) + np.uint64(base + rep * blocks)
         t = time.perf_counter()
-        if not got:
-            client.flush()
-        h = got.pop()
-        client.commit_store_later(
-            h, hashes, positions=positions, reserve_blocks=blocks, on_reserved=got.append
-        )
+        h, first = reserves.take(blocks)
+        reserves.commit(h, hashes, first, on_done=None, last=rep == steps - 1)
         times.append(time.perf_counter() - t)
-    client.flush()
-    client.release_all([h for h in got if not isinstance(h, Exception)])
+    reserves.close()
     return times
 
 

@@ -22,6 +22,11 @@ DEFAULT_ADDRESS = "unix:/tmp/kvstore.sock"
 MAX_PEER_TIMEOUT_S = 30.0
 # Slots one namespace's reserve may hold: a bound on what an idle engine keeps.
 MAX_STORE_RESERVE_BLOCKS = 1024
+# Where the daemon keeps a reserve's other slots past a commit (keep_rest), the
+# worker asks for a reserve of this many store steps like the recent ones (within
+# store_reserve_blocks and its share of the region): most store steps then
+# neither ask for one nor read an answer (docs/vllm.md, "Store steps").
+RESERVE_STEPS = 4
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -37,7 +37,7 @@ import xxhash
 
 from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore_connectors.vllm.config import ConnectorConfig
+from kvstore_connectors.vllm.config import RESERVE_STEPS, ConnectorConfig
 from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
 from kvstore_connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout
@@ -79,6 +79,10 @@ class _SaveBatch:
     allocated: np.ndarray | None = None  # indices of the blocks to write
     generation: int = -1  # the daemon connection the slots belong to
     reserved: bool = False  # the slots came from a reserve: the commit names positions
+    # A reserve's slots: the lease position of the handle's first slot, and whether
+    # the commit keeps the reserve's slots past this batch's (keep_rest).
+    position_base: int = 0
+    keep_rest: bool = False
 
     @classmethod
     def of(cls, tenant: str, specs: list[SaveSpec], block_size: int) -> _SaveBatch:
@@ -217,6 +221,15 @@ class _Reserve:
     handle: StoreHandle
     generation: int  # the daemon connection it was asked on
     use_by_s: float  # by time.monotonic: past it, a step's forward might outlive the lease
+    # The daemon keeps a reserve's other slots past a commit (keep_rest): store
+    # steps take its slots in order from ``cursor``; else one step takes it whole.
+    keep: bool = False
+    cursor: int = 0
+
+    @property
+    def open(self) -> int:
+        """Slots not taken by a store step yet."""
+        return len(self.handle.allocated) - self.cursor
 
 
 # Store steps remembered for sizing the next reserve (the most blocks among them).
@@ -601,7 +614,10 @@ class WorkerSide:
                     if not len(batch.block_hashes):
                         continue
             self._store_sizes.append(len(batch.block_hashes))
-            handle = self._take_reserve(tenant, len(batch.block_hashes))
+            taken = self._take_reserve(tenant, len(batch.block_hashes))
+            handle = None
+            if taken is not None:
+                handle, batch.position_base, batch.keep_rest = taken
             batch.reserved = handle is not None
             if handle is None:
                 handle = self._prepare_store(tenant, batch.block_hashes)
@@ -665,11 +681,13 @@ class WorkerSide:
 
     # ------------------------------------------------------------ reserves
 
-    def _take_reserve(self, tenant: str, blocks: int) -> StoreHandle | None:
+    def _take_reserve(self, tenant: str, blocks: int) -> tuple[StoreHandle, int, bool] | None:
         """The slots of ``tenant``'s reserve for a step's ``blocks`` new blocks, when a
         live one fits (same daemon connection, region current, lease far from its
-        end); None: the step asks the daemon (PrepareStore), which also skips the
-        blocks it has, which a reserve cannot know of."""
+        end): (a handle of just those slots, the lease position of its first,
+        whether the reserve keeps slots past them: the commit's keep_rest). None:
+        the step asks the daemon (PrepareStore), which also skips the blocks it
+        has, which a reserve cannot know of."""
         if not self.config.store_reserve_blocks:
             return None
         if tenant in self._reserve_asked:
@@ -679,23 +697,29 @@ class WorkerSide:
             self._reserve_asked.discard(tenant)  # a lost answer must not block the next ask
         self._drop_reserves(time.monotonic())
         reserve = self._reserves.get(tenant)
-        if reserve is None or blocks > len(reserve.handle.allocated):
+        if reserve is None or blocks > reserve.open:
             return None
         if not self.session.region_is_current():
             return None  # (the step's own checks reconnect)
-        del self._reserves[tenant]
-        self._reserves_changed()
+        base = reserve.cursor
+        reserve.cursor += blocks
+        # Kept for later steps while slots are left (the commit says keep_rest);
+        # else this step's commit ends the lease.
+        if not (reserve.keep and reserve.open):
+            del self._reserves[tenant]
+            self._reserves_changed()
         r = reserve.handle
-        return StoreHandle(
+        handle = StoreHandle(
             r.lease_id,
             r.namespace,
             np.zeros(blocks, dtype=np.uint64),
             np.full(blocks, STORE_ALLOCATED, dtype=np.uint8),
-            r.offsets[:blocks],
+            r.offsets[base : base + blocks],
             r.tier,
             r.deadline_s,
             reserve=True,
         )
+        return handle, base, reserve.keep and reserve.open > 0
 
     def _drop_reserves(self, now_s: float) -> None:
         """Give back reserves near their lease's end, forget those of another connection."""
@@ -706,8 +730,14 @@ class WorkerSide:
         ]
         if not stale:
             return
+        # A kept reserve this step's saves took slots from is not released under
+        # them (the release ends the whole lease): their commit ends or keeps it,
+        # and the next step's call drops it.
+        busy = {b.handle.lease_id for b in self._step.saves if b.keep_rest and b.handle}
         handles = []
         for tenant in stale:
+            if self._reserves[tenant].handle.lease_id in busy:
+                continue
             reserve = self._reserves.pop(tenant)
             if reserve.generation == self.session.generation:
                 handles.append(reserve.handle)
@@ -728,14 +758,19 @@ class WorkerSide:
         the bound itself when none can (a request's first step, far bigger than
         the decode steps after it). Every slot asked costs the daemon work on a
         machine whose cores the engine needs: no more than recent steps used."""
-        share = client.info.region_bytes // RESERVE_REGION_SHARE // max(block_bytes, 1)
-        limit = min(self.config.store_reserve_blocks, share)
+        limit = self._reserve_limit(client, block_bytes)
         fits = [n for n in self._store_sizes if n <= limit]
         if fits:
             return max(fits)
         return limit if self._store_sizes else 0
 
-    def _on_reserved(self, tenant: str, generation: int) -> Any:
+    def _reserve_limit(self, client: Client, block_bytes: int) -> int:
+        """The most slots one reserve may hold: store_reserve_blocks, and a small
+        share of the region (RESERVE_REGION_SHARE)."""
+        share = client.info.region_bytes // RESERVE_REGION_SHARE // max(block_bytes, 1)
+        return min(self.config.store_reserve_blocks, share)
+
+    def _on_reserved(self, tenant: str, generation: int, keep: bool) -> Any:
         def done(result: StoreHandle | KVStoreError) -> None:
             self._reserve_asked.discard(tenant)
             if isinstance(result, KVStoreError):
@@ -745,11 +780,15 @@ class WorkerSide:
             # usable while more than half of its life is left: a forward is far shorter
             use_by_s = now_s + (result.deadline_s - now_s) / 2
             old = self._reserves.get(tenant)
-            self._reserves[tenant] = _Reserve(result, generation, use_by_s)
+            self._reserves[tenant] = _Reserve(result, generation, use_by_s, keep)
             self._reserves_changed()
             if old is not None and old.generation == generation:
+                # Read inside a call, right before a store step's commit goes out:
+                # the release rides in its frame (queued, not sent on its own).
                 handles = [old.handle]
-                self.session.call("release", lambda c: _release_all(c, handles), retry=False)
+                self.session.call(
+                    "release", lambda c: _release_all(c, handles, now=False), retry=False
+                )
 
         return done
 
@@ -775,6 +814,7 @@ class WorkerSide:
         expected = len(idx)
         counters = self.counters
         reserved = batch.reserved
+        positions = batch.position_base + sel if reserved else None
         tenant, generation = batch.tenant, batch.generation
 
         def done(result: int | Exception) -> None:
@@ -792,18 +832,26 @@ class WorkerSide:
                 )
 
         def send(c: Client) -> bool:
-            # The tenant's next reserve rides in the commit's frame (one send).
-            # (also when the one held is smaller than recent steps: the answer
-            # replaces it, _on_reserved releases the old one)
+            # The tenant's next reserve rides in the commit's frame (one send),
+            # when what it holds (its slots not taken yet) will not fit a step
+            # like the recent ones (the answer replaces it, _on_reserved releases
+            # the old one). Where the daemon keeps a reserve past a commit, one
+            # is asked for RESERVE_STEPS such steps.
             ask = 0
+            keep = False
             if (
                 tenant not in self._reserve_asked
                 and self.config.store_reserve_blocks
                 and c.reserves
             ):
-                ask = self._reserve_size(c, handle.namespace.block_bytes)
+                keep = c.reserve_keep
+                block_bytes = handle.namespace.block_bytes
+                step = self._reserve_size(c, block_bytes)
+                ask = (
+                    min(step * RESERVE_STEPS, self._reserve_limit(c, block_bytes)) if keep else step
+                )
                 held = self._reserves.get(tenant)
-                if held is not None and len(held.handle.allocated) >= ask:
+                if held is not None and held.open >= step:
                     ask = 0
             c.commit_store_later(
                 handle,
@@ -812,10 +860,11 @@ class WorkerSide:
                 token_ids=tokens,
                 chains=multi,
                 on_done=done,
-                positions=sel if reserved else None,
+                positions=positions,
+                keep_rest=batch.keep_rest,
                 reserve_blocks=ask,
                 reserve_ttl_s=self.config.lease_ttl_s,
-                on_reserved=self._on_reserved(tenant, generation) if ask else None,
+                on_reserved=self._on_reserved(tenant, generation, keep) if ask else None,
             )
             if ask:
                 self._reserve_asked.add(tenant)
@@ -831,6 +880,16 @@ class WorkerSide:
             self.counters.save_dropped_blocks += (
                 len(batch.allocated) if batch.allocated is not None else 0
             )
+            held = self._reserves.get(batch.tenant)
+            if (
+                batch.keep_rest
+                and held is not None
+                and batch.handle is not None
+                and held.handle.lease_id == batch.handle.lease_id
+            ):
+                # The release below ends the whole lease: its other slots go with it.
+                del self._reserves[batch.tenant]
+                self._reserves_changed()
         handles = [batch.handle for batch in saves if batch.handle is not None]
         self.session.call("release", lambda c: _release_all(c, handles), retry=False)
 
@@ -886,7 +945,10 @@ def _any_expired(handles: Sequence[LoadHandle | StoreHandle]) -> bool:
     return any(now > h.deadline_s for h in handles)
 
 
-def _release_all(client: Client, handles: Sequence[LoadHandle | StoreHandle]) -> int:
-    """End leases without waiting for the answers (a lost one just expires): one message."""
-    client.release_all(handles, wait=False)
+def _release_all(
+    client: Client, handles: Sequence[LoadHandle | StoreHandle], *, now: bool = True
+) -> int:
+    """End leases without waiting for the answers (a lost one just expires): one
+    message, sent at once or (``now=False``) with the client's next frame."""
+    client.release_all(handles, wait=False, now=now)
     return len(handles)

@@ -90,6 +90,80 @@ def test_positions_on_a_prepared_store_and_reserves_over_grpc_are_refused(daemon
         assert lean.commit_store(h, [23], positions=[0]) == 1
 
 
+def test_a_reserve_committed_in_parts_over_the_lean_channel(daemon):
+    # Three store steps into one reserve of 6 slots, commits not waited for: each
+    # keeps the rest, the last one (no keep) frees what is left. Bytes exact.
+    with Client(daemon.address) as c:
+        assert c.reserve_keep
+        ns = c.declare_namespace(make_spec(BLOCK))
+        used = c.stats().tiers[0].used_bytes
+        h = c.reserve_store(ns, 6)
+        done: list[int | errors.KVStoreError] = []
+        _write(c, h, 0, 31)
+        _write(c, h, 1, 32)
+        c.commit_store_later(h, [601, 602], positions=[0, 1], keep_rest=True, on_done=done.append)
+        _write(c, h, 2, 33)
+        c.commit_store_later(h, [603], positions=[2], keep_rest=True, on_done=done.append)
+        _write(c, h, 4, 35)
+        c.commit_store_later(h, [605], positions=[4], on_done=done.append)  # the rest freed
+        c.flush()
+        assert done == [2, 1, 1]
+        got = c.get(ns, [601, 602, 603, 605])
+        assert got.found == 4 and [int(r[0]) for r in got.data] == [31, 32, 33, 35]
+        assert all(bool((r == r[0]).all()) for r in got.data)
+        s = c.stats()
+        assert s.active_leases == 0 and s.tiers[0].used_bytes == used + 4 * ns.block_bytes
+        # a position committed already is refused: InvalidRequest, the lease stands
+        h2 = c.reserve_store(ns, 3)
+        assert c.commit_store(h2, [611], positions=[0], keep_rest=True) == 1
+        with pytest.raises(errors.InvalidRequest, match="committed already"):
+            c.commit_store(h2, [612], positions=[0], keep_rest=True)
+        assert c.stats().active_leases == 1
+        _write(c, h2, 1, 41)
+        assert c.commit_store(h2, [612], positions=[1]) == 1
+        assert int(c.get(ns, [612]).data[0][0]) == 41 and c.stats().active_leases == 0
+
+
+def test_keep_rest_is_refused_where_it_could_be_misread(daemon):
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        prepared = c.prepare_store(ns, [621])
+        with pytest.raises(errors.InvalidRequest, match="names positions"):
+            c.commit_store(prepared, [621], keep_rest=True)  # not a reserve's commit
+        assert c.commit_store(prepared) == 1
+        h = c.reserve_store(ns, 2)
+        # A daemon that does not say it serves keep_rest (an older one) would free
+        # the rest: refused before anything is sent, the reserve still usable.
+        local = c.local
+        assert local is not None
+        local.reserve_keep = False
+        sent = local.frames_sent
+        for later in (False, True):
+            with pytest.raises(errors.StateConflict, match="keep_rest"):
+                if later:
+                    c.commit_store_later(h, [622], positions=[0], keep_rest=True)
+                else:
+                    c.commit_store(h, [622], positions=[0], keep_rest=True)
+        assert local.frames_sent == sent
+        assert c.commit_store(h, [622], positions=[0]) == 1
+
+
+def test_a_release_queued_for_later_rides_in_the_next_frame(daemon):
+    with Client(daemon.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        h = c.reserve_store(ns, 2)
+        local = c.local
+        assert local is not None
+        sent = local.frames_sent
+        c.release_all([h], wait=False, now=False)
+        assert local.frames_sent == sent and local.queued == 1  # nothing sent yet
+        other = c.reserve_store(ns, 1)  # the next frame carries it, ahead of this call
+        assert local.frames_sent == sent + 1 and local.queued == 0
+        assert c.stats().active_leases == 1  # the first reserve is gone, this one stands
+        c.release_all([other], wait=False)
+        _wait_until(lambda: c.stats().active_leases == 0, what="the release")
+
+
 def test_binding_onto_a_present_or_in_flight_hash_commits_nothing_for_it(daemon):
     with Client(daemon.address) as a, Client(daemon.address) as b:
         ns = a.declare_namespace(make_spec(BLOCK))

@@ -77,6 +77,99 @@ def test_decode_store_steps_wait_for_no_answer_and_store_exact_bytes(daemon):
     _wait_until(lambda: _active_leases(daemon.address) == 0, what="the reserve's release")
 
 
+def test_a_reserve_serves_several_store_steps_and_is_asked_for_ahead(daemon, monkeypatch):
+    # The prefill (2 blocks, prepared) asks for a reserve of RESERVE_STEPS such
+    # steps: 8 slots. Each decode store step (1 block) takes the next position
+    # and keeps the rest (keep_rest); the next reserve is asked for only when
+    # fewer slots than a recent step's are left. Bytes exact, no lease left.
+    eng = Engine(daemon.address, seed=49)
+    req = Req("r", _tokens(49, 2 * BS + 1))
+    client = eng.worker.session.client()
+    assert client is not None and client.reserve_keep
+    commits: list[tuple[int, list[int] | None, bool, int]] = []
+    real = client.commit_store_later
+
+    def recorded(handle, *args, **kwargs):
+        where = kwargs.get("positions")
+        commits.append(
+            (
+                handle.lease_id,
+                None if where is None else [int(p) for p in where],
+                kwargs.get("keep_rest", False),
+                kwargs.get("reserve_blocks", 0),
+            )
+        )
+        return real(handle, *args, **kwargs)
+
+    monkeypatch.setattr(client, "commit_store_later", recorded)
+    eng.prefill(req, [0, 1, 2])
+    assert commits[0][1:] == (None, False, 2 * worker_module.RESERVE_STEPS)
+    next_id = [3]
+    while req.num_tokens < 11 * BS + 1:  # nine more blocks, one per store step
+        assert client.local is not None
+        frames, waits = client.local.frames_sent, client.local.waits
+        _decode(eng, req, next_id)
+        assert client.local.waits == waits  # no store step waits for an answer
+        assert client.local.frames_sent - frames in (0, 1)  # a store step: one send
+    steps = commits[1:]
+    assert len(steps) == 9
+    first = steps[0][0]
+    # positions 0..6 of the first reserve, each keeping the rest; with one slot
+    # left (fewer than the prefill's 2) the 7th step asks for the next reserve
+    assert [c[1] for c in steps[:7]] == [[p] for p in range(7)]
+    assert all(c[0] == first and c[2] for c in steps[:7])
+    assert [c[3] for c in steps[:7]] == [0] * 6 + [8]
+    # the next steps take the new reserve from its position 0 (the old one's
+    # last slot given back when its answer arrived)
+    assert steps[7][0] != first and steps[7][1] == [0] and steps[8][1] == [1]
+    assert eng.worker.counters.saved_blocks == 11
+    assert eng.worker.counters.save_dropped_blocks == 0
+    assert _stored(daemon.address, eng, req) == [eng.block_bytes(i) for i in range(11)]
+    eng.worker.close()  # the reserve held is given back
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="the reserve's release")
+
+
+def test_a_kept_reserve_is_not_released_under_its_steps_saves(daemon, monkeypatch):
+    # Two tenants complete a block in one step. Tenant a takes slots from its
+    # kept reserve; then, while tenant b's slots are taken, a's reserve passes
+    # the half of its life after which it is given back. It must not be
+    # released under a's save (the release ends the whole lease, and the step
+    # would then copy into freed slots): a's commit lands, bytes exact.
+    eng = Engine(daemon.address, seed=52)
+    reqs = [Req(f"r{t}", _tokens(52 + i, 2 * BS + 1), cache_salt=t) for i, t in enumerate("ab")]
+    for i, req in enumerate(reqs):
+        eng.prefill(req, [3 * i, 3 * i + 1, 3 * i + 2])  # each commit asks for a reserve
+    for req in reqs:
+        req.all_token_ids += [7] * (BS - 1)
+        req.rehash()
+    running = [RunningRequest(r.request_id, None, False, 3 * BS - 1) for r in reqs]
+    plan = eng.scheduler.build_plan([], running, {r.request_id: 1 for r in reqs})
+    assert [s.tenant for s in plan.saves] == ["a", "b"]
+    eng.worker.session.client().flush()  # both reserves' answers read
+    take = eng.worker._take_reserve
+
+    def take_then_age(tenant, blocks):
+        taken = take(tenant, blocks)
+        if tenant == "a":
+            assert taken is not None and taken[2]  # a's slots, its reserve kept
+            for reserve in eng.worker._reserves.values():
+                reserve.use_by_s = 0.0  # every reserve now past the half of its life
+        return taken
+
+    monkeypatch.setattr(eng.worker, "_take_reserve", take_then_age)
+    eng.worker.start_step(plan)
+    eng.worker.finish_step()
+    eng.worker.session.client().flush()
+    assert eng.worker.counters.save_dropped_blocks == 0
+    assert eng.worker.counters.saved_blocks == 6
+    for i, req in enumerate(reqs):
+        assert _stored(daemon.address, eng, req) == [
+            eng.block_bytes(b) for b in (3 * i, 3 * i + 1, 3 * i + 2)
+        ]
+    eng.worker.close()
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="every lease back")
+
+
 def test_reserves_off_prepare_every_store_step(daemon):
     eng = Engine(daemon.address, seed=42, store_reserve_blocks=0)
     req = Req("r", _tokens(42, 2 * BS + 1))

@@ -172,3 +172,64 @@ def test_an_expired_reserve_gives_its_slots_back_after_quarantine(make_manager):
     assert not ns.reserved and m.stats().tiers[0].used_bytes == 0
     assert m.stats().active_leases == 0
     assert plan.lease_id
+
+
+# ------------------------------------------------------------ a reserve committed in parts
+
+
+def test_a_reserve_committed_in_parts_keeps_its_other_slots_at_their_positions(make_manager):
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))
+    plan = m.reserve_store(ns.namespace_id, 6)
+    slot = ns.slot_bytes
+    # step 1: two blocks at positions 4 and 0; the other four stay reserved
+    assert m.commit_store(plan.lease_id, [1, 2], positions=[4, 0], keep_rest=True) == 2
+    assert ns.blocks[1].offset == plan.offsets[4] and ns.blocks[2].offset == plan.offsets[0]
+    assert len(ns.reserved) == 4 and m.stats().active_leases == 1
+    assert m.stats().tiers[0].used_bytes == 6 * slot
+    # step 2: a position already committed is refused, and nothing changes
+    with pytest.raises(InvalidRequest, match=r"position 0 of reserve \d+ was committed already"):
+        m.commit_store(plan.lease_id, [3, 9], positions=[1, 0], keep_rest=True)
+    assert len(ns.reserved) == 4 and 3 not in ns.blocks and 9 not in ns.blocks
+    # a hash the daemon has is not committed again: its slot is freed, the rest kept
+    assert m.commit_store(plan.lease_id, [3, 1], positions=[1, 2], keep_rest=True) == 1
+    assert ns.blocks[3].offset == plan.offsets[1] and ns.blocks[1].offset == plan.offsets[4]
+    assert len(ns.reserved) == 2 and m.stats().tiers[0].used_bytes == 5 * slot
+    # the last open slots committed: the lease ends (nothing left to keep)
+    assert m.commit_store(plan.lease_id, [5, 6], positions=[3, 5], keep_rest=True) == 2
+    assert not ns.reserved and m.stats().active_leases == 0
+    assert [ns.blocks[h].offset for h in (5, 6)] == [plan.offsets[3], plan.offsets[5]]
+    assert [e[1] for e in m.sink_record.events] == [[1, 2], [3], [5, 6]]
+    load = m.prepare_load(ns.namespace_id, [1, 2, 3, 5, 6])
+    assert len(load.blocks) == 5
+
+
+@pytest.mark.parametrize("end", ["release", "commit", "expiry"])
+def test_after_a_kept_commit_the_lease_ends_with_only_its_open_slots(make_manager, end):
+    m = make_manager(leases__quarantine_s=1.0)
+    ns = m.declare_namespace(make_spec(4096))
+    plan = m.reserve_store(ns.namespace_id, 4, ttl_s=1.0)
+    assert m.commit_store(plan.lease_id, [7], positions=[2], keep_rest=True) == 1
+    if end == "release":
+        assert m.release([plan.lease_id]) == 1
+    elif end == "commit":  # without keep_rest: the slots not named are freed
+        assert m.commit_store(plan.lease_id, [8], positions=[0]) == 1
+    else:
+        now = time.monotonic()
+        assert m.expire_leases(now + 1.5) == 1
+        assert len(ns.reserved) == 3  # quarantined, the committed block untouched
+        m.expire_leases(now + 3.0)
+    assert not ns.reserved and m.stats().active_leases == 0
+    stored = [7, 8] if end == "commit" else [7]
+    assert m.stats().tiers[0].used_bytes == len(stored) * ns.slot_bytes
+    assert sorted(ns.blocks) == stored and ns.blocks[7].offset == plan.offsets[2]
+    assert len(m.prepare_load(ns.namespace_id, stored).blocks) == len(stored)
+
+
+def test_keep_rest_on_a_prepared_store_is_refused(make_manager):
+    m = make_manager()
+    ns = m.declare_namespace(make_spec(4096))
+    plan = m.prepare_store(ns.namespace_id, [1, 2])
+    with pytest.raises(InvalidRequest, match="only a reserve's commit can keep"):
+        m.commit_store(plan.lease_id, keep_rest=True)
+    assert m.commit_store(plan.lease_id) == 2
