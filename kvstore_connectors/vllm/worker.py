@@ -933,6 +933,11 @@ class WorkerSide:
 
     def close(self) -> None:
         self._region_t = self._region_src = None
+        if self._step.saves:
+            # A step that never finished (the engine stops mid-step): its slots, and
+            # a kept reserve's others, go back now, not when their leases run out.
+            saves, self._step.saves = self._step.saves, []
+            self._abort(saves)
         if self._reserve_asked:  # read the answers first: those reserves are held too
             self.session.call("collect reserve", lambda c: c.flush(), retry=False)
         self._drop_reserves(float("inf"))  # given back now, not at their leases' end

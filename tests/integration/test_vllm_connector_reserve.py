@@ -321,6 +321,24 @@ def test_an_unfinished_step_gives_its_reserved_slots_back(daemon):
         assert c.lookup(ns, req.int_hashes()).prefix_blocks == 2
 
 
+def test_closing_mid_step_gives_a_kept_reserves_slots_back_at_once(daemon):
+    eng = Engine(daemon.address, seed=53)
+    req = Req("r", _tokens(53, 2 * BS + 1))
+    eng.prefill(req, [0, 1, 2])
+    eng.worker.session.client().flush()  # the reserve (8 slots) held
+    req.all_token_ids += [7] * (BS - 1)
+    req.rehash()
+    plan = eng.scheduler.build_plan([], [RunningRequest("r", None, False, 3 * BS - 1)], {"r": 1})
+    eng.worker.start_step(plan)  # one slot taken, the reserve kept for later steps
+    assert _active_leases(daemon.address) == 1
+    eng.worker.close()  # the engine stops before the step finishes
+    _wait_until(lambda: _active_leases(daemon.address) == 0, what="the reserve's release")
+    assert eng.worker.counters.save_dropped_blocks == 1
+    with Client(daemon.address) as c:
+        dram = c.stats().tiers[0]
+        assert dram.blocks == 2 and dram.used_bytes == 2 * BLOCK_BYTES  # no slot held
+
+
 def test_an_idle_reserve_near_its_end_is_given_back(daemon_factory):
     d = daemon_factory(settings={"leases.reap_interval_s": 0.02, "leases.quarantine_s": 0.0})
     eng = Engine(d.address, seed=46, lease_ttl_s=0.8)
