@@ -630,20 +630,19 @@ def _run(
 
 def _group_end(pieces: Sequence[Piece], k: int) -> int:
     """The end of the group of pieces from ``k`` that one call of the pieces loop
-    takes: small pieces (from NT_MIN_BYTES to below LARGE_MIN_BYTES: for larger
-    ones a call is nothing next to the bytes, and 2 MiB blocks' loads grouped
-    measured 0.9x), grouping measured faster than the small method one call a
-    piece (``_group_small``), whole lines to a 16-byte aligned destination (what its stores need; copy_raw would
-    first align to a line, which measured no faster: numpy's large arrays start
-    16 bytes past a page), no overlap, at most GROUP_BYTES in all. ``k + 1``
-    when piece k is not such."""
+    takes: small pieces of whole lines (``_groupable``: from NT_MIN_BYTES to below
+    LARGE_MIN_BYTES; for larger ones a call is nothing next to the bytes, and 2
+    MiB blocks' loads grouped measured 0.9x), grouping measured faster than the
+    small method one call a piece (``_group_small``), a 16-byte aligned
+    destination (what its stores need; copy_raw would first align to a line,
+    which measured no faster: numpy's large arrays start 16 bytes past a page),
+    no overlap, at most GROUP_BYTES in all. ``k + 1`` when piece k is not such."""
     if _LOADED is None or not _settled or not _group_small:
         return k + 1
     end, total = k, 0
     for d, s, n in itertools.islice(pieces, k, None):
         if (
-            not NT_MIN_BYTES <= n < LARGE_MIN_BYTES
-            or n % _LINE_BYTES
+            not _groupable(n)
             or d % _STORE_ALIGN_BYTES
             or _overlap(d, s, n)
             or total + n > GROUP_BYTES

@@ -230,16 +230,17 @@ class _Reserves:
     def commit(self, h: Any, hashes: np.ndarray, base: int, *, on_done: Any, last: bool) -> None:
         left = len(h.allocated) - self.cursor
         ask = self.size if not last and left < self.step and not self.got else 0
+        kept = self.keep and left > 0
         self.client.commit_store_later(
             h,
             hashes,
             positions=np.arange(base, base + len(hashes)),
-            keep_rest=self.keep and left > 0,
+            keep_rest=kept,
             on_done=on_done,
             reserve_blocks=ask,
             on_reserved=self.got.append,
         )
-        if not (self.keep and left > 0):
+        if not kept:
             self.held = None
 
     def close(self) -> None:

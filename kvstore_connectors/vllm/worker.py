@@ -225,11 +225,16 @@ class _Reserve:
     # steps take its slots in order from ``cursor``; else one step takes it whole.
     keep: bool = False
     cursor: int = 0
+    # Its slots (handle.allocated counts them anew on each read: once here).
+    size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.size = len(self.handle.allocated)
 
     @property
     def open(self) -> int:
         """Slots not taken by a store step yet."""
-        return len(self.handle.allocated) - self.cursor
+        return self.size - self.cursor
 
 
 # Store steps remembered for sizing the next reserve (the most blocks among them).
@@ -705,7 +710,8 @@ class WorkerSide:
         reserve.cursor += blocks
         # Kept for later steps while slots are left (the commit says keep_rest);
         # else this step's commit ends the lease.
-        if not (reserve.keep and reserve.open):
+        kept = reserve.keep and reserve.open > 0
+        if not kept:
             del self._reserves[tenant]
             self._reserves_changed()
         r = reserve.handle
@@ -719,7 +725,7 @@ class WorkerSide:
             r.deadline_s,
             reserve=True,
         )
-        return handle, base, reserve.keep and reserve.open > 0
+        return handle, base, kept
 
     def _drop_reserves(self, now_s: float) -> None:
         """Give back reserves near their lease's end, forget those of another connection."""
