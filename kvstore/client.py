@@ -631,12 +631,15 @@ class Client:
 
         path = local_socket_path(socket_path)
         try:
-            return LocalChannel.open(
+            ch = LocalChannel.open(
                 path, self.client_id, self.timeout_s, self._token, spin_s=self._spin_s
             )
         except (OSError, errors.KVStoreError) as exc:
             log.debug("kvstore: no lean channel at %s (%s); using gRPC", path, exc)
             return None
+        if ch.direct_loads or ch.reserves:
+            self._notices.start()  # what queues notices: direct loads, reserves' leftovers
+        return ch
 
     def _local_call(
         self,
@@ -1850,7 +1853,8 @@ class _Releaser:
 
 class _Notices:
     """Sends what a client's lean channel has queued (direct loads' notices) when
-    no frame has carried it within ``delay_s``: one thread per client, started on
+    no frame has carried it within ``delay_s``: one thread per client, started
+    with a lean channel whose daemon takes such messages (``start``), else on
     the first notice (again in a forked child), stopped by close()."""
 
     def __init__(self, send: Callable[[], None], delay_s: float) -> None:
@@ -1862,20 +1866,33 @@ class _Notices:
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
+    def start(self) -> None:
+        """Start the thread now, before any notice: starting one cost 0.3-0.6 ms
+        here, which the engine step that queued the first notice (a reserve's
+        leftover slots given back, a direct load) paid inside its hooks."""
+        self._after_fork()
+        with self._cond:
+            self._started()
+
     def queued(self) -> None:
         """A notice was queued: it goes within ``delay_s`` unless a frame takes it."""
-        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
-            self._cond, self._thread, self._pid = threading.Condition(), None, os.getpid()
+        self._after_fork()
         with self._cond:
             if self._closed or self._due_s != math.inf:
                 return
             self._due_s = time.monotonic() + self._delay_s
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvstore-notices", daemon=True
-                )
-                self._thread.start()
+            self._started()
             self._cond.notify()
+
+    def _after_fork(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the parent's thread is not here
+            self._cond, self._thread, self._pid = threading.Condition(), None, os.getpid()
+
+    def _started(self) -> None:
+        """The thread, started if it is not (under ``_cond``)."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="kvstore-notices", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
         """Stop the thread (what is still queued goes with the channel's close)."""
