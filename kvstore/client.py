@@ -1872,7 +1872,7 @@ class _Notices:
         leftover slots given back, a direct load) paid inside its hooks."""
         self._after_fork()
         with self._cond:
-            self._started()
+            self._ensure_thread()
 
     def queued(self) -> None:
         """A notice was queued: it goes within ``delay_s`` unless a frame takes it."""
@@ -1881,15 +1881,15 @@ class _Notices:
             if self._closed or self._due_s != math.inf:
                 return
             self._due_s = time.monotonic() + self._delay_s
-            self._started()
+            self._ensure_thread()
             self._cond.notify()
 
     def _after_fork(self) -> None:
         if self._pid != os.getpid():  # a forked child: the parent's thread is not here
             self._cond, self._thread, self._pid = threading.Condition(), None, os.getpid()
 
-    def _started(self) -> None:
-        """The thread, started if it is not (under ``_cond``)."""
+    def _ensure_thread(self) -> None:
+        """Start the thread unless it runs or the notices are closed (under ``_cond``)."""
         if self._thread is None and not self._closed:
             self._thread = threading.Thread(target=self._run, name="kvstore-notices", daemon=True)
             self._thread.start()
