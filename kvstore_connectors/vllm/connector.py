@@ -37,7 +37,7 @@ from kvstore.presence import compile_probes
 from kvstore_connectors.vllm import compat
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.hashes import block_hash_stride, hash_seed_fingerprint
-from kvstore_connectors.vllm.metadata import StepPlan
+from kvstore_connectors.vllm.metadata import IDLE_PLAN, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout, dtype_name
 from kvstore_connectors.vllm.scheduler import (
     NewRequest,
@@ -250,7 +250,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         # The counters (less the per-step ones) and hook time at the last report:
         # a step that moved neither skips building the counters (see Deltas).
         self._reported: tuple[Any, ...] | None = None
-        self._reported_time_ns = 0
+        # Hook time at the last report plus what Deltas holds back: below it, a
+        # step that moved nothing else reports nothing (Deltas.holds, precomputed).
+        self._report_by_ns = self._deltas.hold_ns
         # The side's ``activity`` when the counters were last read: while it has
         # not moved, no counter has (the idle paths move none), nothing is read.
         self._read_activity = -1
@@ -259,6 +261,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._layer_wise = False
         self._layer_meta: KVConnectorMetadata | None = None
         self._layer_work = False
+        # What build_connector_meta hands vLLM on every idle step (IDLE_PLAN's).
+        self._idle_meta = KVStoreConnectorMetadata(IDLE_PLAN)
         if role == KVConnectorRole.SCHEDULER:
             hash_block_size = kv_cache_config.hash_block_size or layout.block_size_tokens
             self._scheduler = SchedulerSide(
@@ -422,10 +426,17 @@ class KVStoreConnector(KVConnectorBase_V1):
         t0 = _perf_ns()
         try:
             assert self._scheduler is not None
-            new = [
-                NewRequest(r.req_id, r.block_ids[0] if r.block_ids else [], r.num_computed_tokens)
-                for r in scheduler_output.scheduled_new_reqs
-            ]
+            news = scheduler_output.scheduled_new_reqs
+            new = (
+                [
+                    NewRequest(
+                        r.req_id, r.block_ids[0] if r.block_ids else [], r.num_computed_tokens
+                    )
+                    for r in news
+                ]
+                if news
+                else ()  # most steps: no comprehension (a call) for nothing
+            )
             cached = scheduler_output.scheduled_cached_reqs
             plan = self._scheduler.build_plan_columns(
                 new,
@@ -435,6 +446,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 cached.num_computed_tokens,
                 scheduler_output.num_scheduled_tokens,
             )
+            if plan is IDLE_PLAN:
+                return self._idle_meta
             return KVStoreConnectorMetadata(plan)
         finally:
             self._time_ns += _perf_ns() - t0
@@ -465,9 +478,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         holds those back)."""
         t0 = _perf_ns()
         try:
-            side = self._scheduler if self._scheduler is not None else self._worker
+            side = self._scheduler or self._worker
             assert side is not None
-            held = self._time_ns - self._reported_time_ns < self._deltas.hold_ns  # (holds())
+            held = self._time_ns < self._report_by_ns
             if held and side.activity == self._read_activity:
                 return None  # nothing ran since the counters were read that could move one
             self._read_activity = side.activity
@@ -476,7 +489,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 return None  # what Deltas.take would answer, without building the counters
             stats = self._deltas.take(self.counters())
             if stats is not None:
-                self._reported, self._reported_time_ns = now, self._time_ns
+                self._reported = now
+                self._report_by_ns = self._time_ns + self._deltas.hold_ns
             return stats
         finally:
             self._time_ns += _perf_ns() - t0

@@ -75,7 +75,8 @@ class RequestHashes:
             self._values = np.empty(0, dtype=np.uint64)
         if total > self._converted:
             digests = [bytes(block_hashes[(i + 1) * s - 1]) for i in range(self._converted, total)]
-            self._values = np.concatenate([self._values, to_int_hashes(digests)])
+            more = to_int_hashes(digests)
+            self._values = np.concatenate([self._values, more]) if self._converted else more
             self._converted = total
             self._last_digest = digests[-1]
         return self._values

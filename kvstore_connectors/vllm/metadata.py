@@ -52,3 +52,12 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.deferred)
+
+
+# The plan of every step with nothing to load, save or hand back (the scheduler's
+# quiet steps: most decode steps), one object for all of them, so neither side
+# builds anything for such a step: the connector hands vLLM one metadata object
+# for it and the worker knows it by identity. Nothing writes to a plan after the
+# scheduler built it, and this one is never built on. (Pickled to a worker in
+# another process it arrives as an empty plan, which the worker checks as any.)
+IDLE_PLAN = StepPlan()

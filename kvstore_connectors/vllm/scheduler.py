@@ -48,7 +48,7 @@ from kvstore import errors
 from kvstore.namespace import NamespaceSpec
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.hashes import RequestHashes
-from kvstore_connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
+from kvstore_connectors.vllm.metadata import IDLE_PLAN, LoadSpec, SaveSpec, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout
 from kvstore_connectors.vllm.peer import PeerTarget, peer_hint
 from kvstore_connectors.vllm.session import DaemonSession
@@ -266,7 +266,7 @@ class SchedulerSide:
             most = max(num_scheduled_tokens.values()) if num_scheduled_tokens else 0
             if most < self._quiet_tokens:
                 self._quiet_tokens -= most
-                return StepPlan()
+                return IDLE_PLAN
         # The walk: every request, in vLLM's order.
         self.activity += 1
         if self._walks_due:

@@ -39,7 +39,7 @@ from kvstore.client import STORE_ALLOCATED, Client, LoadHandle, StoreHandle
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore_connectors.vllm.config import RESERVE_STEPS, ConnectorConfig
 from kvstore_connectors.vllm.copier import BlockCopier, Copier, PagedKV
-from kvstore_connectors.vllm.metadata import LoadSpec, SaveSpec, StepPlan
+from kvstore_connectors.vllm.metadata import IDLE_PLAN, LoadSpec, SaveSpec, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout
 from kvstore_connectors.vllm.session import DaemonSession
 
@@ -331,7 +331,12 @@ class WorkerSide:
 
     def start_step(self, plan: StepPlan) -> None:
         """Loads (complete or queued) and save reservations, before the forward."""
-        if not plan and not self._deferred and not self._step.saves and not self._step.leases:
+        if (
+            (plan is IDLE_PLAN or not plan)  # (the identity first: no __bool__ call)
+            and not self._deferred
+            and not self._step.saves
+            and not self._step.leases
+        ):
             # Most decode steps: nothing to load, save or hand back, and no
             # unfinished step to clean up after. No call, no allocation (a
             # reserve near its lease's end is given back: one message, no wait).
@@ -582,11 +587,13 @@ class WorkerSide:
 
     def _reserve_saves(self, plan: StepPlan, failed_reqs: set[str], failed_ids: set[int]) -> None:
         """One PrepareStore per namespace for all of the step's new blocks."""
-        failed = np.fromiter(failed_ids, dtype=np.int64, count=len(failed_ids))
+        failed = (
+            np.fromiter(failed_ids, dtype=np.int64, count=len(failed_ids)) if failed_ids else None
+        )
         by_tenant: dict[str, list[SaveSpec]] = {}
         for spec in plan.saves:
             if spec.req_id in failed_reqs or (
-                len(failed) and np.isin(spec.block_ids, failed).any()
+                failed is not None and np.isin(spec.block_ids, failed).any()
             ):
                 # Blocks computed this step over KV that failed to load are wrong.
                 self.counters.save_dropped_blocks += len(spec.block_ids)
@@ -629,7 +636,11 @@ class WorkerSide:
             if handle is None:
                 self.counters.save_dropped_blocks += len(batch.block_ids)
                 continue
-            batch.handle, batch.allocated = handle, handle.allocated
+            # (a reserve's slots are all allocated: no pass over their statuses)
+            batch.handle = handle
+            batch.allocated = (
+                np.arange(len(batch.block_hashes)) if batch.reserved else handle.allocated
+            )
             batch.generation = self.session.generation
             self.counters.save_skipped_blocks += len(batch.block_ids) - len(batch.allocated)
             if len(batch.allocated):
@@ -653,10 +664,14 @@ class WorkerSide:
             self._step.saves = []
             return
         assert self.copier is not None
+        saves = self._step.saves
+        offsets = [b.handle.offsets[b.allocated] for b in saves]  # type: ignore[union-attr,index]
+        block_ids = [b.block_ids[b.allocated] for b in saves]  # type: ignore[index]
         self.copier.begin_save(
             region,
-            np.concatenate([b.handle.offsets[b.allocated] for b in self._step.saves]),  # type: ignore[union-attr,index]
-            np.concatenate([b.block_ids[b.allocated] for b in self._step.saves]),  # type: ignore[index]
+            # (one tenant, the usual step: its arrays as they are, no concatenate)
+            offsets[0] if len(saves) == 1 else np.concatenate(offsets),
+            block_ids[0] if len(saves) == 1 else np.concatenate(block_ids),
         )
 
     def _check_presence(self, blocks: int) -> bool:
@@ -704,8 +719,9 @@ class WorkerSide:
         reserve = self._reserves.get(tenant)
         if reserve is None or blocks > reserve.open:
             return None
-        if not self.session.region_is_current():
-            return None  # (the step's own checks reconnect)
+        # (Whether the region is still the daemon's is checked once, after the
+        # copy and before the commit (_finish_step): a region replaced under a
+        # live connection drops the step's saves there, whenever it happened.)
         base = reserve.cursor
         reserve.cursor += blocks
         # Kept for later steps while slots are left (the commit says keep_rest);

@@ -104,3 +104,46 @@ def test_per_layer_hooks_are_asked_for_only_where_a_copier_works_layer_by_layer(
     assert not eng.worker.has_layer_work(StepPlan())
     eng.worker.unregister()
     assert not eng.worker.layer_wise and not eng.worker.has_layer_work(plan)
+
+
+def test_quiet_steps_share_one_plan_that_nothing_builds_on(daemon):
+    """The scheduler's quiet steps hand the workers IDLE_PLAN, one object (nothing
+    built per step; the connector wraps it once), which the worker knows by
+    identity. Nothing writes to it: after steps that save and load it is empty."""
+    from kvstore_connectors.vllm.metadata import IDLE_PLAN
+    from kvstore_connectors.vllm.scheduler import WALKS_AFTER_CHANGE
+
+    a, b = Engine(daemon.address, seed=7), Engine(daemon.address, seed=8)
+    req = Req("r", _tokens(7, 2 * BS + 1))
+    a.prefill(req, [1, 2, 3])
+    plans = []
+    for _ in range(BS - 1):  # BS - 2 decode steps that complete nothing, then one that does
+        req.all_token_ids.append(5)
+        req.rehash()
+        plans.append(
+            a.step(
+                running=[RunningRequest("r", None, False, req.num_tokens - 1)], scheduled={"r": 1}
+            )
+        )
+    walks, quiet, completing = (
+        plans[:WALKS_AFTER_CHANGE],
+        plans[WALKS_AFTER_CHANGE:-1],
+        plans[-1],
+    )
+    assert quiet and all(p is IDLE_PLAN for p in quiet)
+    assert all(p is not IDLE_PLAN and not p for p in walks)  # walked: built, empty
+    assert completing.saves and completing is not IDLE_PLAN
+    # Another engine restores the stored prefix (a plan with loads), then idles.
+    again = Req("again", _tokens(7, 2 * BS + 1))
+    ext, plan = b.prefill(again, [4, 5, 6])
+    assert ext == 2 * BS and plan.loads and b.worker.counters.loaded_blocks == 2
+    for _ in range(WALKS_AFTER_CHANGE + 1):
+        again.all_token_ids.append(5)
+        again.rehash()
+        last = b.step(
+            running=[RunningRequest("again", None, False, again.num_tokens - 1)],
+            scheduled={"again": 1},
+        )
+    assert last is IDLE_PLAN
+    assert not IDLE_PLAN and (IDLE_PLAN.loads, IDLE_PLAN.saves, IDLE_PLAN.deferred) == ([], [], [])
+    assert a.worker.counters.saved_blocks == 3 and b.worker.counters.load_failed_blocks == 0

@@ -20,6 +20,7 @@ import pytest
 
 from kvstore.errors import InvalidRequest
 from kvstore.hashing import (
+    SHORT_DIGESTS,
     BlockHasher,
     cbor_dumps,
     hash_block,
@@ -160,10 +161,13 @@ def test_int_form_is_low_eight_bytes_big_endian():
     d = bytes(range(32))
     assert to_int_hash(d) == int.from_bytes(d, "big") & (2**64 - 1)
     assert to_int_hash(d) == 0x18191A1B1C1D1E1F
-    digests = BlockHasher(16).hash_tokens(list(range(64)))
-    arr = to_int_hashes(digests)
-    assert arr.dtype == np.uint64
-    assert arr.tolist() == [to_int_hash(x) for x in digests]
+    # a few digests (Python ints) and many (numpy), 32-byte and other lengths alike
+    for tokens in (64, 16 * (SHORT_DIGESTS + 7)):
+        digests = BlockHasher(16).hash_tokens(list(range(tokens)))
+        for batch in (digests, [x + b"\x01" for x in digests], []):
+            arr = to_int_hashes(batch)
+            assert arr.dtype == np.uint64
+            assert arr.tolist() == [to_int_hash(x) for x in batch]
 
 
 def test_packed_int32_tokens_equal_list_input():
