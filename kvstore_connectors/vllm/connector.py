@@ -478,7 +478,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         holds those back)."""
         t0 = _perf_ns()
         try:
-            side = self._scheduler or self._worker
+            side = self._scheduler if self._scheduler is not None else self._worker
             assert side is not None
             held = self._time_ns < self._report_by_ns
             if held and side.activity == self._read_activity:
