@@ -426,17 +426,24 @@ class Client:
             self._presence_gone(probe)
         return answer
 
+    def _settled(self, local: LocalChannel) -> bool:
+        """``local.settle()`` under the channel's lock: the answers already here
+        read (a store step's commits, right before the next step's loads), then
+        whether a presence probe may be trusted."""
+        with self._lock:
+            return local.settle()
+
     def _probe(self, ns: Namespace, hashes: Sequence[int] | np.ndarray) -> LookupResult | None:
         """A lookup answered from the presence table, or None: call the daemon."""
         probe = self._presence_probe()
         if probe is None:
             return None
         local = self.local
-        if local is not None and not local.quiet():
-            # Commits sent without waiting (the call is ordered after them), or the
-            # daemon's end readable or closed: a killed daemon's table still reads
-            # as current, so its answers would be hits no load can serve; the call
-            # meets the closed connection instead.
+        if local is not None and not self._settled(local):
+            # Commits sent without waiting and not answered yet (the call is
+            # ordered after them), or the daemon's end closed: a killed daemon's
+            # table still reads as current, so its answers would be hits no load
+            # can serve; the call meets the closed connection instead.
             return None
         n = len(hashes)
         if n > self.info.max_blocks_per_request:
@@ -466,7 +473,7 @@ class Client:
         ):
             return None
         probe = self._presence_probe()
-        if probe is None or not local.quiet():  # see _probe: a killed daemon's table
+        if probe is None or not self._settled(local):  # see _probe: a killed daemon's table
             return None
         located = probe.locate(namespace_salt(ns.namespace_id), hashes)
         if located is None:

@@ -131,6 +131,39 @@ class LocalChannel:
         socket turns readable, at EOF). One poll(2), no wait."""
         return self.broken is None and not self._unanswered and not self._poll.poll(0)
 
+    def settle(self) -> bool:
+        """quiet(), once the answers that have already arrived are read (none waited
+        for): a commit sent without waiting whose answer is here no longer keeps a
+        presence probe from being trusted (the daemon wrote the table before it
+        answered). False while an answer is still out (its commit may not show in
+        the table yet), the daemon hung up, or the stream broke. The answers'
+        ``on_done`` run here, as in any call that reads them."""
+        try:
+            while self._unanswered and self.broken is None:
+                if not self._pending and not self._frame_buffered():
+                    if not self._poll.poll(0):
+                        return False  # still out: the daemon has not answered yet
+                    chunk = self._sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+                    if not chunk:
+                        self._break("the daemon closed the connection")
+                        return False
+                    self._rbuf += chunk
+                    continue
+                self._read_one()  # a whole answer is here: no wait
+        except BlockingIOError:
+            return False  # (readable, then nothing: read again next time)
+        except OSError as exc:
+            self._break(f"reading failed: {exc}")
+            return False
+        except errors.KVStoreError:
+            return False  # the stream broke (self.broken): the next call raises it
+        return self.quiet()
+
+    def _frame_buffered(self) -> bool:
+        """Whether a whole frame waits in the read buffer."""
+        buf = self._rbuf
+        return len(buf) >= HEADER.size and len(buf) >= HEADER.size + HEADER.unpack_from(buf)[0]
+
     @classmethod
     def open(
         cls,

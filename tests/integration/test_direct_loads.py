@@ -15,6 +15,7 @@ keep their blocks warm for eviction.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -130,6 +131,65 @@ def test_a_direct_loads_notice_rides_the_next_frame_or_goes_within_the_delay(
 
 def _notice_threads() -> int:
     return sum(t.name == "kvstore-notices" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_load_after_commits_sent_without_waiting_reads_their_answers_and_goes_direct(
+    daemon_factory, monkeypatch
+):
+    """A store step's commits go out without waiting (commit_store_later); the next
+    step's load reads the answers that have arrived (no call, no wait: their
+    on_done run) and then loads directly, its own blocks included (the daemon
+    wrote its presence table before answering). A commit still unanswered, or a
+    hung-up daemon, sends the load to the daemon instead."""
+    monkeypatch.setattr(client_module, "NOTICE_DELAY_S", 60.0)
+    d = daemon_factory()
+    with Client(d.address) as c:
+        ns = c.declare_namespace(make_spec(BLOCK))
+        local = c.local
+        assert local is not None and local.direct_loads
+        committed: list[object] = []
+        handles = []
+        for first in (100, 200):
+            hashes = list(range(first, first + 8))
+            handles.append(h := c.prepare_store(ns, hashes))
+            for off, row in zip(h.offsets.tolist(), content(hashes), strict=True):
+                c.view(off, BLOCK)[:] = row
+        for h in handles:  # two commits sent, neither answer read
+            c.commit_store_later(h, on_done=committed.append)
+        assert committed == [] and local.unanswered == 2
+        deadline = time.monotonic() + 5.0
+        while not local._poll.poll(0):  # both answers on their way back
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.05)
+        waits, frames = local.waits, local.frames_sent
+        wanted = list(range(100, 108)) + list(range(200, 208))
+        h = c.prepare_load(ns, wanted, pin=False)
+        assert h.lease_id == 0 and h.found == 16, "not a direct load"
+        assert committed == [8, 8] and local.unanswered == 0
+        assert (local.waits, local.frames_sent) == (waits, frames), "a call was made"
+        got = c.get(ns, wanted)
+        assert got.found == 16 and np.array_equal(got.data, content(wanted))
+        assert c.direct_lost_blocks == 0
+        # A commit whose answer has not been read because it is not here: the
+        # daemon is stopped (SIGSTOP) before it can answer, so the load is sent
+        # to the daemon (answered once it runs again), never read from the table.
+        hashes = list(range(300, 304))
+        h = c.prepare_store(ns, hashes)
+        for off, row in zip(h.offsets.tolist(), content(hashes), strict=True):
+            c.view(off, BLOCK)[:] = row
+        os.kill(d.pid, signal.SIGSTOP)
+        try:
+            c.commit_store_later(h, on_done=committed.append)
+            time.sleep(0.05)
+            assert not local.settle() and local.unanswered == 1
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+        waits = local.waits
+        h = c.prepare_load(ns, hashes, pin=False)
+        assert h.lease_id != 0 and h.found == 4 and local.waits == waits + 1
+        c.release(h)
+        assert committed == [8, 8, 4]
 
 
 def test_direct_loads_can_be_turned_off(daemon, monkeypatch):
