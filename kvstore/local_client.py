@@ -140,14 +140,10 @@ class LocalChannel:
         ``on_done`` run here, as in any call that reads them."""
         try:
             while self._unanswered and self.broken is None:
-                if not self._pending and not self._frame_buffered():
+                if not self._pending and not self._frame_end():
                     if not self._poll.poll(0):
                         return False  # still out: the daemon has not answered yet
-                    chunk = self._sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
-                    if not chunk:
-                        self._break("the daemon closed the connection")
-                        return False
-                    self._rbuf += chunk
+                    self._take_bytes(socket.MSG_DONTWAIT)
                     continue
                 self._read_one()  # a whole answer is here: no wait
         except BlockingIOError:
@@ -159,10 +155,13 @@ class LocalChannel:
             return False  # the stream broke (self.broken): the next call raises it
         return self.quiet()
 
-    def _frame_buffered(self) -> bool:
-        """Whether a whole frame waits in the read buffer."""
+    def _frame_end(self) -> int:
+        """Where the first whole frame in the read buffer ends; 0: none is whole yet."""
         buf = self._rbuf
-        return len(buf) >= HEADER.size and len(buf) >= HEADER.size + HEADER.unpack_from(buf)[0]
+        if len(buf) < HEADER.size:
+            return 0
+        end = HEADER.size + HEADER.unpack_from(buf)[0]
+        return end if len(buf) >= end else 0
 
     @classmethod
     def open(
@@ -379,14 +378,10 @@ class LocalChannel:
     def _read_frame(self) -> list[Any]:
         buf = self._rbuf
         try:
-            while True:
-                if len(buf) >= HEADER.size:
-                    end = HEADER.size + HEADER.unpack_from(buf)[0]
-                    if len(buf) >= end:
-                        body = bytes(buf[HEADER.size : end])
-                        del buf[:end]
-                        break
+            while not (end := self._frame_end()):
                 self._receive()
+            body = bytes(buf[HEADER.size : end])
+            del buf[:end]
         except TimeoutError:
             waited_s = self._sock.gettimeout()
             raise self._break(f"no answer within {waited_s}s", deadline=True) from None
@@ -409,7 +404,12 @@ class LocalChannel:
                     break
                 if clock() >= end_s:
                     break
-        chunk = self._sock.recv(RECV_BYTES)
+        self._take_bytes()
+
+    def _take_bytes(self, flags: int = 0) -> None:
+        """One recv into the read buffer (``flags``: MSG_DONTWAIT for no wait);
+        the daemon's end closed breaks the stream."""
+        chunk = self._sock.recv(RECV_BYTES, flags)
         if not chunk:
             part = " mid-answer" if self._rbuf else ""
             raise self._break(f"the daemon closed the connection{part}")
