@@ -561,6 +561,16 @@ class Placement:
         else:
             block.namespace.pending[block.block_hash] = block
 
+    def occupy_new(self, blocks: Sequence[Block], offsets: Sequence[int], *, ahead: bool) -> None:
+        """``occupy`` for new DRAM blocks of one namespace, each at its offset, in one
+        pass (blocks that ``reserve_dram_free`` just gave those slots)."""
+        if not blocks:
+            return
+        for block, offset in zip(blocks, offsets, strict=True):
+            block.offset = offset
+        ns = blocks[0].namespace
+        (ns.reserved if ahead else ns.pending).update({b.block_hash: b for b in blocks})
+
     def bind(self, blocks: Sequence[Block], real_hashes: Sequence[int | None]) -> None:
         """Slots reserved ahead meet their blocks at commit: each block leaves the
         placeholders and, where its real hash is given, takes it (pending, for
@@ -591,9 +601,49 @@ class Placement:
         if not blocks:
             return
         ns = blocks[0].namespace
-        chosen = set(map(id, committed))
         order = (ns.account or self.account(ns)).order[tier]  # the tenant's, if capped there
         policy = self.pool(tier).policy(ns.dram_key if tier is Tier.DRAM else ns.slot_bytes)
+        if len(committed) == len(blocks):  # all of them (a subset's blocks are the lease's)
+            self._commit_all(ns, blocks, policy, order)
+        else:
+            self._commit_some(ns, blocks, committed, policy, order)
+        self.counters.stored_blocks += len(committed)
+        if self.presence is not None and committed:
+            self.presence.stored(ns, committed, tier, new=True)
+        for hashes, parent, token_ids in batches:
+            self.sink.blocks_stored(ns, hashes, tier.medium, parent, token_ids)
+        if self.disk is not None and committed and tier is Tier.DRAM:
+            self._dirty(committed)  # GPU blocks reach disk through DRAM
+
+    def _commit_all(
+        self,
+        ns: Namespace,
+        blocks: Sequence[Block],
+        policy: EvictionPolicy,
+        order: dict[Block, None] | None,
+    ) -> None:
+        """_commit_some with every block chosen, in passes (a 64-block commit's
+        per-block calls were ~20 of its ~50 us)."""
+        pending, index = ns.pending, ns.blocks
+        for block in blocks:
+            del pending[block.block_hash]
+            block.state = BlockState.COMMITTED
+            index[block.block_hash] = block
+        policy.insert_many(blocks)
+        if order is not None:
+            order.update(dict.fromkeys(blocks))
+
+    def _commit_some(
+        self,
+        ns: Namespace,
+        blocks: Sequence[Block],
+        committed: Sequence[Block],
+        policy: EvictionPolicy,
+        order: dict[Block, None] | None,
+    ) -> None:
+        """The blocks of ``committed`` leave the pending ones for the index and the
+        eviction order, in the lease's order; the others' slots are freed."""
+        chosen = set(map(id, committed))
         for block in blocks:
             del ns.pending[block.block_hash]
             if id(block) in chosen:
@@ -604,13 +654,6 @@ class Placement:
                     order[block] = None
             else:
                 self.abort(block)
-        self.counters.stored_blocks += len(committed)
-        if self.presence is not None and committed:
-            self.presence.stored(ns, committed, tier, new=True)
-        for hashes, parent, token_ids in batches:
-            self.sink.blocks_stored(ns, hashes, tier.medium, parent, token_ids)
-        if self.disk is not None and committed and tier is Tier.DRAM:
-            self._dirty(committed)  # GPU blocks reach disk through DRAM
 
     def abort(self, block: Block) -> None:
         """Give back the slot of a block whose store was aborted (or expired)."""

@@ -8,6 +8,7 @@ while the manager walks it (the manager collects victims before removing).
 
 Primitives:
     insert(key)   a block became resident in the tier
+    insert_many(keys)  insert() of each, in order (a commit's blocks)
     touch(key)    the block was hit (lookup/load)
     remove(key)   the block left the tier (evicted, deleted, demoted)
     victims()     keys, coldest first (the walk of an eviction: may reorder the policy)
@@ -25,12 +26,15 @@ Low-priority copies (docs/eviction.md, "Admission of pulled copies"):
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Protocol
 
 
 class EvictionPolicy(Protocol):
     def insert(self, key: Hashable) -> None: ...
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        """insert() of each key, in order."""
 
     def touch(self, key: Hashable) -> None: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 
 class LRUPolicy:
@@ -19,6 +19,15 @@ class LRUPolicy:
         self._cold.pop(key, None)
         self._order[key] = None
         self._order.move_to_end(key)
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        cold, order = self._cold, self._order
+        to_end = order.move_to_end
+        for key in keys:
+            if cold:
+                cold.pop(key, None)
+            order[key] = None
+            to_end(key)
 
     def touch(self, key: Hashable) -> None:
         if key in self._order:

@@ -23,7 +23,7 @@ Each queue is an insertion-ordered dict, so every primitive is O(1) and
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 _FREQ_MAX = 3
 
@@ -45,6 +45,10 @@ class S3FIFOPolicy:
         # yet, with the queue they came from: they go back to its head when the
         # walk ends, so a skipped (pinned) key stays resident.
         self._held: list[tuple[Hashable, dict[Hashable, None]]] = []
+
+    def insert_many(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.insert(key)
 
     def insert(self, key: Hashable) -> None:
         self._restore()
