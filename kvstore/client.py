@@ -2110,7 +2110,9 @@ def gather(
     pieces = [(dst + s * block_bytes, base + offs[s], (e - s) * block_bytes) for s, e in spans]
     # A piece that finished after the deadline may have been read after the
     # lease ran out: it does not count (fence_reads).
-    done = memcopy.copy_pieces(pieces, deadline_s=deadline_s, clock=clock, fence_reads=True)
+    done = memcopy.copy_pieces(
+        pieces, deadline_s=deadline_s, clock=clock, fence_reads=True, load=True
+    )
     return len(offs) if done == len(spans) else spans[done][0]
 
 

@@ -39,14 +39,18 @@ the alignment split cost more than the loops save, and ``memmove`` is the
 one correct answer for overlap. Measurements: docs/tiers.md "Block copies".
 
 A batch of small pieces (``copy_pieces``: a step's blocks of 64 KiB to 1 MiB)
-that the non-temporal loop takes goes to it in groups, one ctypes call a group of up to
-``GROUP_BYTES`` (``nt_copy_pieces``): a call from Python costs ~3.5 us, which
-for 64 KiB pieces was a third of the copy (scattered 64 KiB blocks out of the
-shared region: 6.3 GB/s one call each, 7.4-7.8 GB/s grouped). Whether to
-group is measured too, the pieces loop timed as it runs (``GROUPED``) against
-the small method one call a piece: nt and vec one call a piece measured within
-2% of each other on the Intel VM, so tying grouping to nt winning that toss
-turned it off in about half of the processes.
+goes to a grouped loop, one ctypes call a group of up to ``GROUP_BYTES``: a
+call from Python costs ~3.5 us, which for 64 KiB pieces was a third of the
+copy (scattered 64 KiB blocks out of the shared region: 6.3 GB/s one call
+each, 7.4-7.8 GB/s grouped). Two loops can take a group: the non-temporal
+pieces loop (``nt_copy_pieces``) and the ordinary-store list loop
+(``vec_copy_list``, pieces of one length). Which one, if any, is measured
+for each direction (``load``: out of the shared region; a store: into it),
+each loop timed as it runs (``GROUPED``, ``GROUPED_VEC``) against the small
+method one call a piece: on the AMD VM the non-temporal loop won stores (14
+against 11-12 GB/s) and lost loads (8.5 against 11-13); nt and vec one call
+a piece measured within 2% of each other on the Intel VM, so tying grouping
+to nt winning that toss turned it off in about half of the processes.
 
 Large batches are also split between the calling thread and one helper thread
 (``copy_pieces``): on these VMs one core does not saturate memory bandwidth
@@ -60,8 +64,8 @@ Primitives:
     copy(dst, src)       dst[...] = src bytes (C-contiguous arrays, same nbytes)
     copy_raw(dst_address, src_address, nbytes)
     copy_list(dst_addresses, src_addresses, nbytes)   many small equal pieces, one call
-    copy_pieces(pieces, deadline_s=..., fence_reads=...) -> pieces copied in time
-                         (grouped into one call of the loop where it takes them)
+    copy_pieces(pieces, deadline_s=..., fence_reads=..., load=...) -> pieces copied in time
+                         (grouped into one call of the loop measured fastest that way)
     copy_with(method, dst_address, src_address, nbytes)   one named method
     fast_copy_available() -> bool   the loops are loaded and run here
     copy_methods() -> (small, large)   the methods chosen (measured on first call)
@@ -275,9 +279,19 @@ _LOADED = _load()
 
 MEMMOVE, NT, VEC = "memmove", "nt", "vec"
 METHODS = (MEMMOVE, NT, VEC)
-# The non-temporal pieces loop, a whole group of small pieces a call (copy_pieces):
-# timed beside the methods, never one a single copy is made with.
+# The loops that copy a whole group of a step's small pieces in one call
+# (copy_pieces): the non-temporal pieces loop (nt_copy_pieces, pieces of any
+# lengths) and the ordinary-store list loop (vec_copy_list, pieces of one
+# length). Timed beside the methods, in each direction, never what a single
+# copy is made with: on the AMD VM of 2026-12-07, 64 KiB pieces read out of a
+# shared mapping ran 8.5 GB/s with the first and 11-13 GB/s with the second,
+# and written into it 14 GB/s against 11-12 (docs/tiers.md "Block copies").
 GROUPED = "nt-grouped"
+GROUPED_VEC = "vec-grouped"
+_GROUP_LOOPS = {GROUPED: NT, GROUPED_VEC: VEC}
+# A batch's direction: read out of the shared region (a load) or written into
+# it (a store); the grouped loop is chosen for each.
+LOAD, STORE = "load", "store"
 # Copies of at least this many bytes are "large" (timed on 2 MiB pieces);
 # from NT_MIN_BYTES up to it "small" (timed on 64 KiB pieces).
 LARGE_MIN_BYTES = 1 << 20
@@ -298,9 +312,10 @@ MUST_WIN_BY = 0.95
 # The methods chosen for small and large copies: memmove until measured, then
 # set once by _measure() (a plain read per copy: no lock on the copy path).
 _small_method = _large_method = MEMMOVE
-# Whether copy_pieces hands a step's small pieces to the non-temporal pieces loop
-# in groups (measured against the small method one call a piece).
-_group_small = False
+# The loop copy_pieces hands a step's small pieces to in groups, per direction
+# (NT, VEC, or None: one call a piece; measured against the small method one
+# call a piece).
+_group_loop: dict[str, str | None] = {LOAD: None, STORE: None}
 _settled = _LOADED is None
 _measuring: threading.Thread | None = None
 _settle_lock = threading.Lock()
@@ -343,38 +358,56 @@ def _start_measuring() -> threading.Thread | None:
 
 
 def _measure() -> None:
-    global _small_method, _large_method, _group_small, _settled
+    global _small_method, _large_method, _group_loop, _settled
     assert _LOADED is not None
     if os.environ.get("KVSTORE_NT_COPY", "auto") == "1":
         small_m = large_m = NT
-        group = True
+        group: dict[str, str | None] = {LOAD: NT, STORE: NT}
         log.info("block copies: non-temporal loop (KVSTORE_NT_COPY=1)")
     else:
         small, large = _calibrate(_LOADED, (64 << 10, 2 << 20), CALIBRATION_BYTES)
         small_m, large_m = _fastest(small), _fastest(large)
-        # Grouping is its own choice, timed as copy_pieces runs it, against the
-        # small method one call a piece: the per-call figures of nt and vec were
-        # a toss here (9.2-9.8 GB/s each), and a toss won by vec used to turn
-        # grouping off. No margin: it is one of our loops against another (where
-        # nt stores are slow, as on the AMD VM, the grouped figure loses plainly).
-        group = small[GROUPED] < small[small_m]
+        # Grouping is its own choice, per direction, timed as copy_pieces runs
+        # it, against the small method one call a piece in that direction: the
+        # per-call figures of nt and vec were a toss on the Intel VM (9.2-9.8
+        # GB/s each), and a toss won by vec used to turn grouping off. No
+        # margin: it is one of our loops against another.
+        group = {d: _grouped_choice(small, small_m, d) for d in (LOAD, STORE)}
+        gbps = CALIBRATION_BYTES / 1e9
         log.info(
-            "block copies: %s below %d KiB, %s from there, a step's small pieces %s "
-            "(GB/s measured on 64 KiB / 2 MiB pieces: %s; 64 KiB pieces grouped, nt %.1f; "
+            "block copies: %s below %d KiB, %s from there, a step's small pieces: "
+            "loads %s, stores %s (GB/s measured on 64 KiB / 2 MiB pieces: %s; 64 KiB "
+            "pieces grouped, loads nt %.1f vec %.1f, stores nt %.1f vec %.1f; "
             "KVSTORE_NT_COPY=0/1 overrides)",
             small_m,
             LARGE_MIN_BYTES >> 10,
             large_m,
-            "grouped (nt)" if group else "one call each",
+            _grouped_words(group[LOAD]),
+            _grouped_words(group[STORE]),
             ", ".join(
                 f"{m} {CALIBRATION_BYTES * 2 / small[m] / 1e9:.1f} / "
                 f"{CALIBRATION_BYTES * 2 / large[m] / 1e9:.1f}"
                 for m in METHODS
             ),
-            CALIBRATION_BYTES * 2 / small[GROUPED] / 1e9,
+            *(gbps / small[f"{g}:{d}"] for d in (LOAD, STORE) for g in _GROUP_LOOPS),
         )
-    _small_method, _large_method, _group_small = small_m, large_m, group
+    _small_method, _large_method, _group_loop = small_m, large_m, group
     _settled = True
+
+
+def _grouped_choice(small: dict[str, float], small_m: str, direction: str) -> str | None:
+    """The faster grouped loop in ``direction`` (NT or VEC), if it beats the small
+    method one call a piece there; else None."""
+    name = min(_GROUP_LOOPS, key=lambda g: small[f"{g}:{direction}"])
+    return (
+        _GROUP_LOOPS[name]
+        if small[f"{name}:{direction}"] < small[f"{small_m}:{direction}"]
+        else None
+    )
+
+
+def _grouped_words(loop: str | None) -> str:
+    return f"grouped ({loop})" if loop is not None else "one call each"
 
 
 def _fastest(times: dict[str, float]) -> str:
@@ -386,8 +419,10 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
     """For each piece size, the best time of each method copying ``nbytes`` of
     such pieces out of a shared anonymous mapping and back into it (what the
     region is: shared memory in 4 KiB pages, read and written at scattered
-    slots), one call a piece; for sizes the pieces loop takes (``_groupable``),
-    also that loop's, in groups of GROUP_BYTES (``GROUPED``). One set of
+    slots), one call a piece (key: the method; and each direction alone,
+    "<method>:load" out of it, "<method>:store" into it); for sizes the grouped
+    loops take (``_groupable``), also theirs, in groups of GROUP_BYTES, each
+    direction alone ("nt-grouped:load", "vec-grouped:store", ...). One set of
     buffers for all sizes: its pages are touched once."""
     shared = mmap.mmap(-1, 2 * nbytes)
     try:
@@ -399,36 +434,62 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
         for piece in pieces:
             # every other slot of the shared mapping, so reads and writes skip around
             pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(nbytes // piece)]
-            best = dict.fromkeys(METHODS, math.inf)
-            tables: list[tuple[array.array[int], array.array[int], int]] = []
+            best: dict[str, float] = {}
+            groups: list[list[tuple[int, int, int]]] = []
             if _groupable(piece):
-                best[GROUPED] = math.inf
                 per_group = max(1, GROUP_BYTES // piece)
-                for g in range(0, len(pairs), per_group):
-                    group = pairs[g : g + per_group]
-                    out = array.array("Q", [x for p, r in group for x in (p, r, piece)])
-                    back = array.array("Q", [x for p, r in group for x in (r, p, piece)])
-                    tables.append((out, back, len(group)))
+                groups = [
+                    [(p, r, piece) for p, r in pairs[g : g + per_group]]
+                    for g in range(0, len(pairs), per_group)
+                ]
             for _ in range(CALIBRATION_ROUNDS):
                 for method in METHODS:
                     t0 = time.perf_counter()
                     for p, r in pairs:
                         copy_with(method, p, r, piece)
+                    t1 = time.perf_counter()
                     for p, r in pairs:
                         copy_with(method, r, p, piece)
-                    best[method] = min(best[method], time.perf_counter() - t0)
-                if tables:
-                    t0 = time.perf_counter()
-                    for out, _, count in tables:
-                        loops.nt_pieces(out.buffer_info()[0], count)
-                    for _, back, count in tables:
-                        loops.nt_pieces(back.buffer_info()[0], count)
-                    best[GROUPED] = min(best[GROUPED], time.perf_counter() - t0)
+                    t2 = time.perf_counter()
+                    _keep_best(best, method, t2 - t0)
+                    _keep_best(best, f"{method}:{LOAD}", t1 - t0)
+                    _keep_best(best, f"{method}:{STORE}", t2 - t1)
+                for name, loop in _GROUP_LOOPS.items():
+                    if not groups:
+                        break
+                    for direction in (LOAD, STORE):
+                        calls = [
+                            _group_call(loops, loop, g if direction == LOAD else _swapped(g))
+                            for g in groups
+                        ]
+                        t0 = time.perf_counter()
+                        for call in calls:
+                            call()
+                        _keep_best(best, f"{name}:{direction}", time.perf_counter() - t0)
             results.append(best)
         del region, private
     finally:
         shared.close()
     return results
+
+
+def _keep_best(best: dict[str, float], key: str, seconds: float) -> None:
+    best[key] = min(best.get(key, math.inf), seconds)
+
+
+def _swapped(group: Sequence[Piece]) -> list[Piece]:
+    return [(s, d, n) for d, s, n in group]
+
+
+def _group_call(loops: Loops, loop: str, group: Sequence[Piece]) -> Callable[[], object]:
+    """One call of a grouped loop over ``group`` (its tables built now, not when called)."""
+    if loop == NT:
+        table = array.array("Q", itertools.chain.from_iterable(group))
+        return lambda: loops.nt_pieces(table.buffer_info()[0], len(group))
+    dsts = array.array("Q", [d for d, _, _ in group])
+    srcs = array.array("Q", [s for _, s, _ in group])
+    nbytes = group[0][2]
+    return lambda: loops.vec_list(dsts.buffer_info()[0], srcs.buffer_info()[0], len(group), nbytes)
 
 
 def _groupable(nbytes: int) -> bool:
@@ -606,20 +667,20 @@ def _run(
     deadline_s: float,
     clock: Callable[[], float],
     fence_reads: bool,
+    loop: str | None,
 ) -> int:
     """Copy pieces in order; how many leading ones were copied in time. Runs of
-    pieces the non-temporal loop takes go to it in one call per group
-    (``_group_end``); the deadline is checked between groups as between pieces."""
+    pieces the grouped ``loop`` takes (NT, VEC; None: none) go to it in one
+    call per group (``_group_end``); the deadline is checked between groups as
+    between pieces."""
     k, count = 0, len(pieces)
     while k < count:
         if clock() > deadline_s:
             return k
-        end = _group_end(pieces, k)
+        end = _group_end(pieces, k, loop)
         if end - k > 1:
-            group = pieces[k:end]
-            table = array.array("Q", itertools.chain.from_iterable(group))
-            assert _LOADED is not None
-            _LOADED.nt_pieces(table.buffer_info()[0], len(group))
+            assert _LOADED is not None and loop is not None
+            _group_call(_LOADED, loop, pieces[k:end])()
         else:
             copy_raw(*pieces[k])
         if fence_reads and clock() > deadline_s:
@@ -628,22 +689,23 @@ def _run(
     return count
 
 
-def _group_end(pieces: Sequence[Piece], k: int) -> int:
-    """The end of the group of pieces from ``k`` that one call of the pieces loop
-    takes: small pieces of whole lines (``_groupable``: from NT_MIN_BYTES to below
-    LARGE_MIN_BYTES; for larger ones a call is nothing next to the bytes, and 2
-    MiB blocks' loads grouped measured 0.9x), grouping measured faster than the
-    small method one call a piece (``_group_small``), a 16-byte aligned
-    destination (what its stores need; copy_raw would first align to a line,
-    which measured no faster: numpy's large arrays start 16 bytes past a page),
-    no overlap, at most GROUP_BYTES in all. ``k + 1`` when piece k is not such."""
-    if _LOADED is None or not _settled or not _group_small:
+def _group_end(pieces: Sequence[Piece], k: int, loop: str | None) -> int:
+    """The end of the group of pieces from ``k`` that one call of the grouped
+    ``loop`` takes: small pieces of whole lines (``_groupable``: from NT_MIN_BYTES
+    to below LARGE_MIN_BYTES; for larger ones a call is nothing next to the
+    bytes, and 2 MiB blocks' loads grouped measured 0.9x), no overlap, at most
+    GROUP_BYTES in all; for NT a 16-byte aligned destination (what its stores
+    need; copy_raw would first align to a line, which measured no faster:
+    numpy's large arrays start 16 bytes past a page), for VEC pieces of one
+    length (what its list takes). ``k + 1`` when piece k is not such, or no
+    loop was measured faster than the small method one call a piece (None)."""
+    if _LOADED is None or not _settled or loop is None:
         return k + 1
-    end, total = k, 0
+    end, total, first = k, 0, pieces[k][2]
     for d, s, n in itertools.islice(pieces, k, None):
         if (
             not _groupable(n)
-            or d % _STORE_ALIGN_BYTES
+            or (d % _STORE_ALIGN_BYTES if loop == NT else n != first)
             or _overlap(d, s, n)
             or total + n > GROUP_BYTES
         ):
@@ -658,8 +720,12 @@ def copy_pieces(
     deadline_s: float = math.inf,
     clock: Callable[[], float] = time.monotonic,
     fence_reads: bool = False,
+    load: bool = False,
 ) -> int:
     """Copy each ``(dst_address, src_address, nbytes)`` piece, in order, until the deadline.
+
+    ``load``: the pieces are read out of the shared region (else written into
+    it): small pieces are grouped by the loop measured fastest that way.
 
     Returns how many leading pieces were copied entirely in time: no piece is
     started after ``deadline_s`` (by ``clock``), and with ``fence_reads`` a piece
@@ -667,9 +733,10 @@ def copy_pieces(
     under it). Large batches are split between this thread and a helper thread;
     the answer is the same as one thread's would be (the pieces are disjoint).
     """
+    loop = _group_loop[LOAD if load else STORE]
     total = sum(p[2] for p in pieces)
     if _THREADS < 2 or total < PARALLEL_MIN_BYTES or total < PARALLEL_MIN_PIECE_BYTES * len(pieces):
-        return _run(pieces, deadline_s, clock, fence_reads)
+        return _run(pieces, deadline_s, clock, fence_reads, loop)
     # Sub-pieces of at most max(_SPLIT_BYTES, a quarter of the batch), each
     # remembering its piece, then cut in two halves of about equal bytes.
     cut = max(_SPLIT_BYTES, total // 4)
@@ -685,9 +752,9 @@ def copy_pieces(
         half += 1
     half = max(1, min(half, len(subs) - 1))
     first, second = subs[:half], subs[half:]
-    later = _helper.submit(lambda: _run(second, deadline_s, clock, fence_reads))
+    later = _helper.submit(lambda: _run(second, deadline_s, clock, fence_reads, loop))
     try:
-        done = _run(first, deadline_s, clock, fence_reads)
+        done = _run(first, deadline_s, clock, fence_reads, loop)
     finally:
         done_later = later.result()  # never leave a copy running past the return
     if done == len(first):

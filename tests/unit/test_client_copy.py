@@ -57,3 +57,26 @@ def test_small_batches_find_the_same_runs_as_the_numpy_path(monkeypatch):
     assert small == [client_mod._runs(o, r, BLOCK) for o, r in cases]
     offsets = np.array([0, 1, 2, 5, 6, 9], dtype=np.uint64) * BLOCK
     assert small and client_mod._runs(offsets, None, BLOCK) == [(0, 3), (3, 5), (5, 6)]
+
+
+def test_gather_copies_as_a_load_and_scatter_as_a_store(monkeypatch):
+    """The grouped loop is chosen per direction (kvstore.memcopy): a gather reads
+    out of the region (a load), a scatter writes into it (a store)."""
+    from kvstore import memcopy
+
+    seen: list[bool] = []
+    real = memcopy.copy_pieces
+
+    def recording(pieces, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("load", False))
+        return real(pieces, **kw)
+
+    monkeypatch.setattr(memcopy, "copy_pieces", recording)
+    region = np.zeros(8 * BLOCK, np.uint8)
+    offsets = np.array([5, 1, 3], dtype=np.uint64) * BLOCK
+    data = np.arange(3 * BLOCK, dtype=np.uint8).reshape(3, BLOCK)
+    assert scatter(region, offsets, data, np.arange(3), BLOCK) == 3
+    out = np.zeros_like(data)
+    assert gather(region, offsets, out, BLOCK) == 3
+    np.testing.assert_array_equal(out, data)
+    assert seen == [False, True]

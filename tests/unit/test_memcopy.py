@@ -194,36 +194,51 @@ def test_auto_mode_measures_both_methods_once_and_says_which_it_keeps():
     assert f"block copies: {small} below 1024 KiB, {large} from there" in lines[0]
     for method in memcopy.METHODS:  # every figure is printed
         assert re.search(rf"{method} [0-9.]+ / [0-9.]+", lines[0]), lines[0]
-    # and the pieces loop's, timed on its own: grouping is a choice of its own
-    assert re.search(r"64 KiB pieces grouped, nt [0-9.]+;", lines[0]), lines[0]
-    assert re.search(r"a step's small pieces (grouped \(nt\)|one call each) \(", lines[0])
+    # and the grouped loops', timed on their own each way: a choice of its own
+    assert re.search(
+        r"64 KiB pieces grouped, loads nt [0-9.]+ vec [0-9.]+, stores nt [0-9.]+ vec [0-9.]+;",
+        lines[0],
+    ), lines[0]
+    way = r"(grouped \((nt|vec)\)|one call each)"
+    assert re.search(rf"a step's small pieces: loads {way}, stores {way} \(", lines[0])
 
 
 @pytest.mark.parametrize(
-    ("grouped_s", "small", "group"),
+    ("nt_grouped", "vec_grouped", "group"),
     [
-        # vec a hair faster than nt one call a piece, the pieces loop far faster:
-        # vec for single copies, and a step's pieces grouped all the same
-        (0.6, "vec", True),
-        # the pieces loop slower than vec one call a piece: no grouping
-        (1.01, "vec", False),
+        # vec a hair faster than nt one call a piece, the pieces loop far faster
+        # both ways: vec for single copies, a step's pieces grouped by nt
+        ((0.3, 0.3), (0.4, 0.4), {"load": "nt", "store": "nt"}),
+        # each loop faster one way (the AMD VM: nt stores, vec loads)
+        ((0.45, 0.2), (0.3, 0.35), {"load": "vec", "store": "nt"}),
+        # both slower than vec one call a piece (0.5 each way): no grouping
+        ((0.51, 0.6), (0.55, 0.52), {"load": None, "store": None}),
+        # one way only
+        ((0.51, 0.3), (0.55, 0.52), {"load": None, "store": "nt"}),
     ],
 )
-def test_grouping_is_measured_against_the_small_method_one_call_a_piece(
-    monkeypatch, grouped_s, small, group
+def test_grouping_is_measured_each_way_against_the_small_method_one_call_a_piece(
+    monkeypatch, nt_grouped, vec_grouped, group
 ):
     if not memcopy.fast_copy_available():
         pytest.skip("the copy loops are x86-64 Linux only")
     memcopy.copy_methods()  # settled first: no measuring thread races this one
-    for name in ("_small_method", "_large_method", "_group_small", "_settled"):
+    for name in ("_small_method", "_large_method", "_group_loop", "_settled"):
         monkeypatch.setattr(memcopy, name, getattr(memcopy, name))
     monkeypatch.delenv("KVSTORE_NT_COPY", raising=False)
-    times = {memcopy.MEMMOVE: 1.4, memcopy.NT: 1.01, memcopy.VEC: 1.0, memcopy.GROUPED: grouped_s}
+    times = {memcopy.MEMMOVE: 1.4, memcopy.NT: 1.01, memcopy.VEC: 1.0}
+    for m, t in list(times.items()):  # each way half of the round trip
+        times[f"{m}:load"] = times[f"{m}:store"] = t / 2
+    for name, (load_s, store_s) in (
+        (memcopy.GROUPED, nt_grouped),
+        (memcopy.GROUPED_VEC, vec_grouped),
+    ):
+        times[f"{name}:load"], times[f"{name}:store"] = load_s, store_s
     large = {memcopy.MEMMOVE: 1.0, memcopy.NT: 0.8, memcopy.VEC: 0.9}
     monkeypatch.setattr(memcopy, "_calibrate", lambda *a: [times, large])
     memcopy._measure()
-    assert memcopy.copy_methods() == (small, memcopy.NT)
-    assert memcopy._group_small is group
+    assert memcopy.copy_methods() == ("vec", memcopy.NT)
+    assert memcopy._group_loop == group
 
 
 def test_forced_on_takes_the_loop_without_measuring():
@@ -389,14 +404,14 @@ def test_the_measured_choice_holds_for_a_transfer_past_the_caches():
 
 @pytest.fixture
 def pieces_calls(monkeypatch):
-    """The settled non-temporal choice with grouping, one thread, and every call
-    of the pieces loop recorded (how many pieces each)."""
+    """The settled non-temporal choice with grouping by the pieces loop both ways,
+    one thread, and every call of the pieces loop recorded (how many pieces each)."""
     if not memcopy.fast_copy_available():
         pytest.skip("the copy loops are x86-64 Linux only")
     memcopy.copy_methods()
     monkeypatch.setattr(memcopy, "_small_method", memcopy.NT)
     monkeypatch.setattr(memcopy, "_large_method", memcopy.NT)
-    monkeypatch.setattr(memcopy, "_group_small", True)
+    monkeypatch.setattr(memcopy, "_group_loop", {"load": memcopy.NT, "store": memcopy.NT})
     monkeypatch.setattr(memcopy, "_THREADS", 1)
     calls: list[int] = []
     loops = memcopy._LOADED
@@ -457,7 +472,7 @@ def test_groups_end_at_group_bytes_and_take_only_small_pieces_of_the_loop(
     assert pieces_calls == [16, 16]  # the 33rd and the large ones: one call each
 
     # where grouping was not measured faster, small pieces are one call each
-    monkeypatch.setattr(memcopy, "_group_small", False)
+    monkeypatch.setattr(memcopy, "_group_loop", {"load": None, "store": None})
     pieces_calls.clear()
     small = [64 << 10] * 8
     dst[:] = 0
@@ -486,3 +501,48 @@ def test_a_group_is_never_started_late_and_counts_only_if_done_in_time(pieces_ca
     assert pieces_calls == [16, 16]
     np.testing.assert_array_equal(dst[: 32 * k], src[: 32 * k])
     assert not dst[32 * k :].any()  # never started
+
+
+def test_loads_grouped_by_the_list_loop_take_runs_of_one_length_bit_exact(monkeypatch):
+    # Where the ordinary-store list loop won loads (the AMD VM): a load's
+    # scattered 64 KiB pieces in one call, a run of another length in the next,
+    # a piece of a third length alone (a run of one); a store of the same pieces goes to the
+    # non-temporal loop. Every byte lands, nothing around them is touched.
+    if not memcopy.fast_copy_available():
+        pytest.skip("the copy loops are x86-64 Linux only")
+    memcopy.copy_methods()
+    monkeypatch.setattr(memcopy, "_group_loop", {"load": memcopy.VEC, "store": memcopy.NT})
+    monkeypatch.setattr(memcopy, "_THREADS", 1)
+    loops = memcopy._LOADED
+    assert loops is not None
+    lists: list[tuple[int, int]] = []
+    tables: list[int] = []
+
+    def listed(dsts: int, srcs: int, count: int, nbytes: int) -> None:
+        lists.append((count, nbytes))
+        loops.vec_list(dsts, srcs, count, nbytes)
+
+    def pieced(table: int, count: int) -> None:
+        tables.append(count)
+        loops.nt_pieces(table, count)
+
+    monkeypatch.setattr(memcopy, "_LOADED", loops._replace(vec_list=listed, nt_pieces=pieced))
+    block = 64 << 10
+    sizes = [block] * 6 + [2 * block] * 3 + [T + 64]
+    src = _src(sum(sizes), 24)
+    dst = np.full(sum(sizes) + 2 * GUARD, 0xA5, np.uint8)
+    inner = dst[GUARD : GUARD + sum(sizes)]
+    order = [3, 0, 5, 1, 4, 2, 7, 6, 8, 9]  # scattered within each run of one length
+    pieces = _pieces(inner, src, sizes, order)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+    want = np.concatenate([src[starts[k] : starts[k] + sizes[k]] for k in order])
+    assert memcopy.copy_pieces(pieces, load=True) == len(sizes)
+    np.testing.assert_array_equal(inner, want)
+    assert (dst[:GUARD] == 0xA5).all() and (dst[GUARD + sum(sizes) :] == 0xA5).all()
+    assert lists == [(6, block), (3, 2 * block)] and tables == []  # the odd one: alone
+
+    inner[:] = 0
+    lists.clear()
+    assert memcopy.copy_pieces(pieces) == len(sizes)  # a store: the other loop
+    np.testing.assert_array_equal(inner, want)
+    assert lists == [] and tables == [10]  # any lengths: one call for all
