@@ -223,7 +223,7 @@ def test_grouping_is_measured_each_way_against_the_small_method_one_call_a_piece
     if not memcopy.fast_copy_available():
         pytest.skip("the copy loops are x86-64 Linux only")
     memcopy.copy_methods()  # settled first: no measuring thread races this one
-    for name in ("_small_method", "_large_method", "_group_loop", "_settled"):
+    for name in ("_small_method", "_large_method", "_way_methods", "_group_loop", "_settled"):
         monkeypatch.setattr(memcopy, name, getattr(memcopy, name))
     monkeypatch.delenv("KVSTORE_NT_COPY", raising=False)
     times = {memcopy.MEMMOVE: 1.4, memcopy.NT: 1.01, memcopy.VEC: 1.0}
@@ -234,10 +234,14 @@ def test_grouping_is_measured_each_way_against_the_small_method_one_call_a_piece
         (memcopy.GROUPED_VEC, vec_grouped),
     ):
         times[f"{name}:load"], times[f"{name}:store"] = load_s, store_s
+    # 2 MiB pieces: nt both ways (0.8), yet vec reads faster and nt writes faster
     large = {memcopy.MEMMOVE: 1.0, memcopy.NT: 0.8, memcopy.VEC: 0.9}
+    large |= {"memmove:load": 0.5, "nt:load": 0.45, "vec:load": 0.3}
+    large |= {"memmove:store": 0.5, "nt:store": 0.35, "vec:store": 0.6}
     monkeypatch.setattr(memcopy, "_calibrate", lambda *a: [times, large])
     memcopy._measure()
-    assert memcopy.copy_methods() == ("vec", memcopy.NT)
+    assert memcopy.copy_methods() == ("vec", memcopy.NT)  # both ways (copy_raw's default)
+    assert memcopy._way_methods == {"load": ("vec", "vec"), "store": ("vec", "nt")}
     assert memcopy._group_loop == group
 
 
@@ -546,3 +550,38 @@ def test_loads_grouped_by_the_list_loop_take_runs_of_one_length_bit_exact(monkey
     assert memcopy.copy_pieces(pieces) == len(sizes)  # a store: the other loop
     np.testing.assert_array_equal(inner, want)
     assert lists == [] and tables == [10]  # any lengths: one call for all
+
+
+def test_a_piece_alone_takes_the_method_of_its_way(monkeypatch):
+    """copy_pieces' lone pieces (a large one, a small one not grouped) go by the
+    method measured for their direction; copy_raw without a way, by the one
+    measured both ways."""
+    if not memcopy.fast_copy_available():
+        pytest.skip("the copy loops are x86-64 Linux only")
+    memcopy.copy_methods()
+    monkeypatch.setattr(memcopy, "_way_methods", {"load": ("vec", "vec"), "store": ("nt", "nt")})
+    monkeypatch.setattr(memcopy, "_small_method", memcopy.MEMMOVE)
+    monkeypatch.setattr(memcopy, "_large_method", memcopy.MEMMOVE)
+    monkeypatch.setattr(memcopy, "_group_loop", {"load": None, "store": None})
+    monkeypatch.setattr(memcopy, "_THREADS", 1)
+    used: list[str] = []
+    real = memcopy.copy_with
+
+    def recording(method, d, s, n):  # type: ignore[no-untyped-def]
+        used.append(method)
+        real(method, d, s, n)
+
+    monkeypatch.setattr(memcopy, "copy_with", recording)
+    sizes = [2 * MIB, 64 << 10]
+    src = _src(sum(sizes), 25)
+    dst = np.zeros(sum(sizes), np.uint8)
+    pieces = _pieces(dst, src, sizes, [0, 1])
+    assert memcopy.copy_pieces(pieces, load=True) == 2
+    assert used == ["vec", "vec"]
+    np.testing.assert_array_equal(dst, src)
+    used.clear()
+    assert memcopy.copy_pieces(pieces) == 2
+    assert used == ["nt", "nt"]
+    used.clear()
+    memcopy.copy_raw(*pieces[0])
+    assert used == ["memmove"]
