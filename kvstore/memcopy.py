@@ -447,13 +447,19 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
             # every other slot of the shared mapping, so reads and writes skip around
             pairs = [(p0 + i * piece, r0 + 2 * i * piece) for i in range(nbytes // piece)]
             best: dict[str, float] = {}
-            groups: list[list[tuple[int, int, int]]] = []
+            # Each grouped loop's calls, each way, built once for all rounds.
+            grouped: dict[str, list[Callable[[], object]]] = {}
             if _groupable(piece):
                 per_group = max(1, GROUP_BYTES // piece)
                 groups = [
                     [(p, r, piece) for p, r in pairs[g : g + per_group]]
                     for g in range(0, len(pairs), per_group)
                 ]
+                for name, loop in _GROUP_LOOPS.items():
+                    grouped[f"{name}:{LOAD}"] = [_group_call(loops, loop, g) for g in groups]
+                    grouped[f"{name}:{STORE}"] = [
+                        _group_call(loops, loop, _swapped(g)) for g in groups
+                    ]
             for _ in range(CALIBRATION_ROUNDS):
                 for method in METHODS:
                     t0 = time.perf_counter()
@@ -466,18 +472,11 @@ def _calibrate(loops: Loops, pieces: Sequence[int], nbytes: int) -> list[dict[st
                     _keep_best(best, method, t2 - t0)
                     _keep_best(best, f"{method}:{LOAD}", t1 - t0)
                     _keep_best(best, f"{method}:{STORE}", t2 - t1)
-                for name, loop in _GROUP_LOOPS.items():
-                    if not groups:
-                        break
-                    for direction in (LOAD, STORE):
-                        calls = [
-                            _group_call(loops, loop, g if direction == LOAD else _swapped(g))
-                            for g in groups
-                        ]
-                        t0 = time.perf_counter()
-                        for call in calls:
-                            call()
-                        _keep_best(best, f"{name}:{direction}", time.perf_counter() - t0)
+                for key, calls in grouped.items():
+                    t0 = time.perf_counter()
+                    for call in calls:
+                        call()
+                    _keep_best(best, key, time.perf_counter() - t0)
             results.append(best)
         del region, private
     finally:

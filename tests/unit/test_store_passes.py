@@ -8,39 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvstore.config import load_config
 from kvstore.errors import CapacityExhausted
 from kvstore.eviction import make_policy
 from kvstore.manager import BlockManager
 from kvstore.namespace import Tier
-from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
-from tests.sinks import RecordingSink
+from tests.managers import managers
 
 
 @pytest.fixture
 def make_manager(tmp_path):
-    made = []
-
-    def make(*settings: str) -> BlockManager:
-        config = load_config(
-            environ={},
-            assignments=[
-                "dram.capacity_bytes=512KiB",  # 128 slots of 4 KiB
-                "dram.chunk_bytes=64KiB",
-                f"dram.path={tmp_path}/r{len(made)}",
-                *settings,
-            ],
-        )
-        region = Region(
-            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
-        )
-        made.append(region)
-        return BlockManager(config, region, RecordingSink())
-
-    yield make
-    for r in made:
-        r.close(unlink=True)
+    # 128 slots of 4 KiB
+    with managers(tmp_path, "dram.capacity_bytes=512KiB", "dram.chunk_bytes=64KiB") as make:
+        yield make
 
 
 def _state(m: BlockManager) -> tuple:

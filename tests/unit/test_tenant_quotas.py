@@ -17,6 +17,7 @@ from kvstore.tiers import Tier
 from kvstore.tiers.disk import align_up
 from kvstore.tiers.dram import Region
 from tests.conftest import make_spec
+from tests.managers import managers
 from tests.sinks import RecordingSink
 
 SALT_A = "salt-of-tenant-a-7f3e"
@@ -26,24 +27,13 @@ QUOTA_A = {"quotas.tenants.alpha.tenant": SALT_A, "quotas.tenants.alpha.dram_byt
 
 @pytest.fixture
 def make_manager(tmp_path):
-    made = []
+    with managers(tmp_path) as make_one:
 
-    def make(settings, capacity="1MiB", chunk="256KiB"):
-        assignments = [
-            f"dram.capacity_bytes={capacity}",
-            f"dram.chunk_bytes={chunk}",
-            f"dram.path={tmp_path}/r{len(made)}",
-        ] + [f"{k}={v}" for k, v in settings.items()]
-        config = load_config(environ={}, assignments=assignments)
-        region = Region(
-            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
-        )
-        made.append(region)
-        return BlockManager(config, region, RecordingSink())
+        def make(settings, capacity="1MiB", chunk="256KiB"):
+            sizes = (f"dram.capacity_bytes={capacity}", f"dram.chunk_bytes={chunk}")
+            return make_one(*sizes, *(f"{k}={v}" for k, v in settings.items()))
 
-    yield make
-    for r in made:
-        r.close(unlink=True)
+        yield make
 
 
 def store(m, ns, hashes):
