@@ -285,6 +285,7 @@ class Daemon:
             **self.endpoints(),
             "region_path": self.region.path,
             "region_bytes": self.region.capacity_bytes,
+            "region_page_bytes": self.region.page_bytes,
         }
 
     async def _reap_leases(self) -> None:

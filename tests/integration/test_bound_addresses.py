@@ -17,6 +17,7 @@ from kvstore.indexer.backend import NodeScore
 from kvstore.indexer.config import IndexerConfig
 from kvstore.indexer.service import Indexer
 from kvstore.indexer.subscriber import SourceSpec
+from kvstore.tiers.dram import page_bytes_of
 from tests.conftest import make_spec
 
 ADDRESS_KEYS = (
@@ -55,6 +56,8 @@ def test_events_on_port_0_are_reported_and_an_indexer_follows_them(daemon_factor
     assert re.fullmatch(r"127\.0\.0\.1:[1-9]\d*", ready["tcp_address"]), ready
     assert re.fullmatch(r"127\.0\.0\.1:[1-9]\d*", ready["metrics_address"]), ready
     assert ready["socket_path"] == d.socket_path
+    # The page size the region's memory comes in, as its mount says (docs/tiers.md)
+    assert d.info["region_page_bytes"] == page_bytes_of(d.info["region_path"])
 
     with Client(d.address, map_region=False) as c:
         assert {k: getattr(c.info, k) for k in ADDRESS_KEYS} == ready

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.tiers.dram import Region, SlabAllocator, slot_bytes_for
+from kvstore.tiers.dram import Region, SlabAllocator, page_bytes_for, page_bytes_of, slot_bytes_for
 
 
 def test_slots_are_aligned_and_bounded():
@@ -131,3 +131,37 @@ def test_alloc_many_of_large_slots_takes_whole_chunks_as_allocs_would():
             rest.append(offset)
         assert many.alloc_many(size, 10**6) == rest
     assert many.used_bytes == one.used_bytes
+
+
+@pytest.mark.parametrize(
+    ("fstype", "options", "policy", "page_bytes"),
+    [
+        ("tmpfs", "rw,nosuid,nodev,size=24683784k", "never", 4096),  # /dev/shm as usual
+        ("tmpfs", "rw,relatime,size=4194304k,huge=within_size", "never", 2 << 20),
+        ("tmpfs", "rw,huge=always", "", 2 << 20),
+        # advise: the region's pages come from fallocate, which no mapping advises
+        ("tmpfs", "rw,huge=advise", "advise", 4096),
+        ("tmpfs", "rw,huge=never", "force", 2 << 20),  # the kernel's override, both ways
+        ("tmpfs", "rw,huge=within_size", "deny", 4096),
+        ("hugetlbfs", "rw,relatime,pagesize=2M", "", 2 << 20),
+        ("hugetlbfs", "rw,relatime,pagesize=1024M", "", 1 << 30),
+        ("hugetlbfs", "rw,relatime", "", 2 << 20),
+        ("ext4", "rw,relatime", "force", 4096),  # a disk: never huge, whatever the policy
+        ("", "", "", 4096),  # not found
+    ],
+)
+def test_page_bytes_follow_the_mount_and_the_kernel_policy(fstype, options, policy, page_bytes):
+    assert page_bytes_for(fstype, options, policy) == page_bytes
+
+
+def test_a_region_knows_its_page_size(tmp_path):
+    """What the daemon reports (ready info region_page_bytes) is what the mount
+    table says of the region's file, read at the time the region is created."""
+    path = "/dev/shm/kvstore-test-page-bytes.dram"
+    region = Region(path, 1 << 20, prefault=True, huge_pages="off")
+    try:
+        assert region.page_bytes == page_bytes_of(path)
+        assert region.page_bytes in (4096, 2 << 20)
+    finally:
+        region.close(unlink=True)
+    assert page_bytes_of(str(tmp_path / "x")) in (4096, 2 << 20)  # any filesystem answers
