@@ -13,7 +13,8 @@ interleaved repetition by repetition so the machine's swings hit all alike:
 - memcpy: numpy copy of the same bytes in the same block size, one process.
 
 Also: time to first byte (a one-block pull, connected and warm; beside it the
-same pull asked over gRPC ``FetchFromPeer``, one round trip more) and the
+same pull asked over gRPC ``FetchFromPeer``, one round trip more; against a bare
+one-block READ back to back and after a 2 ms idle gap) and the
 per-transfer overhead (daemon minus bare NIXL medians). Ratios are
 bare_time / daemon_time (1.0 = the daemon adds nothing).
 """
@@ -41,6 +42,8 @@ MiB = 1 << 20
 # The daemon's bound on each pull (under the puller's 115 s maximum).
 PULL_TIMEOUT_S = 60.0
 SECRET = "bench-secret"
+# Idle time before each bare one-block READ of the first byte's second reference.
+TTFB_GAP_S = 0.002
 NIXL_ENV = {"UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"}
 
 
@@ -53,6 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ucx-tls", default="", help="UCX_TLS for all processes (e.g. tcp); default: UCX's choice"
     )
     p.add_argument("--results", default="results", help="folder for the JSON report")
+    p.add_argument(
+        "--region-dir",
+        default="/dev/shm",
+        help="memory filesystem for the daemons' and the bare processes' regions alike "
+        "(e.g. a tmpfs mounted with huge=within_size: 2 MiB pages; docs/tiers.md)",
+    )
     p.add_argument("--quick", action="store_true", help="64 MiB, 3 repeats (CI smoke)")
     p.add_argument(
         "--pin-channel",
@@ -113,7 +122,10 @@ def _child(role: str, region_path: str) -> None:
             local = np.load(cmd["local"]) + np.uint64(base)
             size = cmd["size"]
             times = []
+            gap_s = cmd.get("gap_s", 0.0)
             for _ in range(cmd["repeats"]):
+                if gap_s:
+                    time.sleep(gap_s)  # idle, as a pull's READ is after its round trips
                 ldesc = np.stack([local, np.full_like(local, size), np.zeros_like(local)], axis=1)
                 rdesc = np.stack(
                     [remote, np.full_like(remote, size), np.zeros_like(remote)], axis=1
@@ -205,6 +217,8 @@ def _one_size(
     n = total_bytes // block_bytes
     region_bytes = total_bytes + 64 * MiB
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-p2p-", dir="/dev/shm"))
+    # Every region, the daemons' and the bare processes', on one filesystem.
+    regions = Path(tempfile.mkdtemp(prefix="kvstore-bench-p2p-regions-", dir=args.region_dir))
     daemons = []
     bare: list[_Bare] = []
     try:
@@ -220,6 +234,7 @@ def _one_size(
                     "peer.transfer_timeout_s": 60,
                     "leases.default_ttl_s": 120,
                     "peer.pin_channel": args.pin_channel,
+                    "dram.path": str(regions / f"{name}.dram"),
                 },
                 env=env,
                 start_timeout_s=120,
@@ -227,6 +242,7 @@ def _one_size(
             d.start()
             daemons.append(d)
         a, b = daemons
+        page_bytes = int(a.info["region_page_bytes"])  # b's and the bare regions' too
         spec = NamespaceSpec(
             model="bench-p2p",
             dtype="uint8",
@@ -285,7 +301,7 @@ def _one_size(
         # Bare NIXL over regions of the same sizes and the same descriptors.
         paths = []
         for role in ("owner", "puller"):
-            path = work / f"bare-{role}.region"
+            path = regions / f"bare-{role}.region"
             with open(path, "wb") as f:
                 f.truncate(region_bytes)
             paths.append(path)
@@ -299,13 +315,14 @@ def _one_size(
         np.save(work / "remote1.npy", remote_offsets[:1])
         np.save(work / "local1.npy", local_offsets[:1])
 
-        def bare_read(which: str, repeats: int) -> list[float]:
+        def bare_read(which: str, repeats: int, gap_s: float = 0.0) -> list[float]:
             reply = puller.send(
                 op="read",
                 remote=str(work / f"remote{which}.npy"),
                 local=str(work / f"local{which}.npy"),
                 size=block_bytes,
                 repeats=repeats,
+                gap_s=gap_s,
             )
             if not reply["ok"]:
                 raise RuntimeError("bare NIXL READ landed wrong bytes")
@@ -351,6 +368,10 @@ def _one_size(
                 if how is pull:
                     ttfb_pin_s.append(r.pin_s)
         bare1_s = bare_read("1", args.ttfb_repeats)
+        # The same READ after an idle gap: a pull's READ comes after round trips
+        # that leave the processes idle, and on VMs like these a copy after idle
+        # runs several times slower than back to back (docs/peer-transfer.md).
+        bare1_gap_s = bare_read("1", args.ttfb_repeats, gap_s=TTFB_GAP_S)
         got = cb.get(ns_b, hashes[:4])
         with Client(a.address) as ca:
             want = ca.get(ns_a, hashes[:4])
@@ -373,6 +394,8 @@ def _one_size(
             "ttfb_pin_median_s": float(np.median(ttfb_pin_s)),
             "ttfb_lean_channel": lean,
             "ttfb_bare_nixl": b1,
+            "region_page_bytes": page_bytes,
+            "ttfb_bare_nixl_after_gap": summarize(bare1_gap_s),
             "ratio_vs_bare": bn.median_s / d.median_s,
             "ratio_vs_memcpy": m.median_s / d.median_s,
             "bare_vs_memcpy": m.median_s / bn.median_s,
@@ -385,8 +408,9 @@ def _one_size(
             x.stop()
         for d in daemons:
             d.stop()
-        # Daemons keep their region files for a warm restart: drop the whole folder.
+        # Daemons keep their region files for a warm restart: drop the whole folders.
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(regions, ignore_errors=True)
 
 
 def _line(name: str, s: Summary, nbytes: int) -> str:
@@ -399,6 +423,11 @@ def _line(name: str, s: Summary, nbytes: int) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.total_mib, args.repeats, args.ttfb_repeats = 64, 3, 10
+    if not Path(args.region_dir).is_dir():
+        print(
+            f"kvstore-bench p2p: --region-dir {args.region_dir} is not a directory", file=sys.stderr
+        )
+        return 2
     env = dict(os.environ)
     env.update(NIXL_ENV)
     if args.ucx_tls:
@@ -416,7 +445,9 @@ def run(args: argparse.Namespace) -> int:
         r = _one_size(args, kib * 1024, total, env)
         results.append(r)
         nbytes = r["total_bytes"]
-        print(f"block {kib} KiB x {r['blocks']}:")
+        print(
+            f"block {kib} KiB x {r['blocks']}: regions on {r['region_page_bytes'] >> 10} KiB pages"
+        )
         print(_line("daemon", r["daemon"], nbytes))
         print(_line("bare NIXL", r["bare_nixl"], nbytes))
         print(_line("memcpy", r["memcpy"], nbytes))
@@ -428,7 +459,9 @@ def run(args: argparse.Namespace) -> int:
             f"  per-transfer overhead {r['overhead_s'] * 1e3:.2f} ms ({r['overhead_per_block_us']:.1f} us/block); "
             f"time to first byte (1-block pull) {r['ttfb_daemon'].median_s * 1e3:.2f} ms "
             f"[p10 {r['ttfb_daemon'].p10_s * 1e3:.2f}, p90 {r['ttfb_daemon'].p90_s * 1e3:.2f}] "
-            f"vs bare 1-block READ {r['ttfb_bare_nixl'].median_s * 1e3:.3f} ms"
+            f"vs bare 1-block READ {r['ttfb_bare_nixl'].median_s * 1e3:.3f} ms back to back, "
+            f"{r['ttfb_bare_nixl_after_gap'].median_s * 1e3:.3f} ms after a "
+            f"{TTFB_GAP_S * 1e3:g} ms idle gap"
         )
         g = r["ttfb_daemon_grpc"]
         print(

@@ -698,5 +698,6 @@ def _pieces(n: int, block_bytes: int, piece_bytes: int = PIECE_MIN_BYTES) -> lis
     """Index ranges of the pieces of an n-block read, in order: one piece below
     2 x ``piece_bytes`` in all, at most MAX_PIECES (pieces grow past that)."""
     count = max(1, min(MAX_PIECES, n * block_bytes // piece_bytes, n))
-    bounds = np.linspace(0, n, count + 1).astype(int).tolist()
-    return list(itertools.pairwise(bounds))
+    if count == 1:
+        return [(0, n)]  # on the first byte's path (np.linspace alone costs ~15 us)
+    return list(itertools.pairwise(n * i // count for i in range(count + 1)))

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,32 @@ def test_compare_rejects_unknown_system(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "nosuch" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
+def test_p2p_quick_pulls_between_two_daemons_and_leaves_nothing(tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    regions = Path(tempfile.mkdtemp(prefix="kvstore-test-p2p-", dir="/dev/shm"))
+    try:
+        proc = _bench(
+            "p2p", "--quick", "--region-dir", str(regions), "--results", str(results), timeout_s=220
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert not list(regions.iterdir()), "region files left behind"
+    finally:
+        shutil.rmtree(regions, ignore_errors=True)
+    for kib in (2048, 64):
+        assert f"block {kib} KiB x" in proc.stdout
+    # which pages the regions got, and the first byte's two bare references
+    assert "regions on 4 KiB pages" in proc.stdout or "regions on 2048 KiB pages" in proc.stdout
+    assert "back to back," in proc.stdout and "after a 2 ms idle gap" in proc.stdout
+    report = json.loads((_only_dir(results) / "p2p.json").read_text())
+    assert report["results"][0]["region_page_bytes"] in (4096, 2 << 20)
+
+    bad = _bench("p2p", "--region-dir", str(tmp_path / "nope"), timeout_s=60)
+    assert bad.returncode == 2
+    assert "--region-dir" in bad.stderr and "not a directory" in bad.stderr
 
 
 def test_cli_names_missing_subcommand_modules() -> None:

@@ -296,6 +296,65 @@ def test_blocks_evicted_on_owner_give_a_clean_partial_result(peer_daemon) -> Non
         nsb = cb.declare_namespace(make_spec(block))
         assert cb.lookup(nsb, hashes).prefix_blocks == 12
     assert no_leases_soon(a) and no_leases_soon(b)
+    assert leases_and_used(b)[1] == 12 * block  # slots for A's 12, none more
+    # Blocks A does not hold at all: nothing pulled, nothing held on B.
+    r = fetch(b, ns_b.namespace_id, [800, 801, 802], a)
+    assert (r.fetched_blocks, r.prefix_blocks) == (0, 0)
+    assert leases_and_used(b) == (0, 12 * block)
+
+
+def test_an_owner_that_never_answers_the_pin_costs_the_puller_nothing(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """A stopped owner (SIGSTOP, its pin channel open and its metadata cached):
+    the pull fails DEADLINE_EXCEEDED within the pin's 2 s bound, B holds no lease
+    and no slot for it, and once the owner runs again the next pull (on a fresh
+    channel) moves the bytes."""
+    a, b = peer_daemon("node-a"), peer_daemon("node-b")
+    block = 64 << 10
+    hashes = list(range(600, 620))
+    put(a, hashes, block)
+    ns_b = put(b, [], block)
+    assert fetch(b, ns_b.namespace_id, hashes[:2], a).fetched_blocks == 2  # A known, channel open
+    leases_before, used_before = leases_and_used(b)
+    assert leases_before == 0
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(b, ns_b.namespace_id, hashes, a)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 2.0 + 3.0
+        assert leases_and_used(b) == (0, used_before)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    r = fetch(b, ns_b.namespace_id, hashes, a)
+    assert (r.fetched_blocks, r.prefix_blocks, r.corrupt_blocks) == (18, 20, 0)
+    assert_holds(b, hashes, block)
+
+
+def test_a_pull_that_cannot_reserve_releases_the_pin_it_sent(peer_daemon) -> None:  # type: ignore[no-untyped-def]
+    """When B has no room for the blocks A pinned (every slot held by a local
+    reader), the caller gets RESOURCE_EXHAUSTED and A's pin is released at once,
+    not left to its TTL."""
+    a = peer_daemon("node-a")
+    b = peer_daemon("node-b", dram_bytes=4 << 20)  # 64 slots of 64 KiB
+    block = 64 << 10
+    hashes = list(range(700, 708))
+    put(a, hashes, block)
+    own = list(range(9000, 9064))
+    put(b, own, block)
+    with Client(b.address) as cb:
+        ns = cb.declare_namespace(make_spec(block))
+        held = cb.prepare_load(ns, own)  # a reader holds every slot
+        assert held.found == 64
+        with pytest.raises(grpc.RpcError) as err:
+            fetch(b, ns.namespace_id, hashes, a)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert no_leases_soon(a)  # released, well under the pin's 8 s TTL
+        assert leases_and_used(b) == (1, 64 * block)  # the reader's lease alone
+        cb.release(held)
+    r = fetch(b, ns.namespace_id, hashes, a)  # room again (the coldest evicted)
+    assert (r.fetched_blocks, r.prefix_blocks) == (8, 8)
+    assert no_leases_soon(a) and no_leases_soon(b)
 
 
 def test_wrong_secret_is_permission_denied(peer_daemon) -> None:  # type: ignore[no-untyped-def]
