@@ -154,6 +154,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(
             f"  {name:<5} {t.used_bytes / 2**20:10.1f} / {t.capacity_bytes / 2**20:.1f} MiB ({pct:5.1f}%)"
             f"  blocks={t.blocks} pinned={t.pinned_blocks}"
+            + (f" in 2 MiB pages={t.huge_page_bytes / 2**20:.0f} MiB" if t.huge_page_bytes else "")
         )
     for r in stats.tenants:  # configured names; "_other" sums the rest (docs/tenants.md)
         parts = []

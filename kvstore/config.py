@@ -70,7 +70,7 @@ class ServerConfig(_Section):
 
 class DramConfig(_Section):
     path: str = ""
-    """Shared-memory file of the DRAM tier. "" = /dev/shm/kvstore-<node_id>.dram. On a tmpfs mounted with huge=within_size it gets 2 MiB pages: peer pulls read faster (docs/tiers.md)."""
+    """Shared-memory file of the DRAM tier. "" = /dev/shm/kvstore-<node_id>.dram."""
     capacity_bytes: int = 1 * GiB
     """Hard cap of the DRAM tier; the region is exactly this size."""
     chunk_bytes: int = 64 * MiB
@@ -81,7 +81,9 @@ class DramConfig(_Section):
     prefault: bool = True
     """Touch every page at start: first touch runs at ~1 GB/s on these machines."""
     huge_pages: Literal["auto", "on", "off"] = "auto"
-    """Back the region with hugetlbfs when it has room (auto), require it (on), or not."""
+    """Back the region with hugetlbfs when it has room (auto), require it (on), or not
+    (off). auto without hugetlbfs room: once pre-faulted, the region's 4 KiB pages are
+    collapsed into 2 MiB pages in the background (Linux 6.1+, no reservation)."""
     warm_restart: bool = True
     """On SIGTERM keep the region file and write <path>.manifest, so a restart with the
     same config serves its blocks again; false = unlink the region on exit."""

@@ -140,6 +140,10 @@ class TierStats:
     used_bytes: int
     blocks: int
     pinned_blocks: int
+    huge_page_bytes: int = 0
+    """Bytes of the tier's memory in pages of 2 MiB or more (DRAM: Region.huge_page_bytes)."""
+    collapsing: bool = False
+    """Still being collapsed into 2 MiB pages (DRAM: Region.collapsing)."""
 
 
 @dataclass(slots=True)
@@ -994,6 +998,8 @@ class BlockManager:
                 self.allocator.used_bytes,
                 blocks + len(pending) - gpu_pending,
                 placement.pinned_blocks - gpu_pinned,
+                self.region.huge_page_bytes,
+                self.region.collapsing,
             )
         )
         if self.disk is not None:

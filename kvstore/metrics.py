@@ -103,6 +103,11 @@ class ManagerCollector(Collector):
             "pinned_blocks": GaugeMetricFamily(
                 "kvstore_tier_pinned_blocks", "Blocks pinned by a load lease.", labels=["tier"]
             ),
+            "huge_page_bytes": GaugeMetricFamily(
+                "kvstore_tier_huge_page_bytes",
+                "Bytes of the tier's memory in pages of 2 MiB or more (docs/tiers.md).",
+                labels=["tier"],
+            ),
         }
         for t in s.tiers:
             for name, family in gauges.items():

@@ -122,6 +122,7 @@ class Daemon:
             partitions=[(r.name, r.nbytes) for r in tenant_regions(cfg)],
         )
         self.region.warn_if_not_memory()
+        self.region.collapse_huge_pages()  # in the background (dram.huge_pages = auto)
         self._sink = self._make_sink()
         self.manager = BlockManager(cfg, self.region, self._sink)
         if cfg.server.presence_table and not cfg.dram.tenant_regions and not cfg.auth.principals:

@@ -352,6 +352,8 @@ class StoreService(pb_grpc.StoreServiceServicer):
                     used_bytes=t.used_bytes,
                     blocks=t.blocks,
                     pinned_blocks=t.pinned_blocks,
+                    huge_page_bytes=t.huge_page_bytes,
+                    collapsing=t.collapsing,
                 )
                 for t in s.tiers
             ],

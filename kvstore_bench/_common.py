@@ -116,6 +116,23 @@ class Progress:
             sys.stderr.flush()
 
 
+def wait_collapsed(address: str, timeout_s: float = 300.0) -> int:
+    """Once a daemon is done moving its DRAM region into 2 MiB pages (dram.huge_pages
+    = auto, in the background after start; docs/tiers.md), or at the timeout: the
+    bytes moved. Benches that time the region wait for it, so no figure mixes the
+    two page sizes or races the collapse for the CPU."""
+    from kvstore.client import Client
+    from kvstore.v1 import store_pb2
+
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as client:
+        while True:
+            dram = next(t for t in client.stats().tiers if t.tier == store_pb2.TIER_DRAM)
+            if not dram.collapsing or time.monotonic() >= deadline:
+                return int(dram.huge_page_bytes)
+            time.sleep(0.1)
+
+
 def results_dir(base: str, name: str) -> Path:
     """results/<name>-<UTC timestamp>/, created."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())

@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore_bench._common import Summary, gbps, results_dir, summarize, write_json
+from kvstore_bench._common import (
+    Summary,
+    gbps,
+    results_dir,
+    summarize,
+    wait_collapsed,
+    write_json,
+)
 
 MiB = 1 << 20
 WARMUP_ROUNDS = 2  # of each transfer measurement, dropped
@@ -435,6 +442,7 @@ def run(args: argparse.Namespace) -> int:
         )
         daemon.start()
         address = daemon.address
+    wait_collapsed(address)  # its region in 2 MiB pages before anything is timed
     rows = []
     try:
         with Client(address) as client:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import select
 import shutil
@@ -36,7 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstore_bench._common import Summary, gbps, results_dir, summarize, write_json
+from kvstore_bench._common import (
+    Summary,
+    gbps,
+    results_dir,
+    summarize,
+    wait_collapsed,
+    write_json,
+)
 
 MiB = 1 << 20
 # The daemon's bound on each pull (under the puller's 115 s maximum).
@@ -57,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--results", default="results", help="folder for the JSON report")
     p.add_argument(
+        "--huge-pages",
+        choices=["auto", "off"],
+        default="auto",
+        help="dram.huge_pages of both daemons; the bare processes' regions follow "
+        "(auto: collapsed into 2 MiB pages as the daemons' are)",
+    )
+    p.add_argument(
         "--region-dir",
         default="/dev/shm",
         help="memory filesystem for the daemons' and the bare processes' regions alike "
@@ -74,17 +87,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------- bare NIXL child
 
 
-def _child(role: str, region_path: str) -> None:
-    """A bare NIXL process: 'owner' serves its region; 'puller' reads on command."""
+def _child(role: str, region_path: str, huge_pages: str) -> None:
+    """A bare NIXL process: 'owner' serves its region; 'puller' reads on command.
+    Its region is mapped, and with huge_pages "auto" collapsed into 2 MiB pages,
+    as a daemon's is (kvstore.tiers.dram), so both read between the same pages."""
+    from kvstore.tiers.dram import collapse_all, map_file_at, reserve_addresses
     from kvstore.transfer.nixl_agent import ProgressPump, load_nixl
 
     agent_cls, config_cls = load_nixl()
     fd = os.open(region_path, os.O_RDWR)
     nbytes = os.fstat(fd).st_size
-    region = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    _reservation, view = reserve_addresses(nbytes)
+    map_file_at(view, 0, fd, nbytes, populate=True)
     os.close(fd)
-    view = np.frombuffer(region, dtype=np.uint8)
+    region = view  # the mapping lives as long as the process
     base = view.ctypes.data
+    huge_bytes = collapse_all(base, nbytes)[0] if huge_pages == "auto" else 0
     agent = agent_cls(
         f"bare-{role}-{os.getpid()}", config_cls(enable_prog_thread=False, backends=["UCX"])
     )
@@ -100,12 +118,21 @@ def _child(role: str, region_path: str) -> None:
 
         pump = ProgressPump(_Agent())  # type: ignore[arg-type]
         pump.hold(0, 1e9)
-        out.write(json.dumps({"metadata": agent.get_agent_metadata().hex(), "base": base}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "metadata": agent.get_agent_metadata().hex(),
+                    "base": base,
+                    "huge_page_bytes": huge_bytes,
+                }
+            )
+            + "\n"
+        )
         out.flush()
         sys.stdin.readline()  # until the parent says stop (or dies)
         pump.stop()
     else:
-        out.write(json.dumps({"ready": True}) + "\n")
+        out.write(json.dumps({"ready": True, "huge_page_bytes": huge_bytes}) + "\n")
         out.flush()
         peer = ""
         for line in sys.stdin:
@@ -155,9 +182,9 @@ def _child(role: str, region_path: str) -> None:
 
 
 class _Bare:
-    def __init__(self, role: str, region_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, role: str, region_path: Path, env: dict[str, str], huge_pages: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore_bench.p2p", role, str(region_path)],
+            [sys.executable, "-m", "kvstore_bench.p2p", role, str(region_path), huge_pages],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -235,6 +262,7 @@ def _one_size(
                     "leases.default_ttl_s": 120,
                     "peer.pin_channel": args.pin_channel,
                     "dram.path": str(regions / f"{name}.dram"),
+                    "dram.huge_pages": args.huge_pages,
                 },
                 env=env,
                 start_timeout_s=120,
@@ -243,6 +271,7 @@ def _one_size(
             daemons.append(d)
         a, b = daemons
         page_bytes = int(a.info["region_page_bytes"])  # b's and the bare regions' too
+        daemon_huge = [wait_collapsed(d.address) for d in daemons]  # before anything is timed
         spec = NamespaceSpec(
             model="bench-p2p",
             dtype="uint8",
@@ -305,9 +334,9 @@ def _one_size(
             with open(path, "wb") as f:
                 f.truncate(region_bytes)
             paths.append(path)
-        owner = _Bare("owner", paths[0], env)
+        owner = _Bare("owner", paths[0], env, args.huge_pages)
         bare.append(owner)
-        puller = _Bare("puller", paths[1], env)
+        puller = _Bare("puller", paths[1], env, args.huge_pages)
         bare.append(puller)
         puller.send(op="connect", metadata=owner.hello["metadata"], base=owner.hello["base"])
         np.save(work / "remote.npy", remote_offsets)
@@ -395,6 +424,12 @@ def _one_size(
             "ttfb_lean_channel": lean,
             "ttfb_bare_nixl": b1,
             "region_page_bytes": page_bytes,
+            "region_bytes": region_bytes,
+            "daemon_huge_page_bytes": daemon_huge,
+            "bare_huge_page_bytes": [
+                owner.hello["huge_page_bytes"],
+                puller.hello["huge_page_bytes"],
+            ],
             "ttfb_bare_nixl_after_gap": summarize(bare1_gap_s),
             "ratio_vs_bare": bn.median_s / d.median_s,
             "ratio_vs_memcpy": m.median_s / d.median_s,
@@ -411,6 +446,22 @@ def _one_size(
         # Daemons keep their region files for a warm restart: drop the whole folders.
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(regions, ignore_errors=True)
+
+
+def _pages(r: dict[str, Any]) -> str:
+    if r["region_page_bytes"] >= 2 * MiB:
+        return f"{r['region_page_bytes'] >> 10} KiB pages (the filesystem's)"
+    shares = [
+        x / r["region_bytes"] for x in r["daemon_huge_page_bytes"] + r["bare_huge_page_bytes"]
+    ]
+    if not any(shares):
+        return "4 KiB pages"
+    return (
+        "4 KiB pages collapsed into 2 MiB ones: daemons "
+        + " / ".join(f"{x:.0%}" for x in shares[:2])
+        + ", bare "
+        + " / ".join(f"{x:.0%}" for x in shares[2:])
+    )
 
 
 def _line(name: str, s: Summary, nbytes: int) -> str:
@@ -445,9 +496,7 @@ def run(args: argparse.Namespace) -> int:
         r = _one_size(args, kib * 1024, total, env)
         results.append(r)
         nbytes = r["total_bytes"]
-        print(
-            f"block {kib} KiB x {r['blocks']}: regions on {r['region_page_bytes'] >> 10} KiB pages"
-        )
+        print(f"block {kib} KiB x {r['blocks']}: regions on {_pages(r)}")
         print(_line("daemon", r["daemon"], nbytes))
         print(_line("bare NIXL", r["bare_nixl"], nbytes))
         print(_line("memcpy", r["memcpy"], nbytes))
@@ -483,4 +532,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2])
+    _child(sys.argv[1], sys.argv[2], sys.argv[3])

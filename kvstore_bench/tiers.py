@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import PIPELINE_CHUNK_BYTES, gather
-from kvstore_bench._common import Summary, gbps, summarize
+from kvstore_bench._common import Summary, gbps, summarize, wait_collapsed
 
 MiB = 1024 * 1024
 
@@ -142,6 +142,7 @@ class _Node:
         from kvstore.client import Client
 
         self.daemon.start()
+        wait_collapsed(self.daemon.address)  # its region in 2 MiB pages before timing
         return Client(self.daemon.address, timeout_s=300)
 
     def crash(self) -> None:

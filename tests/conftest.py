@@ -10,6 +10,19 @@ import pytest
 
 from kvstore.namespace import NamespaceSpec
 from kvstore.process import DaemonProcess
+from kvstore.tiers.dram import SHMEM_POLICY_PATH
+
+
+def kernel_collapses_shmem() -> bool:
+    """Whether this kernel moves shared memory into 2 MiB pages on request
+    (MADV_COLLAPSE: Linux 6.1+, unless shmem_enabled says deny): what a region
+    collapsed by its daemon is expected to reach here (docs/tiers.md)."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    try:
+        deny = "[deny]" in SHMEM_POLICY_PATH.read_text()
+    except OSError:
+        deny = False
+    return (major, minor) >= (6, 1) and not deny
 
 
 def make_spec(

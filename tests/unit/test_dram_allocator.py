@@ -1,8 +1,21 @@
 from __future__ import annotations
 
+import os
+import time
+
+import numpy as np
 import pytest
 
-from kvstore.tiers.dram import Region, SlabAllocator, page_bytes_for, page_bytes_of, slot_bytes_for
+from kvstore.tiers.dram import (
+    HUGE_PAGE_BYTES,
+    Region,
+    SlabAllocator,
+    page_bytes_for,
+    page_bytes_of,
+    pmd_mapped_bytes,
+    slot_bytes_for,
+)
+from tests.conftest import kernel_collapses_shmem
 
 
 def test_slots_are_aligned_and_bounded():
@@ -165,3 +178,58 @@ def test_a_region_knows_its_page_size(tmp_path):
     finally:
         region.close(unlink=True)
     assert page_bytes_of(str(tmp_path / "x")) in (4096, 2 << 20)  # any filesystem answers
+
+
+def _wait_collapsed(region: Region, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while region.collapsing:
+        assert time.monotonic() < deadline, "collapse did not end"
+        time.sleep(0.01)
+
+
+def test_a_region_on_4_kib_pages_is_collapsed_into_2_mib_pages_bytes_unchanged():
+    path = "/dev/shm/kvstore-test-collapse.dram"
+    nbytes = 16 << 20
+    region = Region(path, nbytes, prefault=True, huge_pages="auto")
+    try:
+        if region.page_bytes >= HUGE_PAGE_BYTES:
+            pytest.fail("/dev/shm gives 2 MiB pages here: this test wants 4 KiB ones")
+        assert region.base_address % HUGE_PAGE_BYTES == 0  # file offsets and addresses match
+        pattern = np.random.default_rng(7).integers(0, 256, nbytes, dtype=np.uint8)
+        region.array[:] = pattern
+        assert region.huge_page_bytes == 0
+        assert region.collapse_huge_pages()
+        assert not region.collapse_huge_pages()  # once
+        _wait_collapsed(region)
+        # What the region counts is what the kernel maps this process with.
+        assert region.huge_page_bytes == pmd_mapped_bytes(os.getpid(), path)
+        if kernel_collapses_shmem():
+            assert region.huge_page_bytes == nbytes
+        np.testing.assert_array_equal(region.array, pattern)  # the bytes never change
+    finally:
+        region.close(unlink=True)
+
+
+@pytest.mark.parametrize(("huge_pages", "prefault"), [("off", True), ("auto", False)])
+def test_no_collapse_when_turned_off_or_not_prefaulted(huge_pages, prefault):
+    """off: 4 KiB pages stay; without prefault there are no pages to collapse yet
+    (the kernel refuses an empty range), so nothing is started."""
+    path = "/dev/shm/kvstore-test-collapse-off.dram"
+    region = Region(path, 4 << 20, prefault=prefault, huge_pages=huge_pages)
+    try:
+        assert not region.collapse_huge_pages()
+        assert region.huge_page_bytes == 0 and not region.collapsing
+    finally:
+        region.close(unlink=True)
+
+
+def test_close_stops_a_collapse_between_chunks():
+    path = "/dev/shm/kvstore-test-collapse-close.dram"
+    region = Region(path, 512 << 20, prefault=True, huge_pages="auto")
+    assert region.collapse_huge_pages()
+    started = time.monotonic()
+    region.close(unlink=True)  # well before 512 MiB are done
+    assert time.monotonic() - started < 5.0
+    assert not region.collapsing
+    assert region.huge_page_bytes < 512 << 20  # stopped, not finished
+    assert not os.path.exists(path)
