@@ -39,6 +39,7 @@ LEASE_NOT_OWNER = "lease_not_owner"  # a lease committed/released by another cal
 FOREIGN_FILE = "foreign_file"  # a daemon file owned by another user
 INDEXER_WRONG_SECRET = "indexer_wrong_secret"  # Register/UnregisterNode without the secret
 INDEXER_NODE_REFUSED = "indexer_node_refused"  # another caller's node, or a configured one
+PULL_TICKET_REFUSED = "pull_ticket_refused"  # a forged ticket, or one of another namespace
 # Identities (kvstore.identity), with principals configured:
 NO_IDENTITY = "no_identity"  # no credential, or one no principal has
 TENANT_DENIED = "tenant_denied"  # a namespace (tenant, model) the principal may not use
@@ -55,6 +56,7 @@ REASONS = (
     FOREIGN_FILE,
     INDEXER_WRONG_SECRET,
     INDEXER_NODE_REFUSED,
+    PULL_TICKET_REFUSED,
     NO_IDENTITY,
     TENANT_DENIED,
     ROLE_DENIED,

@@ -184,6 +184,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f" in {p.pulls} pulls, {p.pull_failures} failed, {p.checksum_failed_blocks} bad checksums;"
             f" served {p.served_blocks} blocks ({p.served_bytes / 2**20:.1f} MiB)"
             f" in {p.serve_pins} pins, {p.serve_failures} refused"
+            + (
+                f"; {p.handed_over_pulls} pulls read pins handed over"
+                if p.handed_over_pulls
+                else ""
+            )
         )
     return 0
 

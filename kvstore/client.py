@@ -161,6 +161,13 @@ class PutResult:
 
 
 @dataclass(frozen=True, slots=True)
+class HandedOver:
+    found_blocks: int  # the longest present prefix, pinned for the puller
+    ticket: bytes  # opaque; b"" when nothing was found
+    ttl_s: float  # the pin's lifetime
+
+
+@dataclass(frozen=True, slots=True)
 class GetResult:
     found: int
     data: np.ndarray  # (found, block_bytes) uint8, a prefix of `out` when given
@@ -1422,12 +1429,15 @@ class Client:
         peer_node_id: str = "",
         peer_address: str = "",
         timeout_s: float = 0.0,
+        ticket: bytes = b"",
     ) -> Any:
         """Have this daemon pull the blocks it lacks of `hashes` from a peer (NIXL).
 
         Returns the daemon's FetchFromPeerResponse (prefix_blocks now held here,
         fetched_blocks, local_blocks, corrupt_blocks, transport, timings).
-        Needs `peer.enabled` on both daemons.
+        Needs `peer.enabled` on both daemons. ``ticket``: the owner's
+        ``hand_over`` of these blocks (the peer may then be left out): the
+        daemon reads them at once, with no pin round trip before the first byte.
         """
         from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
@@ -1440,7 +1450,7 @@ class Client:
             # call (the daemon's pin on the owner), not this one as well.
             def make(seq: int) -> Any:
                 return local_wire.FetchFromPeer(
-                    seq, ns.namespace_id, packed, peer_node_id, peer_address, timeout_s
+                    seq, ns.namespace_id, packed, peer_node_id, peer_address, timeout_s, ticket
                 )
 
             r = self._local_call(make, ns=ns, timeout_s=call_timeout_s)
@@ -1462,10 +1472,38 @@ class Client:
             peer_node_id=peer_node_id,
             peer_address=peer_address,
             timeout_s=timeout_s,
+            ticket=ticket,
         )
         # ns: a daemon that restarted since the declare gets it again, as for the
         # other calls naming a namespace (else NamespaceNotFound after any restart).
         return self._call(stub.FetchFromPeer, request, timeout_s=call_timeout_s, ns=ns)
+
+    def hand_over(
+        self, ns: Namespace, hashes: Sequence[int] | np.ndarray, *, ttl_s: float = 0.0
+    ) -> HandedOver:
+        """Pin the longest prefix of `hashes` this daemon holds for a peer that will
+        pull it (the P/D split: the prefill side, right after its store), before
+        that peer asks. Hand ``ticket`` to the puller's ``fetch_from_peer``: its
+        daemon then reads at once. The pin holds the blocks here until the puller
+        releases it or ``ttl_s`` (0: 30 s) passes. Needs `peer.enabled`.
+        """
+        from kvstore.v1 import peer_pb2, peer_pb2_grpc
+
+        packed = pack_hashes(hashes)
+        local = self._local()
+        if local is not None and "hand_over" in local.ops:
+
+            def make(seq: int) -> Any:
+                return local_wire.HandOver(seq, ns.namespace_id, packed, ttl_s)
+
+            r = self._local_call(make, ns=ns)
+            return HandedOver(r.found_blocks, r.ticket, r.ttl_s)
+        stub = peer_pb2_grpc.PeerFetchServiceStub(self._channel)
+        request = peer_pb2.HandOverRequest(
+            namespace_id=ns.namespace_id, block_hashes=packed, ttl_s=ttl_s
+        )
+        r = self._call(stub.HandOver, request, ns=ns)
+        return HandedOver(r.found_blocks, r.ticket, r.ttl_s)
 
     # ---------------------------------------------------------------- data
 

@@ -57,6 +57,8 @@ from kvstore.local_wire import (
     Error,
     Fetched,
     FetchFromPeer,
+    HandedOver,
+    HandOver,
     Hello,
     HelloReply,
     LoadedDirect,
@@ -91,6 +93,7 @@ _RPC_NAMES: dict[type, str] = {
     LoadedDirect: "LoadedDirect",
     Delete: "Delete",
     FetchFromPeer: "FetchFromPeer",
+    HandOver: "HandOver",
     MapTenant: "MapTenant",
 }
 LOCAL_OWNER = "unix"  # what kvstore.service.caller_of answers for the gRPC Unix socket
@@ -373,11 +376,14 @@ class LocalServer:
         metrics: RpcMetrics | None = None,
         fetch: Callable[..., Awaitable[Any]] | None = None,
         presence_path: str = "",
+        hand_over: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self.requests = requests
         self.presence_path = presence_path  # the presence table, for hello ("" = none)
-        # PeerFetchService.fetch when peers are enabled: FetchFromPeer is served here.
+        # PeerFetchService.fetch and .hand_over when peers are enabled:
+        # FetchFromPeer and HandOver are served here.
         self._fetch = fetch
+        self._hand_over = hand_over
         self.path = path
         self.node_id = node_id
         self._region_id = region_id  # () -> int: the region answers name
@@ -466,6 +472,9 @@ class LocalServer:
             # A pull waits for the peer: a task, the connection's later requests
             # wait for it, in order (as a load that promotes from disk).
             return False, asyncio.ensure_future(self._fetch_from_peer(m, conn))
+        if isinstance(m, HandOver):
+            # The pin may promote blocks from disk first: a task, in order.
+            return False, asyncio.ensure_future(self._hand_over_pin(m, conn))
         if isinstance(m, MapTenant):
             return True, self._map_tenant(conn, m)
         if isinstance(m, PrepareLoad) and self.requests.loads_may_wait:
@@ -506,7 +515,11 @@ class LocalServer:
                 f"lean channel version {message.version} is not served here "
                 f"({PROTOCOL_VERSION} is)",
             )
-        ops = ["fetch_from_peer"] if self._fetch is not None else []
+        ops = [
+            op
+            for op, served in (("fetch_from_peer", self._fetch), ("hand_over", self._hand_over))
+            if served is not None
+        ]
         return HelloReply(
             message.seq,
             self.node_id,
@@ -520,37 +533,59 @@ class LocalServer:
         )
 
     async def _fetch_from_peer(self, m: FetchFromPeer, conn: _Connection) -> Any:
-        if self._fetch is None:
-            exc: errors.KVStoreError = errors.StateConflict(
-                "FetchFromPeer needs peer.enabled on this daemon"
-            )
-            return Error(m.seq, exc.reason, str(exc))
-        try:
-            r = await self._fetch(
+        async def run(fetch: Callable[..., Awaitable[Any]]) -> Any:
+            r = await fetch(
                 m.namespace_id,
                 m.block_hashes,
                 m.peer_node_id,
                 m.peer_address,
                 m.timeout_s,
                 who=conn.who,
+                ticket=m.ticket,
             )
+            return Fetched(
+                m.seq,
+                r.prefix_blocks,
+                r.fetched_blocks,
+                r.local_blocks,
+                r.corrupt_blocks,
+                r.transport,
+                r.pin_s,
+                r.transfer_s,
+                r.verify_s,
+                r.pieces,
+            )
+
+        return await self._peer_op(m.seq, "FetchFromPeer", self._fetch, run)
+
+    async def _hand_over_pin(self, m: HandOver, conn: _Connection) -> Any:
+        async def run(hand_over: Callable[..., Awaitable[Any]]) -> Any:
+            found, ticket, ttl_s = await hand_over(
+                m.namespace_id, m.block_hashes, m.ttl_s, who=conn.who
+            )
+            return HandedOver(m.seq, found, ticket, ttl_s)
+
+        return await self._peer_op(m.seq, "HandOver", self._hand_over, run)
+
+    async def _peer_op(
+        self,
+        seq: int,
+        name: str,
+        served: Callable[..., Awaitable[Any]] | None,
+        run: Callable[[Callable[..., Awaitable[Any]]], Awaitable[Any]],
+    ) -> Any:
+        """The answer of peer op ``name`` (``run`` with the daemon's ``served``), or its
+        refusal: errors answered as the gRPC call would answer them."""
+        if served is None:
+            refused = errors.StateConflict(f"{name} needs peer.enabled on this daemon")
+            return Error(seq, refused.reason, str(refused))
+        try:
+            return await run(served)
         except errors.KVStoreError as exc:
-            return Error(m.seq, exc.reason, errors.details_of(exc))
+            return Error(seq, exc.reason, errors.details_of(exc))
         except Exception as exc:  # a bug: answered (as gRPC would, UNKNOWN), connection kept
-            log.exception("lean channel: FetchFromPeer failed")
-            return Error(m.seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
-        return Fetched(
-            m.seq,
-            r.prefix_blocks,
-            r.fetched_blocks,
-            r.local_blocks,
-            r.corrupt_blocks,
-            r.transport,
-            r.pin_s,
-            r.transfer_s,
-            r.verify_s,
-            r.pieces,
-        )
+            log.exception("lean channel: %s failed", name)
+            return Error(seq, errors.KVStoreError.reason, f"internal error: {exc}"[:1024])
 
     def _map_tenant(self, conn: _Connection, m: MapTenant) -> Any:
         try:

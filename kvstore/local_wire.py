@@ -144,6 +144,15 @@ class FetchFromPeer(_Message, frozen=True, tag="fetch_from_peer"):
     peer_node_id: Id = ""
     peer_address: Id = ""
     timeout_s: float = 0.0
+    ticket: bytes = b""  # a HandOver's ticket (kvstore.transfer.ticket); b"" = none
+
+
+class HandOver(_Message, frozen=True, tag="hand_over"):
+    """As the gRPC HandOverRequest: pin blocks for a peer that will pull them."""
+
+    namespace_id: Id
+    block_hashes: bytes
+    ttl_s: float = 0.0
 
 
 class MapTenant(_Message, frozen=True, tag="map_tenant"):
@@ -168,6 +177,7 @@ Request = (
     | LoadedDirect
     | Delete
     | FetchFromPeer
+    | HandOver
     | MapTenant
 )
 REQUEST_TAGS = (
@@ -182,10 +192,11 @@ REQUEST_TAGS = (
     "loaded_direct",
     "delete",
     "fetch_from_peer",
+    "hand_over",
     "map_tenant",
 )
 # Ops a daemon serves only when configured so (peers); HelloReply.ops lists them.
-OPTIONAL_OPS = ("fetch_from_peer",)
+OPTIONAL_OPS = ("fetch_from_peer", "hand_over")
 
 # ---------------------------------------------------------------- replies
 
@@ -270,6 +281,14 @@ class Fetched(_Message, frozen=True, tag="fetched"):
     pieces: int
 
 
+class HandedOver(_Message, frozen=True, tag="hand_over"):
+    """As the gRPC HandOverResponse."""
+
+    found_blocks: int
+    ticket: bytes
+    ttl_s: float
+
+
 class TenantRange(_Message, frozen=True, tag="map_tenant"):
     """The tenant's range of the region's offsets: bytes 0 = none of its own (it
     shares the region file at Hello's path); else the frame carries one descriptor
@@ -299,6 +318,7 @@ Reply = (
     | LoadsCounted
     | Deleted
     | Fetched
+    | HandedOver
     | TenantRange
     | Error
 )

@@ -26,6 +26,7 @@ from kvstore.transfer.base import KIND_GRPC_STREAM, KIND_NIXL
 
 if TYPE_CHECKING:
     from kvstore.transfer.puller import PullResult
+    from kvstore.transfer.ticket import PullTicket
 
 RPC_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
@@ -215,6 +216,7 @@ class PeerTransportCounters:
     fetched_bytes: int = 0
     checksum_failed_blocks: int = 0
     pull_s: float = 0.0
+    handed_over_pulls: int = 0
     # This node as the owner (labelled by the transport the puller reads with).
     serve_pins: int = 0
     serve_failures: int = 0
@@ -243,7 +245,12 @@ _PEER_COUNTERS = (
         "kvstore_peer_checksum_failed_blocks",
         "Pulled blocks whose xxh3 did not match the owner's: dropped.",
     ),
-    ("serve_pins", "kvstore_peer_serve_pins", "Pins peers asked this node for (PinForPull)."),
+    (
+        "handed_over_pulls",
+        "kvstore_peer_handed_over_pulls",
+        "Pulls that read a pin the owner handed over (a ticket): no pin round trip.",
+    ),
+    ("serve_pins", "kvstore_peer_serve_pins", "Pins made here for peers (PinForPull; HandOver)."),
     ("serve_failures", "kvstore_peer_serve_failures", "Pin requests from peers refused."),
     ("served_blocks", "kvstore_peer_served_blocks", "Blocks pinned here for peers to read."),
     ("served_bytes", "kvstore_peer_served_bytes", "Bytes of the blocks pinned for peers."),
@@ -269,7 +276,12 @@ class PeerCollector(Collector):
 
 class _Pulls(Protocol):
     async def pull(
-        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        address: str,
+        timeout_s: float = 0.0,
+        ticket: PullTicket | None = None,
     ) -> PullResult: ...
 
     def transport_to(self, address: str) -> str: ...
@@ -285,11 +297,16 @@ class InstrumentedPuller:
         self.metrics = metrics
 
     async def pull(
-        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        address: str,
+        timeout_s: float = 0.0,
+        ticket: PullTicket | None = None,
     ) -> PullResult:
         started = time.perf_counter()
         try:
-            result = await self.inner.pull(ns_id, hashes, address, timeout_s)
+            result = await self.inner.pull(ns_id, hashes, address, timeout_s, ticket)
         except KVStoreError as exc:
             if not isinstance(exc, InvalidRequest | NotFound):  # the caller's mistake, not a pull
                 transport = self.inner.transport_to(address)
@@ -300,6 +317,7 @@ class InstrumentedPuller:
             raise
         c = self.metrics.counters.of(result.transport)
         c.pulls += 1
+        c.handed_over_pulls += result.handed_over
         c.fetched_blocks += result.fetched_blocks
         c.fetched_bytes += result.fetched_bytes
         c.checksum_failed_blocks += result.corrupt_blocks
@@ -333,20 +351,34 @@ class InstrumentedPeerService:
     async def release(self, request: Any) -> Any:
         return await self.inner.release(request)
 
+    async def hand_over(
+        self, ns_id: str, hashes: list[int], ttl_s: float = 0.0
+    ) -> tuple[Any, bytes]:
+        """A pin for a peer not known yet (HandOver): counted as a pin served, under
+        the transport peers read this node with."""
+        call = self.inner.hand_over(ns_id, hashes, ttl_s)
+        result: tuple[Any, bytes] = await self._count(self.inner.transport, call, lambda r: r[0])
+        return result
+
     async def _counted(self, request: Any, call: Any) -> Any:
+        return await self._count(request.transport, call, lambda r: r)
+
+    async def _count(self, transport: str, call: Any, pin_of: Callable[[Any], Any]) -> Any:
+        """``call``'s result, its pin (``pin_of`` it, a PinForPullResponse) counted."""
         started = time.perf_counter()
-        c = self.metrics.counters.of(request.transport)
+        c = self.metrics.counters.of(transport)
         try:
-            reply = await call
+            result = await call
         except BaseException:  # aborts (refusals) raise out of the handler
             c.serve_failures += 1
             raise
+        pin = pin_of(result)
         c.serve_pins += 1
-        c.served_blocks += reply.found_blocks
-        c.served_bytes += reply.found_blocks * reply.block_bytes
-        transport = request.transport if request.transport in PEER_TRANSPORTS else "unknown"
-        self.metrics.pin_duration.labels(transport).observe(time.perf_counter() - started)
-        return reply
+        c.served_blocks += pin.found_blocks
+        c.served_bytes += pin.found_blocks * pin.block_bytes
+        label = transport if transport in PEER_TRANSPORTS else "unknown"
+        self.metrics.pin_duration.labels(label).observe(time.perf_counter() - started)
+        return result
 
     async def ReleasePull(self, request: Any, context: Any) -> Any:
         return await self.inner.ReleasePull(request, context)

@@ -49,6 +49,7 @@ from kvstore.transfer.puller import (
     Puller,
     checksums_async,
 )
+from kvstore.transfer.ticket import PullTicket, open_ticket, seal, ticket_key
 from kvstore.v1 import peer_pb2, peer_pb2_grpc
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ log = logging.getLogger(__name__)
 MAX_PEER_PINS = 4096
 # A pin's lifetime when the puller asks for none, and the longest allowed.
 DEFAULT_PIN_TTL_S = 10.0
+# A handed-over pin's lifetime when its maker asks for none: it must cover the
+# trip from the prefill engine through the router to the decode engine's
+# scheduler (a queued request waits there), and no more than it must: an
+# unused ticket strands its blocks' slots until then.
+DEFAULT_HANDOVER_TTL_S = 30.0
 # The owner (and the client, for the lease limits) of every lease handed to a
 # peer. The store service's caller identities are gRPC peer kinds ("unix",
 # "ipv4:<host>", ...), never this.
@@ -86,6 +92,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             raise errors.ConfigError("peer transfer needs peer.secret")
         self.manager = manager
         self._secret = secret.encode()
+        self._ticket_key = ticket_key(self._secret)
         self.incarnation = incarnation
         self.nixl = nixl
         self.agent_name = agent_name
@@ -130,8 +137,6 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         """One pin (PinForPullRequest -> PinForPullResponse), whichever channel asked
         (gRPC above, or the pin channel, kvstore.transfer.pin_channel, which proved
         the secret on its connection); refusals raise KVStoreError."""
-        if self.manager.leases.held_by(PEER_OWNER) >= MAX_PEER_PINS:
-            raise errors.CapacityExhausted("too many outstanding peer pins")
         if not request.HasField("spec"):
             raise errors.InvalidRequest("spec is required")
         ttl_s = request.lease_ttl_s or DEFAULT_PIN_TTL_S
@@ -139,6 +144,15 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             raise errors.InvalidRequest(f"lease_ttl_s must be in (0, {MAX_PIN_TTL_S}]")
         ns_id = spec_from_pb(request.spec).namespace_id()
         hashes = unpack_u64(request.block_hashes)
+        return await self.pin_blocks(ns_id, hashes, ttl_s, request.requester_node_id)
+
+    async def pin_blocks(
+        self, ns_id: str, hashes: list[int], ttl_s: float, requester_node_id: str
+    ) -> Any:
+        """Pin the longest present prefix of ``hashes`` for a peer (PinForPullResponse);
+        ``requester_node_id`` "" when the reader is not known yet (a hand-over)."""
+        if self.manager.leases.held_by(PEER_OWNER) >= MAX_PEER_PINS:
+            raise errors.CapacityExhausted("too many outstanding peer pins")
         try:
             # Disk-tier blocks of the prefix are promoted to DRAM first: peers
             # read only DRAM.
@@ -159,9 +173,10 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             array = self.manager.region.array
             sums = await checksums_async(array, [offsets[i] for i in todo], block_bytes)
             self.manager.set_checksums([blocks[i] for i in todo], sums)
-        # The requester is about to hold these too (copy-aware eviction,
-        # eviction.copy_learn = served|both; docs/eviction.md).
-        self.manager.note_held_elsewhere(blocks, request.requester_node_id, served=True)
+        if requester_node_id:
+            # The requester is about to hold these too (copy-aware eviction,
+            # eviction.copy_learn = served|both; docs/eviction.md).
+            self.manager.note_held_elsewhere(blocks, requester_node_id, served=True)
         # The pump's fast polling starts right after the reply is on its way, not
         # before: waking its thread cost ~85 us of the pin (its GIL hand-off),
         # on the puller's first byte. Nothing it polls for exists before the
@@ -173,6 +188,38 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         reply.block_bytes = block_bytes
         reply.checksums = pack_u64([b.checksum for b in blocks])
         return reply
+
+    @property
+    def transport(self) -> str:
+        """How peers read from here (what a hand-over's pin is counted under)."""
+        return KIND_NIXL if self.nixl is not None else KIND_GRPC_STREAM
+
+    async def hand_over(
+        self, ns_id: str, hashes: list[int], ttl_s: float = 0.0
+    ) -> tuple[Any, bytes]:
+        """Pin the longest present prefix of ``hashes`` for a peer not known yet and
+        seal the pin as a ticket (kvstore.transfer.ticket): (the pin, as a
+        PinForPullResponse; the ticket, b"" when nothing was found)."""
+        ttl_s = ttl_s or DEFAULT_HANDOVER_TTL_S
+        if not 0 < ttl_s <= MAX_PIN_TTL_S:
+            raise errors.InvalidRequest(f"ttl_s must be in (0, {MAX_PIN_TTL_S}]")
+        self.manager.namespace(ns_id)  # NamespaceNotFound: the caller declared none here
+        pin = await self.pin_blocks(ns_id, hashes, ttl_s, "")
+        if not pin.lease_id:
+            return pin, b""
+        found = pin.found_blocks
+        ticket = PullTicket(
+            node_id=self.manager.node_id,
+            incarnation=self.incarnation,
+            namespace_id=ns_id,
+            lease_id=pin.lease_id,
+            expires_unix_s=time.time() + ttl_s,
+            block_bytes=pin.block_bytes,
+            block_hashes=pack_u64(hashes[:found]),
+            offsets=pin.offsets,
+            checksums=pin.checksums,
+        )
+        return pin, seal(self._ticket_key, ticket)
 
     async def ReleasePull(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         await self._auth(context, "ReleasePull")
@@ -224,9 +271,17 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
     """FetchFromPeer: a local client asks this daemon to pull blocks from a peer now."""
 
-    def __init__(self, puller: Any, peers: dict[str, str]) -> None:  # Puller, maybe wrapped
+    def __init__(
+        self,
+        puller: Any,  # Puller, maybe wrapped
+        peers: dict[str, str],
+        owner: Any = None,  # PeerService, maybe wrapped
+        secret: str = "",
+    ) -> None:
         self.puller = puller
         self.peers = peers  # node id -> gRPC address
+        self.owner = owner  # mints the tickets of HandOver
+        self._ticket_key = ticket_key(secret) if secret else b""  # opens them
         # (caller, namespace id, what) -> raises PERMISSION_DENIED: the store's tenant
         # check (kvstore.handling.StoreRequests.allow_namespace), set by the daemon.
         self.allow: Callable[[Any, str, str], None] | None = None
@@ -250,6 +305,7 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         peer_address: str = "",
         timeout_s: float = 0.0,
         who: Any = None,
+        ticket: bytes = b"",
     ) -> Any:
         """One FetchFromPeer, whichever channel asked (gRPC here, or the lean local
         channel, kvstore.local_server): the same checks, the same pull (PullResult).
@@ -257,11 +313,59 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         principals), checked against the namespace's tenant first."""
         if self.allow is not None:
             self.allow(who, namespace_id, "FetchFromPeer")
+        opened = self._open(ticket, namespace_id, who) if ticket else None
+        if opened is not None and not (peer_node_id or peer_address):
+            peer_node_id = opened.node_id  # the ticket names its owner
         address = self.resolve(peer_node_id, peer_address)
         if timeout_s < 0:
             raise errors.InvalidRequest("timeout_s must be >= 0")
         hashes = unpack_u64(block_hashes)
-        return await self.puller.pull(namespace_id, hashes, address, timeout_s)
+        if opened is None:
+            return await self.puller.pull(namespace_id, hashes, address, timeout_s)
+        return await self.puller.pull(namespace_id, hashes, address, timeout_s, ticket=opened)
+
+    def _open(self, blob: bytes, namespace_id: str, who: Any) -> PullTicket:
+        """The ticket, proved this cluster's and of the caller's namespace; a forged
+        one or another namespace's is PERMISSION_DENIED and audited (it would read
+        bytes the caller is not owed)."""
+        if not self._ticket_key:  # no secret, no seal to prove: never open one
+            raise errors.StateConflict("pull tickets need peer.secret on this daemon")
+        try:
+            ticket = open_ticket(self._ticket_key, blob)
+            if ticket.namespace_id != namespace_id:
+                raise errors.PermissionDenied(
+                    "pull ticket is for another namespace than namespace_id"
+                )
+        except errors.PermissionDenied as exc:
+            caller = who.label if who is not None else "a local client"
+            audit.denied(caller, f"FetchFromPeer ticket: {exc}", audit.PULL_TICKET_REFUSED)
+            raise
+        return ticket
+
+    async def hand_over(
+        self, namespace_id: str, block_hashes: bytes, ttl_s: float = 0.0, who: Any = None
+    ) -> tuple[int, bytes, float]:
+        """One HandOver, whichever channel asked: pin the longest present prefix for
+        a peer that will pull it with the ticket (kvstore.transfer.ticket)."""
+        if self.allow is not None:
+            self.allow(who, namespace_id, "HandOver")
+        if self.owner is None:
+            raise errors.StateConflict("HandOver needs peer.enabled on this daemon")
+        if ttl_s < 0:
+            raise errors.InvalidRequest("ttl_s must be >= 0")
+        pin, ticket = await self.owner.hand_over(namespace_id, unpack_u64(block_hashes), ttl_s)
+        return pin.found_blocks, ticket, pin.lease_ttl_s
+
+    async def HandOver(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        who = CURRENT.get()
+
+        async def run() -> Any:
+            found, ticket, ttl_s = await self.hand_over(
+                request.namespace_id, request.block_hashes, request.ttl_s, who=who
+            )
+            return peer_pb2.HandOverResponse(found_blocks=found, ticket=ticket, ttl_s=ttl_s)
+
+        return await call_async(context, run)
 
     async def FetchFromPeer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         who = CURRENT.get()
@@ -274,6 +378,7 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
                 request.peer_address,
                 request.timeout_s,
                 who=who,
+                ticket=request.ticket,
             )
             return peer_pb2.FetchFromPeerResponse(
                 prefix_blocks=result.prefix_blocks,
@@ -396,7 +501,9 @@ class PeerNode:
         if metrics is not None:  # counted by wrapping: the pull path itself knows nothing of it
             self.puller = metrics.wrap_puller(self.puller)
             self.service = metrics.wrap_service(self.service)
-        self.fetch_service = PeerFetchService(self.puller, dict(peers or {}))
+        self.fetch_service = PeerFetchService(
+            self.puller, dict(peers or {}), owner=self.service, secret=secret
+        )
 
     async def fill(self, ns_id: str, hashes: list[int], hint: str, timeout_s: float) -> None:
         """Pull what the local prefix of `hashes` lacks from the hinted peer, if it can.

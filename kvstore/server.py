@@ -229,6 +229,7 @@ class Daemon:
                 metrics=rpc_metrics,
                 fetch=self.peer.fetch_service.fetch if self.peer is not None else None,
                 presence_path=self.manager.presence.path if self.manager.presence else "",
+                hand_over=self.peer.fetch_service.hand_over if self.peer is not None else None,
             )
             try:
                 await self.local.start()

@@ -13,7 +13,8 @@ interleaved repetition by repetition so the machine's swings hit all alike:
 - memcpy: numpy copy of the same bytes in the same block size, one process.
 
 Also: time to first byte (a one-block pull, connected and warm; beside it the
-same pull asked over gRPC ``FetchFromPeer``, one round trip more; against a bare
+same pull asked over gRPC ``FetchFromPeer``, one round trip more, and the same
+pull of a pin A handed over first, ``Client.hand_over``, none; against a bare
 one-block READ back to back and after a 2 ms idle gap) and the
 per-transfer overhead (daemon minus bare NIXL medians). Ratios are
 bare_time / daemon_time (1.0 = the daemon adds nothing).
@@ -293,19 +294,25 @@ def _one_size(
             load = ca.prepare_load(ns_a, hashes)
             remote_offsets = np.asarray(load.offsets, dtype=np.uint64).copy()
             ca.release(load)
+        # A's client stays open: the handed-over first byte has A's client pin
+        # each block for B (as a prefill engine's connector would, after its store).
+        ca = Client(a.address)
+        ns_a = ca.declare_namespace(spec)
         cb = Client(b.address)
         ns_b = cb.declare_namespace(spec)
         channel, stub = _fetch_stub(b.address)
         packed = np.asarray(hashes, dtype="<u8").tobytes()
 
-        def pull(hs: bytes) -> Any:
+        def pull(hs: bytes, ticket: bytes = b"") -> Any:
             # As an engine's client pulls: Client.fetch_from_peer, over the lean
-            # local channel (the first byte waits for one gRPC call: A's pin).
+            # local channel (the first byte waits for A's pin, on the pin
+            # channel; none with a ticket: a pin A handed over).
             return cb.fetch_from_peer(
                 ns_b,
                 np.frombuffer(hs, dtype="<u8"),
                 peer_address=a.tcp_address,
                 timeout_s=PULL_TIMEOUT_S,
+                ticket=ticket,
             )
 
         def pull_grpc(hs: bytes) -> Any:
@@ -381,45 +388,65 @@ def _one_size(
         del src, dst
 
         # Time to first byte: a warm one-block pull, whole protocol, vs a one-block bare
-        # READ; interleaved with the same pull asked over gRPC (one call more before it).
+        # READ; interleaved with the same pull asked over gRPC (one call more before
+        # it) and with the same pull of a pin A handed over before B was asked (the
+        # P/D split's path: A's client pins right after its store, untimed here as it
+        # is off the decode side's path; B's daemon then reads at once).
         one = np.asarray(ttfb_hash, dtype="<u8").tobytes()
         ttfb_s: list[float] = []
         ttfb_grpc_s: list[float] = []
+        ttfb_ticket_s: list[float] = []
         ttfb_pin_s: list[float] = []
+        ticket = b""
+
+        def pull_ticket(hs: bytes) -> Any:
+            return pull(hs, ticket)
+
         lean = "fetch_from_peer" in (cb.local.ops if cb.local is not None else ())
         for _ in range(args.ttfb_repeats):
-            for how, samples in ((pull, ttfb_s), (pull_grpc, ttfb_grpc_s)):
+            for how, samples in (
+                (pull, ttfb_s),
+                (pull_grpc, ttfb_grpc_s),
+                (pull_ticket, ttfb_ticket_s),
+            ):
                 cb.delete(ns_b, ttfb_hash)
+                if how is pull_ticket:
+                    handed = ca.hand_over(ns_a, ttfb_hash)
+                    assert handed.found_blocks == 1
+                    ticket = handed.ticket
                 t0 = time.perf_counter()
                 r = how(one)
                 samples.append(time.perf_counter() - t0)
                 assert r.fetched_blocks == 1
                 if how is pull:
                     ttfb_pin_s.append(r.pin_s)
+                if how is pull_ticket and r.pin_s:
+                    raise RuntimeError("a pull of a handed-over pin pinned on A again")
         bare1_s = bare_read("1", args.ttfb_repeats)
         # The same READ after an idle gap: a pull's READ comes after round trips
         # that leave the processes idle, and on VMs like these a copy after idle
         # runs several times slower than back to back (docs/peer-transfer.md).
         bare1_gap_s = bare_read("1", args.ttfb_repeats, gap_s=TTFB_GAP_S)
         got = cb.get(ns_b, hashes[:4])
-        with Client(a.address) as ca:
-            want = ca.get(ns_a, hashes[:4])
+        want = ca.get(ns_a, hashes[:4])
         if not np.array_equal(got.data, want.data):
             raise RuntimeError("pulled bytes differ from the owner's")
+        ca.close()
         cb.close()
         channel.close()
 
-        d, bn, m = summarize(daemon_s), summarize(bare_s), summarize(memcpy_s)
+        dm, bn, m = summarize(daemon_s), summarize(bare_s), summarize(memcpy_s)
         t1, b1 = summarize(ttfb_s), summarize(bare1_s)
         return {
             "block_bytes": block_bytes,
             "blocks": n,
             "total_bytes": n * block_bytes,
-            "daemon": d,
+            "daemon": dm,
             "bare_nixl": bn,
             "memcpy": m,
             "ttfb_daemon": t1,
             "ttfb_daemon_grpc": summarize(ttfb_grpc_s),
+            "ttfb_daemon_handed_over": summarize(ttfb_ticket_s),
             "ttfb_pin_median_s": float(np.median(ttfb_pin_s)),
             "ttfb_lean_channel": lean,
             "ttfb_bare_nixl": b1,
@@ -431,11 +458,11 @@ def _one_size(
                 puller.hello["huge_page_bytes"],
             ],
             "ttfb_bare_nixl_after_gap": summarize(bare1_gap_s),
-            "ratio_vs_bare": bn.median_s / d.median_s,
-            "ratio_vs_memcpy": m.median_s / d.median_s,
+            "ratio_vs_bare": bn.median_s / dm.median_s,
+            "ratio_vs_memcpy": m.median_s / dm.median_s,
             "bare_vs_memcpy": m.median_s / bn.median_s,
-            "overhead_s": d.median_s - bn.median_s,
-            "overhead_per_block_us": (d.median_s - bn.median_s) / n * 1e6,
+            "overhead_s": dm.median_s - bn.median_s,
+            "overhead_per_block_us": (dm.median_s - bn.median_s) / n * 1e6,
             "daemon_parts_median_s": {k: float(np.median(v)) for k, v in parts.items()},
         }
     finally:
@@ -519,6 +546,12 @@ def run(args: argparse.Namespace) -> int:
             f"{'the pin channel' if args.pin_channel == 'true' else 'gRPC'}); the same pull "
             f"asked over gRPC FetchFromPeer (one call more): {g.median_s * 1e3:.2f} ms "
             f"[p10 {g.p10_s * 1e3:.2f}, p90 {g.p90_s * 1e3:.2f}]"
+        )
+        h = r["ttfb_daemon_handed_over"]
+        print(
+            f"  first byte of a pin A handed over (HandOver, then FetchFromPeer with its "
+            f"ticket: no pin round trip): {h.median_s * 1e3:.2f} ms "
+            f"[p10 {h.p10_s * 1e3:.2f}, p90 {h.p90_s * 1e3:.2f}]"
         )
         p = r["daemon_parts_median_s"]
         print(

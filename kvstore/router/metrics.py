@@ -205,6 +205,11 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.pd_tickets = Counter(
+            "kvstore_router_pd_tickets_total",
+            "Prefill/decode requests whose prefill handed its blocks' pin to decode.",
+            registry=r,
+        )
         r.register(_FleetCollector(fleet))
         r.register(_LocalIndexCollector(local))
 

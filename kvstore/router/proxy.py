@@ -63,6 +63,12 @@ log = logging.getLogger("kvstore.router")
 
 COMPLETIONS = "/v1/completions"
 PEER_HINT = "kvstore_peer"  # kv_transfer_params key the KVStore connector reads
+# The P/D hand-over (docs/peer-transfer.md, "Handed-over pins"): the prefill
+# request asks its connector to pin the prompt's blocks for the decode node
+# (HAND_OVER); the prefill answer's kv_transfer_params carry the pin (TICKET),
+# passed on to the decode request so its daemon reads with no pin round trip.
+HAND_OVER = "kvstore_hand_over"
+TICKET = "kvstore_ticket"
 # vLLM's OpenAI server pins a request to this data-parallel rank
 # (OpenAIServing._get_data_parallel_rank, vLLM 0.32 and 0.33); without it vLLM's
 # own balancer picks one.
@@ -472,11 +478,14 @@ class Router:
         if prefill:
             p = await self._choose_among(model, hashed, prefill, both)
             pb = next(b for b in prefill if b.node == p.node)
-            why = await self._prefill(request.path, body, pb, headers, p.rank)
+            why, ticket = await self._prefill(request.path, body, pb, headers, p.rank)
         raw: bytes
         if not why:
             params = body.get("kv_transfer_params")
             hint = {**(params if isinstance(params, dict) else {}), PEER_HINT: pb.node}
+            if ticket:
+                hint[TICKET] = ticket
+                self.metrics.pd_tickets.inc()
             raw = msgspec.json.encode({**body, "kv_transfer_params": hint})
             pd = f"prefill={pb.node}"
         else:
@@ -491,10 +500,16 @@ class Router:
 
     async def _prefill(
         self, path: str, body: dict[str, Any], b: Backend, headers: dict[str, str], rank: int
-    ) -> str:
-        """Run the prompt on prefill engine ``b`` (its DP rank ``rank``; -1: any);
-        "" when it answered, else why not."""
+    ) -> tuple[str, str]:
+        """Run the prompt on prefill engine ``b`` (its DP rank ``rank``; -1: any):
+        ("", the pin its connector handed over, "" if none) when it answered, else
+        (why not, "")."""
         pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        params = body.get("kv_transfer_params")
+        pre["kv_transfer_params"] = {
+            **(params if isinstance(params, dict) else {}),
+            HAND_OVER: True,
+        }
         pre["max_tokens"] = 1
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
@@ -508,19 +523,19 @@ class Router:
             async with b.session.post(
                 b.base + path, data=msgspec.json.encode(pre), headers=headers, timeout=timeout
             ) as r:
-                await r.read()
+                answer = await r.read()
                 if r.status != 200:
-                    return f"status: prefill {b.node} answered {r.status}"
+                    return f"status: prefill {b.node} answered {r.status}", ""
         except aiohttp.ClientConnectorError as e:
             b.mark_down(f"connect: {e}")
-            return f"connect: prefill {b.node}: {e}"
+            return f"connect: prefill {b.node}: {e}", ""
         except TimeoutError:
-            return f"deadline: prefill {b.node} past {self.config.prefill_deadline_s:g} s"
+            return f"deadline: prefill {b.node} past {self.config.prefill_deadline_s:g} s", ""
         except aiohttp.ClientError as e:
-            return f"error: prefill {b.node}: {type(e).__name__}: {e}"
+            return f"error: prefill {b.node}: {type(e).__name__}: {e}", ""
         finally:
             b.inflight -= 1
-        return ""
+        return "", _ticket_of(answer)
 
     def _by_load(self, backends: list[Backend]) -> list[Backend]:
         return sorted(backends, key=lambda b: (b.load(self.fleet.capacity).load(), b.node))
@@ -839,3 +854,24 @@ async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> Non
         notifier.stopping()
         notifier.close()
         await runner.cleanup()
+
+
+class _PrefillAnswer(msgspec.Struct):
+    """The one field of a prefill engine's answer the split reads (the rest skipped)."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_prefill_answer = msgspec.json.Decoder(_PrefillAnswer)
+
+
+def _ticket_of(answer: bytes) -> str:
+    """The pin a prefill engine's connector handed over (kv_transfer_params), or ""
+    (an engine without the KVStore connector, or whose daemon pinned nothing): the
+    decode node's daemon then pins as usual."""
+    try:
+        params = _prefill_answer.decode(answer).kv_transfer_params
+    except msgspec.DecodeError:
+        return ""
+    ticket = (params or {}).get(TICKET)
+    return ticket if isinstance(ticket, str) else ""

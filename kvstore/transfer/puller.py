@@ -49,6 +49,7 @@ from kvstore.transfer.base import (
 )
 from kvstore.transfer.grpc_stream import SECRET_METADATA_KEY, error_from_rpc
 from kvstore.transfer.pin_channel import PinClient
+from kvstore.transfer.ticket import PullTicket
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class PullResult:
     """Bytes of the fetched blocks."""
     pieces: int = 0
     """Pieces the read was split into (1: read, then verified; more: pipelined)."""
+    handed_over: bool = False
+    """Read from a pin the owner handed over (a ticket): no pin round trip."""
 
 
 async def checksums_async(
@@ -331,17 +334,58 @@ class Puller:
     # ------------------------------------------------------------------ pull
 
     async def pull(
-        self, ns_id: str, hashes: Sequence[int], address: str, timeout_s: float = 0.0
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        address: str,
+        timeout_s: float = 0.0,
+        ticket: PullTicket | None = None,
     ) -> PullResult:
+        """Pull what this node lacks of ``hashes``' prefix from the peer at ``address``.
+        ``ticket``: a pin the peer handed over (opened and checked against ``ns_id``
+        by the caller, kvstore.peer_service): read at once, no pin round trip."""
         timeout_s = timeout_s or self.transfer_timeout_s
         if not 0 < timeout_s <= MAX_PIN_TTL_S - PIN_TTL_MARGIN_S:
             raise InvalidRequest(f"timeout_s must be in (0, {MAX_PIN_TTL_S - PIN_TTL_MARGIN_S}]")
         if not address:
             raise InvalidRequest("no peer address")
         ns = self.manager.namespace(ns_id)
+        start = _ticket_start(ticket, hashes) if ticket is not None else 0
         local_prefix = self.manager.lookup(ns_id, hashes).prefix_blocks
         wanted = list(hashes[local_prefix:])
         info = await self._peer(address)
+        if ticket is not None:
+            if ticket.node_id != info.node_id:
+                raise InvalidRequest(
+                    f"ticket is from node {ticket.node_id!r}, the peer is {info.node_id!r}"
+                )
+            handed = await self._handed_over(
+                info, address, ticket, start, len(hashes), local_prefix, timeout_s
+            )
+            if handed is not None:
+                info, pin = handed
+                try:
+                    result = await self._pull_pinned(
+                        ns_id, hashes, info, pin, local_prefix, 0.0, timeout_s
+                    )
+                    result.handed_over = pin.found_blocks > 0
+                    covered = ticket.blocks - start
+                    if result.prefix_blocks < covered or covered >= len(hashes):
+                        return result
+                    # The ticket ends before the wanted blocks do (the owner had not
+                    # committed them all when it was made): the rest, if the owner
+                    # has it now, by an ordinary pull.
+                    return _merged(result, await self.pull(ns_id, hashes, address, timeout_s))
+                except DeadlineExceeded:
+                    raise  # a stalled peer: waiting again would double the bound
+                except Unavailable:
+                    # Nothing asked the owner before this read, so our cache and the
+                    # ticket can both predate a restart: the read then fails on the
+                    # dead agent. A new incarnation: an ordinary pull from it.
+                    info = await self._peer(address, refresh=True)
+                    if info.incarnation == ticket.incarnation:
+                        raise
+                    log.info("peer %s restarted since its ticket: pinning", info.node_id)
         if not wanted:
             return PullResult(local_prefix, 0, local_prefix, 0, info.transport)
 
@@ -356,6 +400,60 @@ class Puller:
             info = await self._peer(address, refresh=True)
             pin = await self._pin(info, ns.spec, wanted, timeout_s)
         pin_s = time.monotonic() - t_pin
+        return await self._pull_pinned(ns_id, hashes, info, pin, local_prefix, pin_s, timeout_s)
+
+    async def _handed_over(
+        self,
+        info: PeerInfo,
+        address: str,
+        ticket: PullTicket,
+        start: int,
+        wanted_blocks: int,
+        local_prefix: int,
+        timeout_s: float,
+    ) -> tuple[PeerInfo, peer_pb2.PinForPullResponse] | None:
+        """The ticket's pin, as the owner's PinForPull would have answered for the
+        wanted blocks (the ticket's from ``start``) past ``local_prefix``; None when
+        it cannot serve (its owner restarted, or it expires before the read could
+        end): then an ordinary pull. A ticket with nothing to read is released."""
+        if ticket.incarnation != info.incarnation:
+            info = await self._peer(address, refresh=True)  # cached from before a restart?
+            if ticket.incarnation != info.incarnation:
+                log.info("ticket from %s is of an earlier incarnation: pinning", info.node_id)
+                return None  # its lease died with that daemon: nothing to release
+        if ticket.expires_unix_s - time.time() < min(timeout_s, PIN_TTL_MARGIN_S):
+            log.info("ticket from %s expires before a read could end: pinning", info.node_id)
+            self._schedule_release(info, ticket.lease_id)
+            return None
+        # The wanted blocks the ticket holds; a pull of a ticket reads no others.
+        covered = min(ticket.blocks - start, wanted_blocks)
+        if local_prefix >= covered:
+            self._schedule_release(info, ticket.lease_id)  # all of it is here already
+            return info, peer_pb2.PinForPullResponse(incarnation=info.incarnation)
+        skip = slice(8 * (start + local_prefix), 8 * (start + covered))
+        return info, peer_pb2.PinForPullResponse(
+            lease_id=ticket.lease_id,
+            found_blocks=covered - local_prefix,
+            offsets=ticket.offsets[skip],
+            block_bytes=ticket.block_bytes,
+            checksums=ticket.checksums[skip],
+            incarnation=ticket.incarnation,
+        )
+
+    async def _pull_pinned(
+        self,
+        ns_id: str,
+        hashes: Sequence[int],
+        info: PeerInfo,
+        pin: peer_pb2.PinForPullResponse,
+        local_prefix: int,
+        pin_s: float,
+        timeout_s: float,
+    ) -> PullResult:
+        """Read, verify and commit the blocks ``pin`` holds on the owner (the blocks
+        of ``hashes`` past ``local_prefix``), then release it."""
+        address = info.address
+        wanted = list(hashes[local_prefix:])
         if pin.incarnation != info.incarnation:
             # The owner restarted since we cached it: its agent and region are new.
             log.info("peer %s at %s restarted: re-fetching its metadata", info.node_id, address)
@@ -596,6 +694,15 @@ class Puller:
         if not lease_id:
             return
         try:
+            # A pull of a handed-over pin may be the first call to this owner:
+            # its release opens the pin channel (a frame, not a gRPC call, for it
+            # and every later release).
+            client = await self._pin_client(info)
+        except KVStoreError:
+            client = None
+        if client is not None and client.release_soon(lease_id):
+            return
+        try:
             await self._stub(info.address).ReleasePull(
                 peer_pb2.ReleasePullRequest(lease_ids=[lease_id]),
                 metadata=self._metadata,
@@ -615,6 +722,45 @@ class Puller:
         await self._channels.aclose()
         for info in list(self._peers.values()):
             self._forget(info)
+
+
+def _merged(first: PullResult, then: PullResult) -> PullResult:
+    """One pull's result from two in a row over the same blocks (``then`` ran last)."""
+    return PullResult(
+        prefix_blocks=then.prefix_blocks,
+        fetched_blocks=first.fetched_blocks + then.fetched_blocks,
+        local_blocks=first.local_blocks,
+        corrupt_blocks=first.corrupt_blocks + then.corrupt_blocks,
+        transport=first.transport,
+        pin_s=then.pin_s,
+        transfer_s=first.transfer_s + then.transfer_s,
+        verify_s=first.verify_s + then.verify_s,
+        commit_s=first.commit_s + then.commit_s,
+        fetched_bytes=first.fetched_bytes + then.fetched_bytes,
+        pieces=first.pieces + then.pieces,
+        handed_over=first.handed_over,
+    )
+
+
+def _ticket_start(ticket: PullTicket, hashes: Sequence[int]) -> int:
+    """Where ``hashes`` start among the ticket's blocks: they must be a run of them
+    (a decode side asks from its first missing block, the prefill side handed over
+    the whole prompt), as far as the ticket goes; InvalidRequest otherwise."""
+    if not len(hashes):
+        return 0
+    mine = np.frombuffer(ticket.block_hashes, dtype="<u8")
+    at = np.flatnonzero(mine == np.uint64(hashes[0]))
+    if not len(at):
+        raise InvalidRequest("block_hashes do not start at a block of the ticket")
+    start = int(at[0])
+    covered = min(len(mine) - start, len(hashes))
+    if mine[start : start + covered].tobytes() != _pack(hashes[:covered]):
+        raise InvalidRequest("block_hashes leave the ticket's run of blocks")
+    return start
+
+
+def _pack(hashes: Sequence[int]) -> bytes:
+    return np.asarray(hashes, dtype="<u8").tobytes()
 
 
 class _PieceHasher:

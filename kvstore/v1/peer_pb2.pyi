@@ -94,18 +94,20 @@ class BlockChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class FetchFromPeerRequest(_message.Message):
-    __slots__ = ("namespace_id", "block_hashes", "peer_node_id", "peer_address", "timeout_s")
+    __slots__ = ("namespace_id", "block_hashes", "peer_node_id", "peer_address", "timeout_s", "ticket")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     block_hashes: bytes
     peer_node_id: str
     peer_address: str
     timeout_s: float
-    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., timeout_s: _Optional[float] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class FetchFromPeerResponse(_message.Message):
     __slots__ = ("prefix_blocks", "fetched_blocks", "local_blocks", "corrupt_blocks", "transport", "pin_s", "transfer_s", "verify_s", "pieces")
@@ -128,3 +130,23 @@ class FetchFromPeerResponse(_message.Message):
     verify_s: float
     pieces: int
     def __init__(self, prefix_blocks: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., local_blocks: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., transport: _Optional[str] = ..., pin_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., pieces: _Optional[int] = ...) -> None: ...
+
+class HandOverRequest(_message.Message):
+    __slots__ = ("namespace_id", "block_hashes", "ttl_s")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    block_hashes: bytes
+    ttl_s: float
+    def __init__(self, namespace_id: _Optional[str] = ..., block_hashes: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class HandOverResponse(_message.Message):
+    __slots__ = ("found_blocks", "ticket", "ttl_s")
+    FOUND_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    found_blocks: int
+    ticket: bytes
+    ttl_s: float
+    def __init__(self, found_blocks: _Optional[int] = ..., ticket: _Optional[bytes] = ..., ttl_s: _Optional[float] = ...) -> None: ...

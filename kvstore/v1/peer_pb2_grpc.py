@@ -240,12 +240,23 @@ class PeerFetchServiceStub:
                 request_serializer=kvstore_dot_v1_dot_peer__pb2.FetchFromPeerRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_peer__pb2.FetchFromPeerResponse.FromString,
                 _registered_method=True)
+        self.HandOver = channel.unary_unary(
+                '/kvstore.v1.PeerFetchService/HandOver',
+                request_serializer=kvstore_dot_v1_dot_peer__pb2.HandOverRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_peer__pb2.HandOverResponse.FromString,
+                _registered_method=True)
 
 
 class PeerFetchServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def FetchFromPeer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandOver(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -258,6 +269,11 @@ def add_PeerFetchServiceServicer_to_server(servicer, server):
                     servicer.FetchFromPeer,
                     request_deserializer=kvstore_dot_v1_dot_peer__pb2.FetchFromPeerRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_peer__pb2.FetchFromPeerResponse.SerializeToString,
+            ),
+            'HandOver': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOver,
+                    request_deserializer=kvstore_dot_v1_dot_peer__pb2.HandOverRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_peer__pb2.HandOverResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -287,6 +303,33 @@ class PeerFetchService:
             '/kvstore.v1.PeerFetchService/FetchFromPeer',
             kvstore_dot_v1_dot_peer__pb2.FetchFromPeerRequest.SerializeToString,
             kvstore_dot_v1_dot_peer__pb2.FetchFromPeerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.PeerFetchService/HandOver',
+            kvstore_dot_v1_dot_peer__pb2.HandOverRequest.SerializeToString,
+            kvstore_dot_v1_dot_peer__pb2.HandOverResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -376,7 +376,7 @@ class TenantStats(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., namespaces: _Optional[int] = ..., tenants: _Optional[int] = ..., dram_bytes: _Optional[int] = ..., dram_quota_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_quota_bytes: _Optional[int] = ..., gpu_bytes: _Optional[int] = ..., gpu_quota_bytes: _Optional[int] = ...) -> None: ...
 
 class PeerTransportStats(_message.Message):
-    __slots__ = ("transport", "pulls", "pull_failures", "fetched_blocks", "fetched_bytes", "checksum_failed_blocks", "pull_s", "serve_pins", "serve_failures", "served_blocks", "served_bytes")
+    __slots__ = ("transport", "pulls", "pull_failures", "fetched_blocks", "fetched_bytes", "checksum_failed_blocks", "pull_s", "serve_pins", "serve_failures", "served_blocks", "served_bytes", "handed_over_pulls")
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PULLS_FIELD_NUMBER: _ClassVar[int]
     PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
@@ -388,6 +388,7 @@ class PeerTransportStats(_message.Message):
     SERVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     SERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HANDED_OVER_PULLS_FIELD_NUMBER: _ClassVar[int]
     transport: str
     pulls: int
     pull_failures: int
@@ -399,7 +400,8 @@ class PeerTransportStats(_message.Message):
     serve_failures: int
     served_blocks: int
     served_bytes: int
-    def __init__(self, transport: _Optional[str] = ..., pulls: _Optional[int] = ..., pull_failures: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., checksum_failed_blocks: _Optional[int] = ..., pull_s: _Optional[float] = ..., serve_pins: _Optional[int] = ..., serve_failures: _Optional[int] = ..., served_blocks: _Optional[int] = ..., served_bytes: _Optional[int] = ...) -> None: ...
+    handed_over_pulls: int
+    def __init__(self, transport: _Optional[str] = ..., pulls: _Optional[int] = ..., pull_failures: _Optional[int] = ..., fetched_blocks: _Optional[int] = ..., fetched_bytes: _Optional[int] = ..., checksum_failed_blocks: _Optional[int] = ..., pull_s: _Optional[float] = ..., serve_pins: _Optional[int] = ..., serve_failures: _Optional[int] = ..., served_blocks: _Optional[int] = ..., served_bytes: _Optional[int] = ..., handed_over_pulls: _Optional[int] = ...) -> None: ...
 
 class PutInlineRequest(_message.Message):
     __slots__ = ("namespace_id", "block_hashes", "data")

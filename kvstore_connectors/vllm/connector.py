@@ -460,8 +460,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         # blocks at once, unless the request finished with blocks not hashed when
         # its last step was planned: then they are saved next step and vLLM keeps
         # them until the workers say so (get_finished).
+        # A prefill request of the P/D split (kvstore_hand_over) answers a ticket:
+        # its blocks pinned for the decode node, read there with no pin round trip.
         assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids), None
+        params = self._scheduler.hand_over(request)
+        return self._scheduler.finished(request, block_ids), params
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose blocks vLLM kept for a deferred save that is now done."""

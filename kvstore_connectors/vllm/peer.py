@@ -7,10 +7,20 @@ the request, ``kv_transfer_params={"kvstore_peer": "<node-id or host:port>"}``
 default for requests without one. When the local daemon lacks part of the
 prefix, the scheduler has its daemon pull the missing blocks from that peer
 (``FetchFromPeer``, over NIXL) before answering vLLM.
+
+Handed-over pins (the P/D split, docs/peer-transfer.md): a prefill request
+sent with ``kv_transfer_params={"kvstore_hand_over": true}`` has the prefill
+engine's connector pin the prompt's blocks in its daemon when the request
+finishes (``HandOver``) and answer ``{"kvstore_ticket": "<base64>"}`` in the
+response's ``kv_transfer_params``. The router passes that on to the decode
+request beside its ``kvstore_peer`` hint, and the decode engine's daemon reads
+the blocks at once, with no pin round trip to the prefill node first.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 from typing import Any
 
@@ -19,6 +29,11 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 HINT_KEY = "kvstore_peer"
+TICKET_KEY = "kvstore_ticket"
+HAND_OVER_KEY = "kvstore_hand_over"
+# A ticket's base64 beyond this is no ticket of ours (one of a 200k-token prompt
+# of 16-token blocks is ~500 KiB): ignored, not decoded.
+MAX_TICKET_CHARS = 8 << 20
 
 
 class PeerTarget(msgspec.Struct, frozen=True):
@@ -64,3 +79,33 @@ def peer_hint(kv_transfer_params: Any, default: str) -> PeerTarget | None:
     if value is None:
         value = default
     return PeerTarget.parse(value) if value else None
+
+
+def pull_ticket(kv_transfer_params: Any) -> bytes:
+    """The request's handed-over pin (``kvstore_ticket``, base64), or b"". A malformed
+    one is ignored with a warning (the pull then pins as usual): advice, like a hint."""
+    if not isinstance(kv_transfer_params, dict):
+        return b""
+    value = kv_transfer_params.get(TICKET_KEY)
+    if value is None:
+        return b""
+    if isinstance(value, str) and 0 < len(value) <= MAX_TICKET_CHARS:
+        try:
+            return base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    logger.warning(
+        "kvstore: kv_transfer_params[%r] must be the base64 of a HandOver ticket; ignored",
+        TICKET_KEY,
+    )
+    return b""
+
+
+def wants_hand_over(kv_transfer_params: Any) -> bool:
+    """Whether the request asks its blocks be handed over when it finishes."""
+    return isinstance(kv_transfer_params, dict) and kv_transfer_params.get(HAND_OVER_KEY) is True
+
+
+def ticket_params(ticket: bytes) -> dict[str, str]:
+    """What the finished request answers in ``kv_transfer_params``."""
+    return {TICKET_KEY: base64.b64encode(ticket).decode("ascii")}

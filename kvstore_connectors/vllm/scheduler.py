@@ -6,6 +6,9 @@
                                               FetchFromPeer of the rest)
     after_alloc(request, block_ids, n)        remember where the hit goes
     build_plan(new, cached, num_scheduled)    StepPlan for the workers
+    hand_over(request)                        a finished prefill request asking
+                                              for it: its blocks pinned for the
+                                              decode node (kv_transfer_params)
     finished(request, block_ids)              forget the request; True: its last
                                               blocks are saved next step (vLLM
                                               keeps them until then)
@@ -50,7 +53,13 @@ from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.hashes import RequestHashes
 from kvstore_connectors.vllm.metadata import IDLE_PLAN, LoadSpec, SaveSpec, StepPlan
 from kvstore_connectors.vllm.namespace import EngineLayout
-from kvstore_connectors.vllm.peer import PeerTarget, peer_hint
+from kvstore_connectors.vllm.peer import (
+    PeerTarget,
+    peer_hint,
+    pull_ticket,
+    ticket_params,
+    wants_hand_over,
+)
 from kvstore_connectors.vllm.session import DaemonSession
 
 logger = logging.getLogger(__name__)
@@ -128,6 +137,9 @@ class SchedulerCounters:
     peer_nixl_fetched_blocks: int = 0  # of those, blocks moved by NIXL (not the gRPC fallback)
     peer_fetches_skipped: int = 0  # hinted peer failed recently: not asked again yet
     peer_hit_blocks: int = 0  # hit blocks beyond the local daemon's answer
+    peer_ticket_fetches: int = 0  # of the fetches, those with a handed-over pin (a ticket)
+    hand_overs: int = 0  # finished prefill requests whose blocks were pinned for a peer
+    hand_over_blocks: int = 0  # blocks those pins hold
     deferred_saves: int = 0  # finished requests whose last blocks were saved a step later
 
 
@@ -191,9 +203,13 @@ class SchedulerSide:
         self.counters.lookup_blocks += len(wanted)
         hit = result.prefix_blocks if result is not None else 0
         if result is not None and hit < len(wanted):
-            target = peer_hint(getattr(request, "kv_transfer_params", None), self.config.peer)
+            params = getattr(request, "kv_transfer_params", None)
+            target = peer_hint(params, self.config.peer)
+            ticket = pull_ticket(params)
+            if ticket and target is None:
+                target = PeerTarget()  # the ticket names its node
             if target is not None:
-                gained = self._pull_from_peer(spec, wanted[hit:], target)
+                gained = self._pull_from_peer(spec, wanted[hit:], target, ticket)
                 self.counters.peer_hit_blocks += gained
                 hit += gained
         if hit < self.config.min_hit_blocks:
@@ -324,6 +340,30 @@ class SchedulerSide:
         self._quiet_tokens = quiet
         return plan
 
+    def hand_over(self, request: RequestView) -> dict[str, str] | None:
+        """For a finished request that asks for it (``kvstore_hand_over``): pin its
+        computed full blocks in the daemon for the node that will decode it, and
+        the ``kv_transfer_params`` carrying the ticket; None otherwise, or when
+        nothing could be pinned (the decode node then pins as usual). Before
+        ``finished``: it reads the request's hashes."""
+        if not wants_hand_over(getattr(request, "kv_transfer_params", None)):
+            return None
+        self.activity += 1
+        tracked = self._requests.get(request.request_id)
+        computed = getattr(request, "num_computed_tokens", None)
+        if tracked is None or not isinstance(computed, int):
+            return None
+        hashes = tracked.hashes.update(request.block_hashes)[: computed // self.block_size]
+        if not len(hashes):
+            return None
+        spec = self.layout.spec(request.cache_salt)
+        handed = self.session.call_in("hand over", spec, lambda c, ns: c.hand_over(ns, hashes))
+        if handed is None or not handed.ticket:
+            return None
+        self.counters.hand_overs += 1
+        self.counters.hand_over_blocks += handed.found_blocks
+        return ticket_params(handed.ticket)
+
     def finished(self, request: RequestView, block_ids: Sequence[int] | None = None) -> bool:
         """Forget ``request``; True when full blocks of it that vLLM computed are not
         saved yet: their save is in the next step's plan, and vLLM must keep the
@@ -352,9 +392,12 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ helpers
 
-    def _pull_from_peer(self, spec: NamespaceSpec, missing: np.ndarray, target: PeerTarget) -> int:
-        """Have the local daemon pull ``missing`` from ``target``; how many of them,
-        from the first, it now holds (0 on any failure: the request goes on)."""
+    def _pull_from_peer(
+        self, spec: NamespaceSpec, missing: np.ndarray, target: PeerTarget, ticket: bytes = b""
+    ) -> int:
+        """Have the local daemon pull ``missing`` from ``target`` (with the pin it
+        handed over, ``ticket``, if any); how many of them, from the first, it now
+        holds (0 on any failure: the request goes on)."""
         failing = self._failing_peers.get(target)
         if failing is not None and self._clock() < failing[0]:
             self.counters.peer_fetches_skipped += 1
@@ -364,6 +407,7 @@ class SchedulerSide:
         if ns is None or client is None:
             return 0
         self.counters.peer_fetches += 1
+        self.counters.peer_ticket_fetches += bool(ticket)
         try:
             reply = client.fetch_from_peer(
                 ns,
@@ -371,6 +415,7 @@ class SchedulerSide:
                 peer_node_id=target.node_id,
                 peer_address=target.address,
                 timeout_s=self.config.peer_timeout_s,
+                ticket=ticket,
             )
         except errors.KVStoreError as exc:
             # Not routed through session.call: an unreachable peer (UNAVAILABLE)

@@ -770,7 +770,9 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
     try:
         ids = vm.prompt_ids(71, 5 * BS + 9)
         with Client(b.daemon.address, map_region=False) as c:
-            before = c.stats().stored_blocks
+            stats = c.stats()
+            before = stats.stored_blocks
+            handed_before = sum(p.handed_over_pulls for p in stats.peer)
         status, headers, out = pd.post("/v1/completions", completion(ids, max_tokens=12))
         assert status == 200, out
         assert headers["x-kvstore-backend"] == "node-b"
@@ -778,7 +780,12 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
         # node-b never saw this prompt: its cached tokens are the pulled blocks.
         assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // BS * BS
         with Client(b.daemon.address, map_region=False) as c:
-            assert c.stats().stored_blocks - before >= (len(ids) - 1) // BS
+            stats = c.stats()
+            assert stats.stored_blocks - before >= (len(ids) - 1) // BS
+            # Read from the pin node-a's connector handed over with its answer (the
+            # ticket the router passed on): no pin round trip to node-a first.
+            assert sum(p.handed_over_pulls for p in stats.peer) - handed_before == 1
+        assert metric(pd, "kvstore_router_pd_tickets_total") == 1
         assert "FALLING BACK" not in b.daemon.log_path.read_text(errors="replace")
         status, _, single = a.http.post("/v1/completions", completion(ids, max_tokens=12))
         assert out["choices"][0]["text"] == single["choices"][0]["text"]

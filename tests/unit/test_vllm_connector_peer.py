@@ -17,7 +17,7 @@ from kvstore.hashing import BlockHasher, to_int_hashes
 from kvstore_bench.ports import dead_address
 from kvstore_connectors.vllm.config import ConnectorConfig
 from kvstore_connectors.vllm.namespace import EngineLayout
-from kvstore_connectors.vllm.peer import PeerTarget, peer_hint
+from kvstore_connectors.vllm.peer import PeerTarget, peer_hint, pull_ticket, wants_hand_over
 from kvstore_connectors.vllm.scheduler import SchedulerSide
 from kvstore_connectors.vllm.session import DaemonSession
 
@@ -132,6 +132,23 @@ def test_malformed_hints_fall_back_to_the_default_with_a_warning(params, message
     assert message in caplog.text
 
 
+@pytest.mark.parametrize(
+    "value", [7, "", "not base64!", "x" * (8 << 20) + "==", b"raw bytes", ["a"]]
+)
+def test_malformed_tickets_are_ignored_with_a_warning(value, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvstore_connectors.vllm.peer"):
+        assert pull_ticket({"kvstore_ticket": value}) == b""
+    assert "must be the base64 of a HandOver ticket" in caplog.text
+
+
+def test_tickets_and_hand_over_requests_are_read_from_the_params():
+    assert pull_ticket({"kvstore_ticket": "S1ZUMQ=="}) == b"KVT1"
+    assert pull_ticket(None) == pull_ticket({"kvstore_peer": "node-a"}) == b""
+    assert wants_hand_over({"kvstore_hand_over": True})
+    for params in (None, {}, {"kvstore_hand_over": 1}, {"kvstore_hand_over": "yes"}, ["x"]):
+        assert not wants_hand_over(params)
+
+
 def test_peer_config_is_checked():
     config = ConnectorConfig.from_extra({"peer": "node-a", "peer_timeout_s": 0.5})
     assert (config.peer, config.peer_timeout_s) == ("node-a", 0.5)
@@ -178,6 +195,47 @@ def test_hinted_request_pulls_the_missing_blocks_then_counts_them(daemon_factory
     by_default = _scheduler(b.address, peer=a.tcp_address)
     assert by_default.hit_tokens(other, 0) == 3 * BS
     assert by_default.counters.peer_fetched_blocks == 3
+
+
+def test_a_finished_prefill_hands_its_blocks_over_and_decode_reads_them(daemon_factory):
+    """The P/D split through two schedulers: the prefill side's finished request
+    answers a ticket; the decode side's request carries it (no kvstore_peer: the
+    ticket names node-a) and its daemon reads the handed-over pin."""
+    a = daemon_factory("node-a", settings=_peer_settings())
+    b = daemon_factory("node-b", settings=_peer_settings(**{"node-a": a.tcp_address}))
+    tokens = _tokens(5, 5 * BS + 3)  # 5 full blocks
+    prefill = Req("p1", tokens, {"kvstore_hand_over": True})
+    hashes = prefill.int_hashes()
+    _put(a.address, hashes)  # what the prefill engine's workers stored
+    sched_a = _scheduler(a.address)
+    assert sched_a.hit_tokens(prefill, 0) == 5 * BS
+    prefill.num_computed_tokens = len(tokens)  # type: ignore[attr-defined]
+    params = sched_a.hand_over(prefill)
+    assert params is not None and set(params) == {"kvstore_ticket"}
+    assert (sched_a.counters.hand_overs, sched_a.counters.hand_over_blocks) == (1, 5)
+    assert sched_a.finished(prefill) is False
+    # A request that does not ask, or has no blocks: nothing handed over.
+    plain = Req("p2", tokens)
+    sched_a.hit_tokens(plain, 0)
+    plain.num_computed_tokens = len(tokens)  # type: ignore[attr-defined]
+    assert sched_a.hand_over(plain) is None
+    assert sched_a.counters.hand_overs == 1
+
+    sched_b = _scheduler(b.address)
+    decode = Req("d1", tokens, params)
+    assert sched_b.hit_tokens(decode, BS) == 4 * BS  # vLLM's own cache had block 0
+    c = sched_b.counters
+    assert (c.peer_fetches, c.peer_ticket_fetches, c.peer_fetch_failures) == (1, 1, 0)
+    assert (c.peer_fetched_blocks, c.peer_hit_blocks) == (4, 4)
+    with Client(b.address) as client:
+        ns = client.declare_namespace(LAYOUT.spec(None))
+        got = client.get(ns, hashes[1:5])
+        np.testing.assert_array_equal(got.data, _blocks(hashes[1:5]))
+        peer = {p.transport: p for p in client.stats().peer}
+        assert peer["grpc_stream"].handed_over_pulls == 1
+    with Client(a.address) as client:
+        peer = {p.transport: p for p in client.stats().peer}
+        assert peer["grpc_stream"].serve_pins == 1  # the hand-over: no pin asked by node-b
 
 
 def test_unreachable_or_unknown_peer_means_no_extra_hit_and_keeps_the_daemon(
