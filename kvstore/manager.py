@@ -48,6 +48,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -70,8 +71,8 @@ from kvstore.events.sink import EventSink, NullSink
 from kvstore.leases import Lease, LeaseKind, LeaseTable
 from kvstore.movers import warm
 from kvstore.movers.disk import DiskLayer
-from kvstore.namespace import Block, Namespace, NamespaceSpec
-from kvstore.placement import Counters, Placement, StoredBatch
+from kvstore.namespace import Block, Namespace, NamespaceSpec, TenantAccount
+from kvstore.placement import Counters, Placement, StoredBatch, drop_tenant_orders
 from kvstore.presence import PresenceRecorder, PresenceTable
 from kvstore.quotas import QuotaTable, TenantStats, tenant_regions
 from kvstore.tiers import Tier
@@ -211,6 +212,11 @@ class BlockManager:
             dram_parts=self.tenant_parts,
             clock=clock,  # ages what pulls taught about peers' copies
         )
+        # Blocks are invisible to the cyclic collector (kvstore.namespace.Block), so
+        # a namespace and its blocks, which refer to each other, would outlive this
+        # manager (tests and benches make many in one process): once it is gone,
+        # its index lets go of them. Not at exit: the process frees everything.
+        weakref.finalize(self, _let_go, self.namespaces, self.placement.accounts).atexit = False
         self.counters: Counters = self.placement.counters
         # The presence table local clients probe (publish_presence); None: not published.
         self.presence: PresenceTable | None = None
@@ -1057,6 +1063,15 @@ class BlockManager:
             await self.disk.close()
         if self.gpu is not None:
             await self.gpu.aclose()
+
+
+def _let_go(namespaces: dict[str, Namespace], accounts: dict[str, TenantAccount]) -> None:
+    """A dropped manager's index lets go of its blocks (see BlockManager.__init__)."""
+    for ns in namespaces.values():
+        ns.blocks.clear()
+        ns.pending.clear()
+        ns.reserved.clear()
+    drop_tenant_orders(accounts)
 
 
 def _check_chains(

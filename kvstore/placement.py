@@ -1319,3 +1319,13 @@ class Placement:
         """Tell the cluster what this node holds (after a restart)."""
         if blocks:
             self.sink.blocks_stored(ns, blocks, tier.medium, None, None)
+
+
+def drop_tenant_orders(accounts: dict[str, TenantAccount]) -> None:
+    """The tenants' eviction orders let go of their blocks, when the index that
+    holds them is dropped (kvstore.manager): an order is reached from its blocks
+    through their namespace, a cycle the collector does not see."""
+    for account in accounts.values():
+        for order in account.order:
+            if order is not None:
+                order.clear()

@@ -29,6 +29,7 @@ from kvstore.errors import ConfigError
 from kvstore.event_loop import use_event_loop
 from kvstore.events.sink import EventSink
 from kvstore.files import FilePolicy, claim_socket_path
+from kvstore.heap import CollectorPauses, PauseCollector, settle_heap
 from kvstore.identity import Authorizer
 from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
@@ -62,6 +63,7 @@ class Daemon:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.registry = CollectorRegistry()
+        self.gc_pauses = CollectorPauses()  # timed only with /metrics on
         self.tcp_port: int | None = None
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
@@ -244,6 +246,8 @@ class Daemon:
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
             self.registry.register(AuditCollector())
+            self.gc_pauses.install()  # before settle_heap: its full collection counts
+            self.registry.register(PauseCollector(self.gc_pauses))
             try:
                 self._metrics_server, self.metrics_port = serve_metrics(
                     cfg.metrics.address, self.registry
@@ -315,6 +319,7 @@ class Daemon:
             await self.server.stop(grace=self.config.server.drain_timeout_s)
         if self.local is not None:
             await self.local.close()
+        self.gc_pauses.uninstall()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -349,6 +354,9 @@ async def serve(config: Config) -> int:
             daemon.region.close_hooks.clear()  # nothing was served: no warm-restart manifest
         await daemon.stop()
         raise
+    # After start-up (a warm restart's blocks loaded, the tiers and NIXL up):
+    # full collections walk only what serving allocates from here on.
+    settle_heap()
     info = daemon.ready_info()
     log.info("serving", extra={"fields": {k: v for k, v in info.items() if k != "event"}})
     print(json.dumps(info), flush=True)

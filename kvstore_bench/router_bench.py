@@ -236,13 +236,14 @@ def decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[
 
 async def _decision_cost(args: argparse.Namespace, progress: _common.Progress) -> dict[str, Any]:
     from kvstore.hashing import BlockHasher
+    from kvstore.heap import settle_heap
     from kvstore.indexer import walk
     from kvstore.indexer.backend import source_medium
     from kvstore.indexer.memory import MemoryIndex
     from kvstore.indexer.subscriber import SourceSpec
     from kvstore.router.local_index import LocalIndex
     from kvstore.router.prompt_cache import PromptBytesCache
-    from kvstore.router.proxy import decode_body, settle_heap
+    from kvstore.router.proxy import decode_body
     from kvstore_router_client import NodeLoad, PrefixHashCache
     from kvstore_router_client.scorer import AsyncIndexClient
     from kvstore_router_client.strategies import make_strategy

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import json
 import logging
 import math
@@ -47,6 +46,7 @@ from aiohttp import web
 from kvstore.config import RouterConfig
 from kvstore.errors import BackendError, DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.hashing import BlockHasher
+from kvstore.heap import settle_heap
 from kvstore.router.backends import Backend, Fleet
 from kvstore.router.flow import FlowControl, Shed
 from kvstore.router.local_index import LocalIndex
@@ -813,20 +813,6 @@ class Router:
         with contextlib.suppress(ConnectionResetError):
             await resp.write_eof()
         return resp
-
-
-def settle_heap() -> None:
-    """Put everything alive after start-up out of the cyclic collector's reach.
-
-    Why: a full (generation 2) collection walks every tracked object, and a
-    started router holds ~135k (aiohttp, grpc, numba's compiler for the index
-    walk): measured 85-92 ms per full collection in the decision bench's
-    process, a pause any request in flight then waits through (the decision's
-    p99). Frozen objects (``gc.freeze``) are never scanned again; what requests
-    allocate later is collected as before. Start-up garbage is collected first,
-    so freezing keeps nothing that is already unreachable."""
-    gc.collect()
-    gc.freeze()
 
 
 async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> None:

@@ -148,6 +148,18 @@ def test_metrics_endpoint(daemon_factory):
     assert 'kvstore_rpc_duration_seconds_count{method="Lookup"} 1.0' in body
     assert 'kvstore_rpc_requests_total{code="OK",method="PrepareStore"} 1.0' in body
     assert "kvstore_lease_active 0.0" in body
+    # Collector pauses: the start-up heap was frozen after one full collection
+    # (kvstore.heap.settle_heap), which the histogram counted.
+    metric = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith("kvstore_gc_")
+    }
+    assert metric['kvstore_gc_pause_seconds_count{generation="2"}'] >= 1
+    assert metric['kvstore_gc_pause_seconds_bucket{generation="2",le="+Inf"}'] >= 1
+    assert metric['kvstore_gc_pause_seconds_sum{generation="2"}'] > 0
+    assert 0 < metric['kvstore_gc_longest_pause_seconds{generation="2"}'] < 5
+    assert metric["kvstore_gc_frozen_objects"] > 10_000
 
 
 def test_sigterm_drains_and_exits_zero(daemon_factory):
