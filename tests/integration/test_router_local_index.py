@@ -226,6 +226,9 @@ def test_an_event_stream_down_falls_back_to_the_indexer_and_memory_is_bounded(
 
         wait_for(lambda: routed() == ("node-a", "prefix"), 30, "routed by the local index")
         assert indexer_scores(r) == 0 and local_scores(r) >= 1
+        # Its start-up heap frozen after one full collection (kvstore.heap), counted.
+        assert metric(r, "kvstore_gc_pause_seconds_count", 'generation="2"') >= 1
+        assert metric(r, "kvstore_gc_frozen_objects") > 10_000
 
         daemons["node-b"].kill()
         wait_for(lambda: metric(r, "kvstore_router_local_index_stale_seconds") > 0, 30, "stale")
