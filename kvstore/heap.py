@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import itertools
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 # Upper bounds of the pause histogram's buckets: from a young collection
 # (tens of microseconds) to the full ones a large heap costs (hundreds of ms).
 PAUSE_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_BUCKET_LABELS = (*(str(bound_s) for bound_s in PAUSE_BUCKETS_S), "+Inf")
 GENERATIONS = 3
 
 
@@ -45,7 +47,9 @@ class CollectorPauses:
     Collections run one at a time under the interpreter lock, in whichever
     thread allocated last, so one start time serves them all; /metrics reads
     the counts from its own thread (plain ints and floats: a read may miss the
-    collection being recorded, never tears one)."""
+    collection being recorded, never tears one). Not a prometheus ``Histogram``:
+    its ``observe`` takes a lock, and a collection can start in a thread that
+    holds that very lock (a scrape allocating), which would then wait on itself."""
 
     def __init__(self) -> None:
         # Per generation: how many pauses fell in each bucket (the last: past them all).
@@ -95,12 +99,8 @@ class PauseCollector(Collector):
             labels=["generation"],
         )
         for generation in range(GENERATIONS):
-            counts = list(pauses.buckets[generation])
-            cumulative = 0
-            buckets = []
-            for bound_s, n in zip((*PAUSE_BUCKETS_S, float("inf")), counts, strict=True):
-                cumulative += n
-                buckets.append(("+Inf" if bound_s == float("inf") else str(bound_s), cumulative))
+            cumulative = itertools.accumulate(pauses.buckets[generation])
+            buckets = list(zip(_BUCKET_LABELS, cumulative, strict=True))
             histogram.add_metric([str(generation)], buckets, pauses.total_s[generation])
         yield histogram
         longest = GaugeMetricFamily(
