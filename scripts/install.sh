@@ -30,6 +30,23 @@ if [ "$full" = 0 ]; then
     exit 0
 fi
 
+# Room first: a venv half installed when the disk fills fails later with pip's
+# bare "No space left on device" (a CI run did). What each venv took on a fresh
+# clone (2026-12-07, du -s): .venv 4.3 GB, .venv-sglang 6.0 GB (a CUDA torch:
+# scripts/setup_sglang_venv.sh says why), .venv-lmcache 1.6 GB; plus ~2 GB for
+# pip's unpacking and what the tests write.
+installed() { compgen -G "$1/lib/python*/site-packages/$2" >/dev/null; }
+need_mib=2048
+installed .venv vllm || need_mib=$((need_mib + 4400))
+installed .venv-sglang sglang || need_mib=$((need_mib + 6100))
+installed .venv-lmcache lmcache || need_mib=$((need_mib + 1700))
+free_mib=$(( $(df -Pk . | awk 'NR == 2 { print $4 }') / 1024 ))
+if [ "$free_mib" -lt "$need_mib" ]; then
+    log "not enough disk: the full install needs ~$((need_mib / 1024)) GB free on $(df -P . | awk 'NR == 2 { print $6 }'), which has $((free_mib / 1024)) GB"
+    log "free some space (old clones, pip caches) and run this again: it resumes where it stopped"
+    exit 1
+fi
+
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=()
     command -v redis-server >/dev/null || missing+=(redis-server)
