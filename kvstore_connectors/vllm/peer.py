@@ -15,6 +15,14 @@ finishes (``HandOver``) and answer ``{"kvstore_ticket": "<base64>"}`` in the
 response's ``kv_transfer_params``. The router passes that on to the decode
 request beside its ``kvstore_peer`` hint, and the decode engine's daemon reads
 the blocks at once, with no pin round trip to the prefill node first.
+
+llm-d's P/D split needs no proxy of ours: its routing sidecar (the "nixlv2"
+protocol of llm-d-inference-scheduler's pkg/sidecar/proxy) sends the prefill
+request with ``kv_transfer_params["do_remote_decode"] = true`` and passes the
+prefill answer's ``kv_transfer_params`` on to the decode request as they are.
+A prefill request asking that is handed over alike, so the ticket reaches the
+decode engine, which pulls from the node the ticket names (a node of its
+daemon's ``[peer] peers``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ logger = logging.getLogger(__name__)
 HINT_KEY = "kvstore_peer"
 TICKET_KEY = "kvstore_ticket"
 HAND_OVER_KEY = "kvstore_hand_over"
+# What llm-d's sidecar (and vLLM's NIXL P/D proxies) ask a prefill engine with.
+REMOTE_DECODE_KEY = "do_remote_decode"
 # A ticket's base64 beyond this is no ticket of ours (one of a 200k-token prompt
 # of 16-token blocks is ~500 KiB): ignored, not decoded.
 MAX_TICKET_CHARS = 8 << 20
@@ -102,8 +112,12 @@ def pull_ticket(kv_transfer_params: Any) -> bytes:
 
 
 def wants_hand_over(kv_transfer_params: Any) -> bool:
-    """Whether the request asks its blocks be handed over when it finishes."""
-    return isinstance(kv_transfer_params, dict) and kv_transfer_params.get(HAND_OVER_KEY) is True
+    """Whether the request asks its blocks be handed over when it finishes: ours
+    (``kvstore_hand_over``) or llm-d's (``do_remote_decode``), set to true."""
+    return isinstance(kv_transfer_params, dict) and (
+        kv_transfer_params.get(HAND_OVER_KEY) is True
+        or kv_transfer_params.get(REMOTE_DECODE_KEY) is True
+    )
 
 
 def ticket_params(ticket: bytes) -> dict[str, str]:

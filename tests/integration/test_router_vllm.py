@@ -834,6 +834,53 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
         stop(proc)
 
 
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
+def test_llm_d_sidecar_protocol_hands_the_prefill_over_to_decode(cluster):
+    """llm-d's P/D split, with no router of ours: its routing sidecar's two requests
+    (the nixlv2 protocol of llm-d-inference-scheduler's pkg/sidecar/proxy, as
+    docs/interfaces.md reads it; spoken here by the test, the sidecar being Go)
+    go to the engines themselves. The prefill request asks do_remote_decode with
+    max_tokens 1; node-a's connector answers a ticket in kv_transfer_params; the
+    sidecar passes those on, unread, with the original max_tokens to node-b, whose
+    daemon reads the handed-over pin (the ticket names node-a, a node of its
+    [peer] peers) and answers what a single engine answers."""
+    from kvstore.client import Client
+
+    a, b = cluster.engines["node-a"], cluster.engines["node-b"]
+    ids = vm.prompt_ids(75, 6 * BS + 5)
+    with Client(b.daemon.address, map_region=False) as c:
+        stats = c.stats()
+        stored_before = stats.stored_blocks
+        handed_before = sum(p.handed_over_pulls for p in stats.peer)
+    prefill_params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    status, _, prefilled = a.http.post(
+        "/v1/completions", completion(ids, max_tokens=1, kv_transfer_params=prefill_params)
+    )
+    assert status == 200, prefilled
+    handed = prefilled["kv_transfer_params"]
+    assert set(handed) == {"kvstore_ticket"}, handed
+    status, _, out = b.http.post(
+        "/v1/completions", completion(ids, max_tokens=12, kv_transfer_params=handed)
+    )
+    assert status == 200, out
+    # node-b never saw this prompt: its cached tokens are the blocks it pulled.
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // BS * BS
+    with Client(b.daemon.address, map_region=False) as c:
+        stats = c.stats()
+        assert stats.stored_blocks - stored_before >= (len(ids) - 1) // BS
+        assert sum(p.handed_over_pulls for p in stats.peer) - handed_before == 1
+    status, _, single = a.http.post("/v1/completions", completion(ids, max_tokens=12))
+    assert out["choices"][0]["text"] == single["choices"][0]["text"]
+
+
 def test_a_daemon_restarting_is_drained_then_brought_back(cluster):
     """node-b's daemon restarts (SIGTERM: NOT_SERVING, drain, exit; then start
     again, warm): meanwhile the router sends everything to node-a, even a prompt

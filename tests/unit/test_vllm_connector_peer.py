@@ -145,7 +145,26 @@ def test_tickets_and_hand_over_requests_are_read_from_the_params():
     assert pull_ticket({"kvstore_ticket": "S1ZUMQ=="}) == b"KVT1"
     assert pull_ticket(None) == pull_ticket({"kvstore_peer": "node-a"}) == b""
     assert wants_hand_over({"kvstore_hand_over": True})
-    for params in (None, {}, {"kvstore_hand_over": 1}, {"kvstore_hand_over": "yes"}, ["x"]):
+    # llm-d's sidecar asks a prefill engine this way (the rest as it sends them).
+    llm_d = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    assert wants_hand_over(llm_d)
+    for params in (
+        None,
+        {},
+        {"kvstore_hand_over": 1},
+        {"kvstore_hand_over": "yes"},
+        ["x"],
+        {**llm_d, "do_remote_decode": False},
+        {"do_remote_decode": "true"},
+        {"do_remote_prefill": True},  # a decode request of vLLM's NIXL protocol
+    ):
         assert not wants_hand_over(params)
 
 
