@@ -70,6 +70,8 @@ DISK_FULL_BACKOFF_S = 0.5
 # lands this long after the last refusal (or once nothing is left to demote): a
 # filesystem with a few crumbs of space takes one record and refuses the next.
 DISK_FULL_CLEAR_S = 1.0
+# How often a demoter behind with nothing it could start looks again.
+RELOOK_S = 0.05
 # Readahead after a load that read from disk: the disk-only blocks in the next
 # disk slots (demotion follows DRAM's cold order, where the blocks of a context
 # stored or hit together stay in context order, so a long context mostly lies
@@ -109,6 +111,7 @@ class DiskLayer:
         self._paused_until_s = 0.0
         self._inflight: set[asyncio.Task[None]] = set()
         self._inflight_bytes = 0
+        self._writes_started = 0  # ever: drain tells a demoter at work from a stuck one
         self._promoting: dict[int, asyncio.Task[None]] = {}  # id(block) -> its batch's read
         self._ahead: dict[int, None] = {}  # id(block) of readahead blocks no load used yet
         # Why the disk cannot take writes now ("" = it can): set when the demoter
@@ -223,7 +226,7 @@ class DiskLayer:
                 # Behind, yet nothing startable (all pinned, or the disk refused):
                 # look again shortly rather than only at the next commit.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+                    await asyncio.wait_for(self._wake.wait(), timeout=RELOOK_S)
             self._wake.clear()
 
     def _candidates(self) -> list[Block]:
@@ -279,6 +282,7 @@ class DiskLayer:
                 return
             p.pin(block)  # its DRAM bytes are read in place by the write: it stays put
             self._inflight_bytes += block.namespace.slot_bytes
+            self._writes_started += 1
             task = asyncio.get_running_loop().create_task(
                 self._demote(block, slot, block.offset, block.dram_generation)
             )
@@ -459,11 +463,22 @@ class DiskLayer:
         return len(self.tier)
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Wait (bounded) until no demotion is running or needed: for tests and benches."""
+        """Wait (bounded) until no demotion is running or needed, or none can run:
+        for tests and benches. None can run when the disk cannot take writes, or
+        when the demoter, behind and not paused, started nothing for three of its
+        looks (every dirty block pinned, say): nothing changes then until
+        something else does, and waiting would only hold the caller to its
+        timeout."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and (self._inflight or self._need_bytes() > 0):
-            if not self._inflight and (self._task is None or self._task.done()):
-                break
+        seen, quiet_since_s = self._writes_started, time.monotonic()
+        while (now := time.monotonic()) < deadline and (self._inflight or self._need_bytes() > 0):
+            if not self._inflight:
+                if self._task is None or self._task.done() or self.full_reason:
+                    break
+                if self._writes_started != seen:
+                    seen, quiet_since_s = self._writes_started, now
+                elif now >= self._paused_until_s and now - quiet_since_s >= 3 * RELOOK_S:
+                    break
             await asyncio.sleep(0.005)
 
     async def close(self) -> None:

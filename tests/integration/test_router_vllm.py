@@ -838,8 +838,9 @@ def test_prefill_decode_split_pulls_the_kv_over_nixl_with_identical_tokens(clust
 @pytest.mark.skipif(not HAVE_NIXL, reason="NIXL (nixl-cu12) not installed")
 def test_llm_d_sidecar_protocol_hands_the_prefill_over_to_decode(cluster):
     """llm-d's P/D split, with no router of ours: its routing sidecar's two requests
-    (the nixlv2 protocol of llm-d-inference-scheduler's pkg/sidecar/proxy, as
-    docs/interfaces.md reads it; spoken here by the test, the sidecar being Go)
+    (the nixlv2 protocol of llm-d-inference-scheduler's
+    pkg/sidecar/proxy/connector_nixlv2.go; spoken here by the test, the sidecar
+    being Go)
     go to the engines themselves. The prefill request asks do_remote_decode with
     max_tokens 1; node-a's connector answers a ticket in kv_transfer_params; the
     sidecar passes those on, unread, with the original max_tokens to node-b, whose
