@@ -42,7 +42,7 @@ installed .venv-sglang sglang || need_mib=$((need_mib + 6100))
 installed .venv-lmcache lmcache || need_mib=$((need_mib + 1700))
 free_mib=$(( $(df -Pk . | awk 'NR == 2 { print $4 }') / 1024 ))
 if [ "$free_mib" -lt "$need_mib" ]; then
-    log "not enough disk: the full install needs ~$((need_mib / 1024)) GB free on $(df -P . | awk 'NR == 2 { print $6 }'), which has $((free_mib / 1024)) GB"
+    log "not enough disk: the full install needs ~$(( (need_mib + 1023) / 1024 )) GB free on $(df -P . | awk 'NR == 2 { print $6 }'), which has $((free_mib / 1024)) GB"
     log "free some space (old clones, pip caches) and run this again: it resumes where it stopped"
     exit 1
 fi
