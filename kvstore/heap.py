@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 # Upper bounds of the pause histogram's buckets: from a young collection
 # (tens of microseconds) to the full ones a large heap costs (hundreds of ms).
@@ -63,6 +63,13 @@ class CollectorPauses:
         if not self._installed:
             gc.callbacks.append(self._on_collection)
             self._installed = True
+
+    def export(self, registry: CollectorRegistry) -> None:
+        """Start timing collections and expose them in ``registry`` (the daemon's
+        and the router's /metrics): before ``settle_heap``, so its full
+        collection counts."""
+        self.install()
+        registry.register(PauseCollector(self))
 
     def uninstall(self) -> None:
         if self._installed:

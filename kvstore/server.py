@@ -29,7 +29,7 @@ from kvstore.errors import ConfigError
 from kvstore.event_loop import use_event_loop
 from kvstore.events.sink import EventSink
 from kvstore.files import FilePolicy, claim_socket_path
-from kvstore.heap import CollectorPauses, PauseCollector, settle_heap
+from kvstore.heap import CollectorPauses, settle_heap
 from kvstore.identity import Authorizer
 from kvstore.local_server import LocalServer, local_socket_path
 from kvstore.manager import BlockManager
@@ -246,8 +246,7 @@ class Daemon:
         if cfg.metrics.address:
             self.registry.register(ManagerCollector(self.manager))
             self.registry.register(AuditCollector())
-            self.gc_pauses.install()  # before settle_heap: its full collection counts
-            self.registry.register(PauseCollector(self.gc_pauses))
+            self.gc_pauses.export(self.registry)
             try:
                 self._metrics_server, self.metrics_port = serve_metrics(
                     cfg.metrics.address, self.registry

@@ -16,55 +16,22 @@ from __future__ import annotations
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvstore.config import load_config
-from kvstore.manager import BlockManager
-from kvstore.namespace import NamespaceSpec
-from kvstore.tiers.dram import Region
+from in_process import fill, open_manager
 
 BLOCK_BYTES = 4096
-BATCH_BLOCKS = 16384
 COLLECTS = 5
 
 
 def measure(blocks: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        config = load_config(
-            environ={},
-            assignments=[
-                f"dram.path={tmp}/region",
-                f"dram.capacity_bytes={blocks * BLOCK_BYTES + (64 << 20)}",
-                "dram.chunk_bytes=4MiB",
-            ],
-        )
-        region = Region(
-            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
+        region, manager, ns_id = open_manager(
+            tmp, blocks * BLOCK_BYTES + (64 << 20), BLOCK_BYTES, "gc-pause"
         )
         try:
-            manager = BlockManager(config, region)
-            spec = NamespaceSpec(
-                model="gc-pause",
-                dtype="float16",
-                block_size_tokens=16,
-                num_layers=1,
-                num_kv_heads=1,
-                head_dim=1,
-                block_bytes=BLOCK_BYTES,
-            )
-            ns_id = manager.declare_namespace(spec).namespace_id
-            store_us = []
-            for lo in range(1, blocks + 1, BATCH_BLOCKS):
-                hashes = list(range(lo, min(lo + BATCH_BLOCKS, blocks + 1)))
-                started = time.perf_counter()
-                plan = manager.prepare_store(ns_id, hashes, 30)
-                manager.commit_store(plan.lease_id, hashes)
-                store_us.append((time.perf_counter() - started) * 1e6 / len(hashes))
+            store_us = [s * 1e6 for s in fill(manager, ns_id, blocks)]
             gc.collect()
             pauses_ms = []
             for _ in range(COLLECTS):

@@ -19,57 +19,26 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from in_process import fill, open_manager
 
-from kvstore.config import load_config
 from kvstore.heap import settle_heap
-from kvstore.manager import BlockManager
-from kvstore.namespace import NamespaceSpec
-from kvstore.tiers.dram import Region
 
 BLOCK_BYTES = 4096
-FILL_BATCH_BLOCKS = 16384
+CHUNK_BYTES = 4 << 20
 STEP_BLOCKS = 64
 SLOW_STEP_S = 0.010
 
 
 def measure(blocks: int, steps: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        chunk_bytes = 4 << 20
-        capacity = -(-blocks * BLOCK_BYTES // chunk_bytes) * chunk_bytes
-        config = load_config(
-            environ={},
-            assignments=[
-                f"dram.path={tmp}/region",
-                f"dram.capacity_bytes={capacity}",
-                f"dram.chunk_bytes={chunk_bytes}",
-            ],
-        )
-        region = Region(
-            config.dram.path, config.dram.capacity_bytes, prefault=False, huge_pages="off"
-        )
+        capacity = -(-blocks * BLOCK_BYTES // CHUNK_BYTES) * CHUNK_BYTES
+        region, manager, ns_id = open_manager(tmp, capacity, BLOCK_BYTES, "step-stalls")
         try:
-            manager = BlockManager(config, region)
-            spec = NamespaceSpec(
-                model="step-stalls",
-                dtype="float16",
-                block_size_tokens=16,
-                num_layers=1,
-                num_kv_heads=1,
-                head_dim=1,
-                block_bytes=BLOCK_BYTES,
-            )
-            ns_id = manager.declare_namespace(spec).namespace_id
             held = capacity // BLOCK_BYTES
-            for lo in range(1, held + 1, FILL_BATCH_BLOCKS):
-                hashes = list(range(lo, min(lo + FILL_BATCH_BLOCKS, held + 1)))
-                plan = manager.prepare_store(ns_id, hashes, 30)
-                manager.commit_store(plan.lease_id, hashes)
+            fill(manager, ns_id, held)
             settle_heap()
             step_s = []
             previous: list[int] = []

@@ -46,7 +46,7 @@ from aiohttp import web
 from kvstore.config import RouterConfig
 from kvstore.errors import BackendError, DeadlineExceeded, InvalidRequest, KVStoreError, Unavailable
 from kvstore.hashing import BlockHasher
-from kvstore.heap import CollectorPauses, PauseCollector, settle_heap
+from kvstore.heap import CollectorPauses, settle_heap
 from kvstore.router.backends import Backend, Fleet
 from kvstore.router.flow import FlowControl, Shed
 from kvstore.router.local_index import LocalIndex
@@ -826,8 +826,7 @@ async def serve(config: RouterConfig, ready: asyncio.Event | None = None) -> Non
     site = web.TCPSite(runner, host or "127.0.0.1", int(port), shutdown_timeout=5.0)
     await site.start()
     pauses = CollectorPauses()  # kvstore_gc_pause_seconds, as the daemon's
-    pauses.install()  # before settle_heap: its full collection counts
-    router.metrics.registry.register(PauseCollector(pauses))
+    pauses.export(router.metrics.registry)
     settle_heap()  # after start-up (the local index and its compiled walk are built)
     for addr in runner.addresses:
         h, p = addr[0], addr[1]
