@@ -14,10 +14,14 @@ keep their blocks warm for eviction.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import termios
 import textwrap
 import threading
 import time
@@ -27,8 +31,8 @@ import numpy as np
 import pytest
 
 from kvstore import client as client_module
-from kvstore import errors
-from kvstore.client import Client, gather
+from kvstore import errors, local_wire
+from kvstore.client import Client, LoadHandle, gather
 from kvstore.v1 import store_pb2 as pb
 from tests.conftest import make_spec
 from tests.integration.test_local_channel import Raw
@@ -157,11 +161,14 @@ def test_a_load_after_commits_sent_without_waiting_reads_their_answers_and_goes_
         for h in handles:  # two commits sent, neither answer read
             c.commit_store_later(h, on_done=committed.append)
         assert committed == [] and local.unanswered == 2
+        # Both answers here, unread: the socket holds at least their bytes (as
+        # one frame; as two, it is more). Small writes arrive whole.
+        seqs = [seq for seq, _ in local._unanswered]
+        answers_bytes = len(local_wire.frame([local_wire.Committed(s, 8) for s in seqs]))
         deadline = time.monotonic() + 5.0
-        while not local._poll.poll(0):  # both answers on their way back
-            assert time.monotonic() < deadline
+        while _unread_bytes(local._sock) < answers_bytes:
+            assert time.monotonic() < deadline, "the daemon did not answer"
             time.sleep(0.001)
-        time.sleep(0.05)
         waits, frames = local.waits, local.frames_sent
         wanted = list(range(100, 108)) + list(range(200, 208))
         h = c.prepare_load(ns, wanted, pin=False)
@@ -178,15 +185,28 @@ def test_a_load_after_commits_sent_without_waiting_reads_their_answers_and_goes_
         h = c.prepare_store(ns, hashes)
         for off, row in zip(h.offsets.tolist(), content(hashes), strict=True):
             c.view(off, BLOCK)[:] = row
+        # The load is made while the daemon is still stopped: resumed first, the
+        # daemon could answer the commit before the load looks (then rightly direct).
         os.kill(d.pid, signal.SIGSTOP)
+        loaded: list[LoadHandle] = []
         try:
             c.commit_store_later(h, on_done=committed.append)
             time.sleep(0.05)
             assert not local.settle() and local.unanswered == 1
+            waits, frames = local.waits, local.frames_sent
+            loader = threading.Thread(
+                target=lambda: loaded.append(c.prepare_load(ns, hashes, pin=False))
+            )
+            loader.start()
+            deadline = time.monotonic() + 5.0
+            while local.frames_sent == frames:  # the load went to the daemon
+                assert time.monotonic() < deadline, "the load sent no call"
+                time.sleep(0.001)
         finally:
             os.kill(d.pid, signal.SIGCONT)
-        waits = local.waits
-        h = c.prepare_load(ns, hashes, pin=False)
+        loader.join(timeout=10.0)
+        assert loaded, "the load got no answer"
+        h = loaded[0]
         assert h.lease_id != 0 and h.found == 4 and local.waits == waits + 1
         c.release(h)
         assert committed == [8, 8, 4]
@@ -210,6 +230,10 @@ def test_direct_loads_can_be_turned_off(daemon, monkeypatch):
             assert handle.lease_id and handle.located is None
             c.release(handle)
             assert c.direct_loaded_blocks == 0
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
 def _with_env(monkeypatch, key: str, value: str, make):  # type: ignore[no-untyped-def]
