@@ -9,7 +9,6 @@ import time
 import msgspec
 import numpy as np
 import pytest
-import zmq
 
 from kvstore.client import Client
 from kvstore.hashing import BlockHasher
@@ -20,6 +19,7 @@ from kvstore.indexer.subscriber import SourceSpec
 from kvstore_bench.ports import free_port
 from kvstore_router_client import RouterClient
 from tests.conftest import make_spec
+from tests.integration._events import EventTap
 from tests.vllm_python import vllm_python
 
 
@@ -112,13 +112,11 @@ def test_vllm_classes_decode_what_a_daemon_publishes(daemon_factory, tmp_path):
         pytest.skip("vLLM (CPU build) is not installed")
     settings = events_settings()
     d = daemon_factory("node-v", settings=settings)
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@node-v@")
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.connect(str(settings["events.publish_address"]))
+    # joined once a probe block's event (model "probe") arrived; those are read
+    tap = EventTap(d.address, str(settings["events.publish_address"]), b"kv@node-v@")
+    tap.drain(quiet_s=0.3)
+    sub = tap.sub
     try:
-        time.sleep(0.5)  # PUB/SUB join
         hashes = list(range(1000, 1012))
         with Client(d.address) as c:
             ns = c.declare_namespace(make_spec(4096, model="tiny"))
@@ -129,7 +127,8 @@ def test_vllm_classes_decode_what_a_daemon_publishes(daemon_factory, tmp_path):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if sub.poll(300):
-                frames.append(sub.recv_multipart())
+                if (frame := sub.recv_multipart())[0] != b"kv@node-v@probe":
+                    frames.append(frame)
             elif frames:
                 break
     finally:

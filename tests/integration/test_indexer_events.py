@@ -366,7 +366,17 @@ def test_queue_overflow_is_counted_and_becomes_a_node_clear(publishers):
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(pub.endpoint)
     try:
-        time.sleep(0.3)  # PUB/SUB join
+        # PUB/SUB join: one probe at a time (no overflow) until one arrives, and
+        # what arrived read, so that the frames below are the burst's.
+        deadline = time.monotonic() + 15
+        for probe in range(10_000_000, 20_000_000):
+            pub.blocks_stored(NS(), [probe], "CPU", None, None)
+            if sub.poll(200):
+                break
+            assert time.monotonic() < deadline, "the subscriber never joined"
+        while sub.poll(200):
+            sub.recv_multipart()
+        assert pub.dropped_events == 0
         for i in range(5_000):  # far faster than one batch per event is sent
             pub.blocks_stored(NS(), [i + 1], "CPU", None, None)
         assert pub.dropped_events > 0

@@ -17,6 +17,7 @@ import pytest
 import kvstore.client as client_mod
 from kvstore.client import Client, StoreHandle
 from kvstore.errors import KVStoreError, LeaseNotFound, NotFound
+from kvstore.namespace import Namespace
 from tests.conftest import make_spec
 
 BLOCK = 4096
@@ -43,6 +44,15 @@ def tiny(daemon_factory):
     )
 
 
+def _put_for_long(c: Client, ns: Namespace, hashes: list[int], data: np.ndarray) -> int:
+    """A put whose store lease outlives any stall (the daemon's default here is
+    0.3 s, for the operation each test stalls): the blocks committed."""
+    h = c.prepare_store(ns, hashes, lease_ttl_s=30.0)
+    for i in h.allocated.tolist():
+        c.view(int(h.offsets[i]), BLOCK)[:] = data[i]
+    return c.commit_store(h)
+
+
 def _assert_nothing_stranded(c: Client) -> None:
     c.flush_releases()
     wait_until(lambda: c.stats().active_leases == 0)  # quarantines end too
@@ -61,7 +71,7 @@ def test_get_whose_copy_outlived_its_lease_reports_the_blocks_not_found(tiny, mo
     with Client(tiny.address, direct_loads=direct) as a, Client(tiny.address) as b:
         ns = a.declare_namespace(make_spec(BLOCK))
         nb = b.declare_namespace(make_spec(BLOCK))
-        assert a.put(ns, [1, 2, 3, 4], mine).stored == 4
+        assert _put_for_long(a, ns, [1, 2, 3, 4], mine) == 4
         real_gather = client_mod.gather
         stalled: list[bool] = []
 
@@ -70,7 +80,7 @@ def test_get_whose_copy_outlived_its_lease_reports_the_blocks_not_found(tiny, mo
                 stalled.append(True)
                 if not direct:
                     wait_until(lambda: b.stats().expired_leases >= 1)
-                b.put(nb, list(range(100, 100 + SLOTS)), theirs)  # wants every slot
+                _put_for_long(b, nb, list(range(100, 100 + SLOTS)), theirs)  # every slot
             return real_gather(*args, **kw)
 
         monkeypatch.setattr(client_mod, "gather", stalled_gather)
@@ -103,7 +113,7 @@ def test_put_whose_copy_outlived_its_lease_changes_no_committed_bytes(tiny, monk
             if not stored:  # A's copy stalls; B's own put (inside) copies at once
                 wait_until(lambda: b.stats().expired_leases >= 1)
                 stored.append(0)
-                stored[0] = b.put(nb, list(range(200, 200 + SLOTS)), theirs).stored
+                stored[0] = _put_for_long(b, nb, list(range(200, 200 + SLOTS)), theirs)
             return real_scatter(*args, **kw)
 
         monkeypatch.setattr(client_mod, "scatter", stalled_scatter)

@@ -128,9 +128,10 @@ def assert_holds(d: DaemonProcess, hashes, block_bytes: int) -> None:  # type: i
         np.testing.assert_array_equal(got.data, blocks_for(hashes, block_bytes))
 
 
-def no_leases_soon(d: DaemonProcess, within_s: float = 2.0) -> bool:
+def no_leases_soon(d: DaemonProcess, within_s: float = 5.0) -> bool:
     """True once d holds no lease; pins are released asynchronously after a pull, and
-    within_s is well under the pin's TTL, so this sees a release, not an expiry."""
+    within_s is under the pin's TTL (the pull's timeout + 5 s, at least 7 s here),
+    so this sees a release, not an expiry."""
     deadline = time.monotonic() + within_s
     while leases_and_used(d)[0]:
         if time.monotonic() > deadline:
@@ -239,7 +240,7 @@ def test_owner_killed_mid_transfer_fails_fast_then_restart_recovers(peer_daemon)
     a.kill()
     t.join(timeout=30)
     assert not t.is_alive()
-    if not still_running:
+    if not still_running or "reply" in outcome:  # (done, but not yet returned)
         pytest.skip("the pull finished before the owner could be stopped (machine too fast)")
     assert outcome.get("code") in (
         grpc.StatusCode.UNAVAILABLE,

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from kvstore import client as client_module
 from kvstore import errors
 from kvstore.client import Client
 from tests.conftest import make_spec
@@ -148,7 +149,10 @@ def test_keep_rest_is_refused_where_it_could_be_misread(daemon):
         assert c.commit_store(h, [622], positions=[0]) == 1
 
 
-def test_a_release_queued_for_later_rides_in_the_next_frame(daemon):
+def test_a_release_queued_for_later_rides_in_the_next_frame(daemon, monkeypatch):
+    # The queued release would go on its own after 5 ms: a stall of the test
+    # before its next call would send it first.
+    monkeypatch.setattr(client_module, "NOTICE_DELAY_S", 60.0)
     with Client(daemon.address) as c:
         ns = c.declare_namespace(make_spec(BLOCK))
         h = c.reserve_store(ns, 2)

@@ -156,13 +156,20 @@ def test_full_tiers_refuse_stores_and_keep_serving(tmp_path):
         # A block being demoted is pinned until its disk write lands, then its
         # DRAM copy may go: let in-flight demotions finish and take what they
         # free too, so that really every slot is held by an open store.
+        # Rounds until one takes no slot with no demotion in flight (a demoting
+        # block is pinned): a fixed wait was short on a loaded machine.
         held = []
         next_hash = iter(range(10_000, 20_000))
-        for _ in range(3):
+        deadline = time.monotonic() + 30.0
+        while True:
+            before = len(held)
             with pytest.raises(CapacityExhausted, match="RESOURCE_EXHAUSTED"):
                 for _ in range(100):  # the tier has 64 slots
                     held.append(c.prepare_store(ns, [next(next_hash)]))
-            time.sleep(0.5)
+            if len(held) == before and c.stats().tiers[0].pinned_blocks == 0:
+                break
+            assert time.monotonic() < deadline, "demotions did not settle"
+            time.sleep(0.1)
         assert 60 <= len(held) <= 64
         with pytest.raises(CapacityExhausted, match="RESOURCE_EXHAUSTED"):
             c.put(ns, [20_000], rows([20_000]))

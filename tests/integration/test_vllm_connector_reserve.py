@@ -341,12 +341,14 @@ def test_closing_mid_step_gives_a_kept_reserves_slots_back_at_once(daemon):
 
 def test_an_idle_reserve_near_its_end_is_given_back(daemon_factory):
     d = daemon_factory(settings={"leases.reap_interval_s": 0.02, "leases.quarantine_s": 0.0})
-    eng = Engine(d.address, seed=46, lease_ttl_s=0.8)
+    # 3 s: the release must land before the lease ends, 1.4 s after the step (a
+    # 0.8 s lease left 0.3 s, short for a loaded machine)
+    eng = Engine(d.address, seed=46, lease_ttl_s=3.0)
     req = Req("r", _tokens(46, 2 * BS + 1))
     eng.prefill(req, [0, 1, 2])
     eng.worker.session.client().flush()  # the reserve's answer read
     assert _active_leases(d.address) == 1
-    time.sleep(0.5)  # past half of its life: not trusted for a forward any more
+    time.sleep(1.6)  # past half of its life: not trusted for a forward any more
     eng.step()  # an idle step: no call but the release (one message)
     with Client(d.address) as c:
         _wait_until(lambda: c.stats().active_leases == 0, what="the release")

@@ -22,7 +22,17 @@ def test_gpu_cache_events_reach_the_index_and_precise_router(tmp_path: Path) -> 
     g1 = GpuCacheModel("n1", 3, ep1, 16)
     index = EventIndex([ep0, ep1])
     try:
-        time.sleep(0.3)  # ZMQ slow joiner
+        # ZMQ's slow joiner: what n1 publishes before the subscription reaches it
+        # is dropped. A new probe block each turn until one is in the index (the
+        # blocks below evict them all: capacity 3).
+        deadline = time.monotonic() + 15
+        for probe in range(1000, 100_000):
+            g1.insert(np.array([probe], dtype=np.uint64))
+            index.catch_up()
+            if "n1" in index.score(np.array([probe], dtype=np.uint64)):
+                break
+            assert time.monotonic() < deadline, "no event of n1 reached the index"
+            time.sleep(0.05)
         hashes = np.array([11, 12, 13, 14], dtype=np.uint64)
         g1.insert(hashes)  # capacity 3: block 11 is evicted again
         assert g1.prefix(hashes) == 0 and g1.prefix(hashes[1:]) == 3

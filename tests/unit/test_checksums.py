@@ -61,31 +61,34 @@ def test_blocks_outside_the_region_are_refused_before_any_read(python: bool) -> 
 
 
 def test_compiled_batch_holds_no_interpreter_lock() -> None:
-    """A thread that sleeps in a loop gets the lock back at once while another
-    hashes 64 MiB of 64 KiB blocks in one compiled call (python-xxhash would keep
-    the lock for each block; with a 30 s switch interval the sleeper would wait
-    for the whole batch)."""
+    """A thread that sleeps in a loop gets the lock back while another hashes
+    128 MiB of 64 KiB blocks in one compiled call (python-xxhash would keep the
+    lock for each block; with a 30 s switch interval the sleeper would wait for
+    the whole batch). What the sleeper sees is counted, not how often it ran:
+    a call that kept the lock shows it no half-hashed batch, one that does not
+    shows it several (a count of turns fell short on a loaded machine)."""
     block = 64 << 10
-    region = np.random.default_rng(1).integers(0, 256, 64 << 20, dtype=np.uint8)
+    region = np.frombuffer(np.random.default_rng(1).bytes(128 << 20), dtype=np.uint8)
     offsets = np.arange(0, len(region), block, dtype=np.uint64)
     out = np.zeros(len(offsets), dtype=np.uint64)
     done = threading.Event()
 
     def hash_all() -> None:
-        for _ in range(4):
-            checksums.checksums_into(region, offsets, block, out)
+        checksums.checksums_into(region, offsets, block, out)
         done.set()
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(30.0)
-    turns = 0
+    seen: set[int] = set()
     try:
         worker = threading.Thread(target=hash_all)
         worker.start()
         while not done.is_set():
             time.sleep(0.0001)
-            turns += 1
+            seen.add(int(np.count_nonzero(out)))
         worker.join()
     finally:
         sys.setswitchinterval(old)
-    assert turns >= 20, turns
+    assert np.count_nonzero(out) == len(offsets)
+    half_hashed = {n for n in seen if 0 < n < len(offsets)}
+    assert len(half_hashed) >= 2, sorted(seen)

@@ -111,10 +111,21 @@ from kvstore.events.wire import lean_decoder
 class NS:
     namespace_id = "ns"; model = "tiny-llama"; tenant = ""; block_size_tokens = 4
 
+class Probe(NS):
+    model = "probe"
+
 pub = ZmqEventPublisher("node-a", "tcp://127.0.0.1:0", "tcp://127.0.0.1:0", announce_start=True)
 ctx = zmq.Context.instance()
 sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(pub.endpoint)
-time.sleep(0.3)  # PUB/SUB slow joiner
+# PUB/SUB slow joiner: probes (model "probe") until one arrives, then all read
+deadline = time.time() + 15
+for i in range(100_000):
+    assert time.time() < deadline, "the subscriber never joined"
+    pub.blocks_stored(Probe(), [i], "CPU", None, None)
+    if sub.poll(50):
+        break
+while sub.poll(300):
+    sub.recv_multipart()
 pub.blocks_stored(NS(), [11, 2**64 - 2], "CPU", 7, [1, 2, 3, 4, 5, 6, 7, 8])
 pub.blocks_removed(NS(), [11], "DISK")
 pub.all_cleared(NS())

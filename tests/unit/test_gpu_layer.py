@@ -313,7 +313,7 @@ async def test_background_demoter_keeps_room_in_the_pool(tmp_path):
     node = Node(tmp_path, **{"gpu.demote_free_fraction": 0.25})  # keep 2 of 8 slots free
     m = node.m
     node.put(list(range(1, 9)))  # fills the pool; the commit nudges the demoter
-    for _ in range(200):
+    for _ in range(2000):  # (up to 10 s: the copies run on a thread)
         await asyncio.sleep(0.005)
         if m.gpu.used_bytes <= 6 * BLOCK:
             break
@@ -329,7 +329,7 @@ async def test_background_demoter_keeps_room_in_the_pool(tmp_path):
     assert m.gpu.used_bytes == 8 * BLOCK and node.tier_of(20) is Tier.GPU
     m.release([pin.lease_id, pin2.lease_id])
     m.gpu.wake()
-    for _ in range(200):
+    for _ in range(2000):  # (up to 10 s: the copies run on a thread)
         await asyncio.sleep(0.005)
         if m.gpu.used_bytes <= 6 * BLOCK:
             break

@@ -386,21 +386,21 @@ def test_the_measured_choice_holds_for_a_transfer_past_the_caches():
         "_, large = m.copy_methods(); N = 128 << 20; P = 2 << 20;"
         "sh = mmap.mmap(-1, N); r = np.frombuffer(sh, np.uint8); r[:] = 1;"
         "p = np.ones(N, np.uint8); r0, p0 = m._address(r), m._address(p);"
-        "best = {}\n"
-        "for meth in m.METHODS:\n"
-        "    t = []\n"
-        "    for _ in range(3):\n"
+        "best = dict.fromkeys(m.METHODS, float('inf'))\n"
+        "for _ in range(5):\n"
+        "    for meth in m.METHODS:\n"
         "        t0 = time.perf_counter()\n"
         "        for o in range(0, N, P): m.copy_with(meth, r0 + o, p0 + o, P)\n"
         "        for o in range(0, N, P): m.copy_with(meth, p0 + o, r0 + o, P)\n"
-        "        t.append(time.perf_counter() - t0)\n"
-        "    best[meth] = min(t)\n"
+        "        best[meth] = min(best[meth], time.perf_counter() - t0)\n"
         "print(large, *(f'{k}={v:.4f}' for k, v in best.items()))"
     )
     out = _fresh_python(code, KVSTORE_NT_COPY=None)
     kept, *pairs = out.stdout.split()
     times = {k: float(v) for k, v in (x.split("=") for x in pairs)}
-    assert min(times.values()) / times[kept] >= 0.8, (kept, times)
+    # The methods take turns, best of 5 each: a burst of load elsewhere slows one
+    # round of each, not all of one method. 0.7 still fails the 0.6x choice above.
+    assert min(times.values()) / times[kept] >= 0.7, (kept, times)
 
 
 # ------------------------------------------------------------ groups: one call, many pieces

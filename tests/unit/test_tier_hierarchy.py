@@ -333,7 +333,7 @@ async def test_readahead_promotes_the_next_disk_blocks_into_free_dram(tmp_path):
     got = await node2.get([1, 2])  # reads 2 blocks from disk: 2 more follow them
     for h, b in zip([1, 2], got, strict=True):
         assert np.array_equal(b, data(h))
-    for _ in range(100):
+    for _ in range(1000):  # (up to 10 s: readahead runs on I/O threads)
         if node2.tier_of(4) is Tier.DRAM:
             break
         await asyncio.sleep(0.01)
@@ -342,7 +342,7 @@ async def test_readahead_promotes_the_next_disk_blocks_into_free_dram(tmp_path):
     got = await node2.get([1, 2, 3, 4])
     for h, b in zip([1, 2, 3, 4], got, strict=True):
         assert np.array_equal(b, data(h))
-    for _ in range(100):
+    for _ in range(1000):  # (up to 10 s: readahead runs on I/O threads)
         if node2.tier_of(6) is Tier.DRAM:
             break
         await asyncio.sleep(0.01)
