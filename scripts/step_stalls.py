@@ -35,7 +35,9 @@ SLOW_STEP_S = 0.010
 def measure(blocks: int, steps: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         capacity = -(-blocks * BLOCK_BYTES // CHUNK_BYTES) * CHUNK_BYTES
-        region, manager, ns_id = open_manager(tmp, capacity, BLOCK_BYTES, "step-stalls")
+        region, manager, ns_id = open_manager(
+            tmp, capacity, BLOCK_BYTES, "step-stalls", chunk_bytes=CHUNK_BYTES
+        )
         try:
             held = capacity // BLOCK_BYTES
             fill(manager, ns_id, held)
