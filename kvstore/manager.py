@@ -51,8 +51,8 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import TYPE_CHECKING
+from operator import attrgetter, is_
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -91,6 +91,35 @@ STORE_NO_ROOM = 3
 
 _OFFSET = attrgetter("offset")
 _GPU_OFFSET = attrgetter("gpu_offset")
+_DOOMED = attrgetter("doomed")
+
+
+def _loadable_prefix(ns: Namespace, hashes: Sequence[int], tier: Tier) -> list[Block]:
+    """The blocks of ``hashes``' longest prefix whose bytes are in ``tier`` (GPU or
+    DRAM) and not doomed: what a load can pin. Only blocks in the asked tier have
+    bytes the client can reach there: prepare_load_async moves the others first.
+
+    Checked in C (map over the index, attrgetters) when the whole prefix is
+    loadable, the usual case (a per-block Python walk: ~0.1 us a block more,
+    a quarter of a 16,384-block prepare_load's); the walk finds where it stops
+    otherwise."""
+    probed = list(map(ns.blocks.get, hashes))
+    if None in probed:
+        del probed[probed.index(None) :]
+    found = cast("list[Block]", probed)
+    if not found or True in map(_DOOMED, found):
+        pass  # (the walk below)
+    elif tier is Tier.DRAM:
+        if min(map(_OFFSET, found)) >= 0 and max(map(_GPU_OFFSET, found)) < 0:
+            return found
+    elif min(map(_GPU_OFFSET, found)) >= 0:
+        return found
+    for i, block in enumerate(found):
+        if block.doomed or block.tier is not tier:
+            del found[i:]
+            break
+    return found
+
 
 # Bound on the work one reaper pass does, so a burst of expiries cannot stall the loop.
 MAX_EXPIRED_PER_PASS = 4096
@@ -490,6 +519,9 @@ class BlockManager:
                             free_offsets += placement.reserve_dram_free(
                                 ns, made[len(free_offsets) :]
                             )
+                            if len(free_offsets) == n:  # all new: as above, once evicted
+                                placement.occupy_new(made, free_offsets, ahead=ahead)
+                                return statuses, free_offsets, made
                 for i, h in enumerate(hashes):
                     present = ns.blocks.get(h)
                     if present is not None:
@@ -785,20 +817,11 @@ class BlockManager:
         self._check_lease_room(client)
         ttl_s = self._ttl(ttl_s)
         expires_at_s = time.monotonic() + ttl_s
-        found: list[Block] = []
-        blocks = ns.blocks
-        for h in hashes:
-            block = blocks.get(h)
-            # Only blocks in the asked tier have bytes the client can reach there:
-            # prepare_load_async moves the others first.
-            if block is None or block.doomed or block.tier is not tier:
-                break
-            found.append(block)
+        found = _loadable_prefix(ns, hashes, tier)
         if not found:
             return LoadPlan(0, [], tier)
-        for block in found:
-            self.placement.pin(block)
-            self.placement.touch(block)
+        self.placement.pin_many(found)
+        self.placement.touch_loaded(ns, found)
         self.counters.loaded_blocks += len(found)
         lease = self.leases.add(LeaseKind.LOAD, ns, found, expires_at_s, owner, client)
         return LoadPlan(lease.lease_id, found, tier, ttl_s)
@@ -811,14 +834,13 @@ class BlockManager:
         said so)."""
         ns = self.namespace(ns_id)
         self._check_count(len(hashes))
-        blocks = ns.blocks
-        n = 0
-        for h in hashes:
-            block = blocks.get(h)
-            if block is None or block.doomed or block.offset < 0:
-                continue
-            self.placement.touch(block)
-            n += 1
+        held = [
+            block
+            for block in map(ns.blocks.get, hashes)
+            if block is not None and not block.doomed and block.offset >= 0
+        ]
+        self.placement.touch_loaded(ns, held)
+        n = len(held)
         self.counters.loaded_blocks += n
         self.counters.direct_loaded_blocks += n
         return n
@@ -968,6 +990,32 @@ class BlockManager:
         """Record verified xxh3-64 checksums of committed blocks (peer paths: the
         next peer need not rehash)."""
         self.placement.set_checksums(blocks, checksums)
+
+    def commit_pulled(
+        self,
+        lease_id: int,
+        hashes: Sequence[int],
+        checksums: Sequence[int],
+        source_node_id: str,
+    ) -> int:
+        """commit_store of a peer pull's verified blocks (``hashes``, in the store
+        lease's order), their verified xxh3-64 ``checksums`` recorded as they
+        enter the index (the next peer need not rehash; the presence table gets
+        them in the commit's own write) and the copies noted as held by
+        ``source_node_id`` too (note_held_elsewhere). What a commit, a lookup of
+        each block, set_checksums and note_held_elsewhere did in four passes
+        (16,384 blocks, in process: 19.5 ms before, 11.3 ms in one)."""
+        lease = self._lease(lease_id, LeaseKind.STORE)
+        blocks = [b for h in hashes if (b := lease.by_hash.get(h)) is not None]
+        if len(blocks) < len(hashes):
+            return self.commit_store(lease_id, hashes)  # its StateConflict names them
+        for block, checksum in zip(blocks, checksums, strict=True):
+            block.checksum = checksum
+        # All of the lease in its order: commit_store's fast path (no hashes to check).
+        whole = len(blocks) == len(lease.blocks) and all(map(is_, blocks, lease.blocks))
+        committed = self.commit_store(lease_id, None if whole else hashes)
+        self.placement.note_held_elsewhere(blocks, source_node_id)
+        return committed
 
     def note_held_elsewhere(
         self, blocks: Sequence[Block], holder_node_id: str, *, served: bool = False

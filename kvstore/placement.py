@@ -281,6 +281,15 @@ class Placement:
             self.pinned_blocks += 1
         block.pins += 1
 
+    def pin_many(self, blocks: Sequence[Block]) -> None:
+        """pin() of each block (a load's), in one pass."""
+        newly = 0
+        for block in blocks:
+            if not block.pins:
+                newly += 1
+            block.pins += 1
+        self.pinned_blocks += newly
+
     def unpin(self, block: Block) -> None:
         assert block.pins > 0, "unpin of an unpinned block"
         block.pins -= 1
@@ -321,6 +330,31 @@ class Placement:
             return
         self.dram.policy(block.namespace.dram_key).touch(block)
         self._touch_tenant(block)
+
+    def touch_loaded(self, ns: Namespace, blocks: Sequence[Block]) -> None:
+        """touch() of each of ``ns``'s ``blocks`` (a load's hits), in order: the
+        eviction order's moves in one call (with pin_many and the prefix found
+        in C, a 16,384-block prepare_load takes 4.5 ms in process where a walk,
+        a pin() and a touch() per block took 10.8).
+        Replicas and a tenant's own order take the per-block path."""
+        if ns.account is not None and ns.account.order[_DRAM] is not None:
+            for block in blocks:
+                self.touch(block)
+            return
+        policy = self.dram.policy(ns.dram_key)
+        hits: list[Block] = []
+        committed = BlockState.COMMITTED
+        for block in blocks:
+            if block.state is not committed:
+                continue
+            if block.replica_loads >= 0:
+                # (the hits before it first: the order stays what touch() gives)
+                policy.touch_many(hits)
+                hits.clear()
+                self.touch(block)
+                continue
+            hits.append(block)
+        policy.touch_many(hits)
 
     def _touch_tenant(self, block: Block) -> None:
         account = block.namespace.account
@@ -423,15 +457,20 @@ class Placement:
     def _admit_replicas(self, blocks: Sequence[Block], source_node_id: str) -> None:
         if not self._replica_from(source_node_id):
             return
+        admitted: dict[int, list[Block]] = {}  # by eviction order (a pull's: one)
+        dirty_pop = self.dirty.pop
+        committed = BlockState.COMMITTED
         for block in blocks:
-            if block.state is BlockState.COMMITTED and not block.doomed and block.offset >= 0:
+            if block.state is committed and not block.doomed and block.offset >= 0:
                 block.replica_loads = 0
-                self.dram.policy(block.namespace.dram_key).insert_cold(block)
-                self.counters.admitted_replicas += 1
+                admitted.setdefault(block.namespace.dram_key, []).append(block)
                 # Not for the demoter: a copy the source keeps is not worth a disk
                 # write (it came first in the demoter's cold-end walk, ahead of the
                 # sole copies DRAM drops next). Promoted, it is dirty again.
-                self.dirty.pop(block, None)
+                dirty_pop(block, None)
+        for key, group in admitted.items():
+            self.dram.policy(key).insert_cold_many(group)
+            self.counters.admitted_replicas += len(group)
 
     def _serve_replicas(self, blocks: Sequence[Block], requester_node_id: str) -> None:
         """The requester will hold these as replicas, believing we keep ours: our
@@ -523,12 +562,41 @@ class Placement:
             if len(victims) == count:
                 break
         with self.presence_batch():
-            for block in victims:
-                if block.replica_loads >= 0:
-                    self.counters.evicted_replica_blocks += 1
-                self.remove(block, emit=True)  # its own BlockRemoved, as _evict's
+            self._remove_dram_only(victims)
         self.counters.evicted_blocks += len(victims)
         return len(victims)
+
+    def _remove_dram_only(self, victims: Sequence[Block]) -> None:
+        """remove(block, emit=True) of each of evict_for's victims, inlined: committed,
+        unpinned blocks whose only copy is a DRAM slot (no disk tier; a block in
+        DRAM is not in the GPU pool), each its own BlockRemoved as _evict's. The
+        per-block calls of remove() were ~0.6 us of a victim's ~2.4 us (in process,
+        a store of 16,384 new blocks evicting as many: 39 ms before, 25 ms with
+        this and the one-pass slots after it)."""
+        presence = self.presence
+        medium = Tier.DRAM.medium
+        removed = self.sink.blocks_removed
+        free = self.dram.free
+        for block in victims:
+            assert block.pins == 0 and block.gpu_offset < 0, "evicting a pinned or GPU block"
+            ns = block.namespace
+            h = block.block_hash
+            if ns.blocks.get(h) is block:
+                del ns.blocks[h]
+                if presence is not None:
+                    presence.left(block)
+            self.dram.policy(ns.dram_key).remove(block)
+            account = ns.account or self.account(ns)
+            if (order := account.order[_DRAM]) is not None:
+                order.pop(block, None)
+            if block.replica_loads >= 0:
+                self.counters.evicted_replica_blocks += 1
+            free(block.offset)
+            ns.used_bytes -= ns.slot_bytes
+            account.used_bytes[_DRAM] -= ns.slot_bytes
+            block.dram_generation += 1
+            block.offset = -1
+            removed(ns, [h], medium)
 
     def reserve_gpu(self, block: Block) -> int | None:
         """A free GPU pool slot for ``block`` (making room is the GPU mover's: it must copy)."""

@@ -10,6 +10,7 @@ Primitives:
     insert(key)   a block became resident in the tier
     insert_many(keys)  insert() of each, in order (a commit's blocks)
     touch(key)    the block was hit (lookup/load)
+    touch_many(keys)  touch() of each, in order (a load's blocks)
     remove(key)   the block left the tier (evicted, deleted, demoted)
     victims()     keys, coldest first (the walk of an eviction: may reorder the policy)
     coldest()     keys, about coldest first, without changing anything (for a
@@ -19,6 +20,7 @@ Low-priority copies (docs/eviction.md, "Admission of pulled copies"):
     insert_cold(key)  the block enters (or moves to) a FIFO of low-priority copies
                       ahead of the policy's own order: first to go, oldest first;
                       touch() does not move it (the placement decides promotion)
+    insert_cold_many(keys)  insert_cold() of each, in order (a pull's blocks)
     promote(key)      a low-priority copy becomes a normal block (as if just hit)
     cold_len()        how many low-priority copies are resident
     cold_keys()       the low-priority copies, oldest first (read only)
@@ -38,9 +40,15 @@ class EvictionPolicy(Protocol):
 
     def touch(self, key: Hashable) -> None: ...
 
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        """touch() of each key, in order."""
+
     def remove(self, key: Hashable) -> None: ...
 
     def insert_cold(self, key: Hashable) -> None: ...
+
+    def insert_cold_many(self, keys: Iterable[Hashable]) -> None:
+        """insert_cold() of each key, in order."""
 
     def promote(self, key: Hashable) -> None: ...
 

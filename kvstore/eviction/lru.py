@@ -33,6 +33,13 @@ class LRUPolicy:
         if key in self._order:
             self._order.move_to_end(key)
 
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        order = self._order
+        to_end = order.move_to_end
+        for key in keys:
+            if key in order:
+                to_end(key)
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
         self._cold.pop(key, None)
@@ -41,6 +48,14 @@ class LRUPolicy:
         self._order.pop(key, None)
         self._cold.pop(key, None)
         self._cold[key] = None
+
+    def insert_cold_many(self, keys: Iterable[Hashable]) -> None:
+        cold = self._cold
+        order_pop, cold_pop = self._order.pop, cold.pop
+        for key in keys:
+            order_pop(key, None)
+            cold_pop(key, None)
+            cold[key] = None
 
     def promote(self, key: Hashable) -> None:
         if key in self._cold:

@@ -68,6 +68,10 @@ class S3FIFOPolicy:
         if freq is not None and freq < _FREQ_MAX:
             self._freq[key] = freq + 1
 
+    def touch_many(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.touch(key)
+
     def remove(self, key: Hashable) -> None:
         self._restore()
         self._cold.pop(key, None)
@@ -91,6 +95,10 @@ class S3FIFOPolicy:
             self._main.pop(key, None)
         self._cold.pop(key, None)
         self._cold[key] = None
+
+    def insert_cold_many(self, keys: Iterable[Hashable]) -> None:
+        for key in keys:
+            self.insert_cold(key)
 
     def promote(self, key: Hashable) -> None:
         self._restore()

@@ -645,15 +645,11 @@ class Puller:
         started = time.monotonic()
         try:
             if verified:
-                self.manager.commit_store(plan.lease_id, verified)
-                blocks = self.manager.namespace(ns_id).blocks
-                sums = np.asarray(landed, dtype=np.uint64)[good].tolist()
-                # verified: the next peer need not rehash
-                kept = [(b, c) for h, c in zip(verified, sums, strict=True) if (b := blocks.get(h))]
-                self.manager.set_checksums([b for b, _ in kept], [c for _, c in kept])
-                # A pulled copy is redundant while the peer keeps its own
-                # (copy-aware eviction: docs/eviction.md).
-                self.manager.note_held_elsewhere([b for b, _ in kept], info.node_id)
+                # Their checksums kept (verified: the next peer need not rehash), and
+                # the copies noted as the peer's too (copy-aware eviction, pulled
+                # copies as replicas: docs/eviction.md).
+                sums = landed[good].tolist()
+                self.manager.commit_pulled(plan.lease_id, verified, sums, info.node_id)
             else:
                 self.manager.release([plan.lease_id])
         except KVStoreError:

@@ -28,7 +28,19 @@ def _state(m: BlockManager) -> tuple:
     blocks = {ns_id: sorted(ns.blocks) for ns_id, ns in sorted(m.namespaces.items())}
     c = m.placement.counters
     removed = collections.Counter(m.placement.sink.hashes("removed", Tier.DRAM.medium))
-    return blocks, c.evicted_blocks, c.evicted_replica_blocks, c.admitted_replicas, removed
+    order = [(b.namespace.namespace_id, b.block_hash) for b in m.placement.dram.coldest()]
+    used = {ns_id: ns.used_bytes for ns_id, ns in m.namespaces.items()}
+    return (
+        blocks,
+        c.evicted_blocks,
+        c.evicted_replica_blocks,
+        c.admitted_replicas,
+        c.promoted_replicas,
+        removed,
+        order,
+        used,
+        m.placement.pinned_blocks,
+    )
 
 
 def test_one_pass_takes_the_victims_one_by_one_would(make_manager):
@@ -36,11 +48,16 @@ def test_one_pass_takes_the_victims_one_by_one_would(make_manager):
     new, present and repeated hashes over two namespaces, loads that pin blocks
     across stores, pulled copies admitted as replicas (the cold FIFO the search
     window grows by), deletes; after every step the same blocks are held, the
-    same victims were evicted (events and counters), and fewer than all of
-    each store's evictions went through the one pass only where the window ran
-    out."""
+    same victims were evicted (events and counters), in the same eviction order,
+    and fewer than all of each store's evictions went through the one pass only
+    where the window ran out. The per-block manager also pins and touches a
+    load's blocks one by one (the batched one: Placement.pin_many, touch_loaded,
+    replicas among them promoted at their second load)."""
     batched, single = make_manager(), make_manager()
     single.placement.evict_for = lambda ns, count: 0  # type: ignore[method-assign]
+    one = single.placement
+    one.pin_many = lambda blocks: [one.pin(b) for b in blocks]  # type: ignore[method-assign]
+    one.touch_loaded = lambda ns, blocks: [one.touch(b) for b in blocks]  # type: ignore[method-assign]
     passes = []
     evict_for = batched.placement.evict_for
 
@@ -82,6 +99,12 @@ def test_one_pass_takes_the_victims_one_by_one_would(make_manager):
             for m in (batched, single):
                 blocks = m.namespaces[ns_id].blocks
                 m.note_held_elsewhere([blocks[h] for h in hashes if h in blocks], "a")
+                # loads of some of them beside older blocks: touched, counted, and
+                # promoted at the second (the loads' per-block path vs touch_loaded)
+                again = [h for h in hashes if h in blocks][:3] + sorted(blocks)[:3]
+                for _ in range(2):
+                    if lease := m.prepare_load(ns_id, again).lease_id:
+                        m.release([lease])
         else:
             for m in (batched, single):
                 m.delete(ns_id, hashes)
@@ -92,6 +115,7 @@ def test_one_pass_takes_the_victims_one_by_one_would(make_manager):
         assert _state(batched) == _state(single), f"step {step}"
     assert batched.placement.counters.evicted_blocks > 500
     assert batched.placement.counters.evicted_replica_blocks > 0
+    assert batched.placement.counters.promoted_replicas > 0
     assert sum(passes) > 0.9 * batched.placement.counters.evicted_blocks
 
 

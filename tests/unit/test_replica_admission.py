@@ -124,9 +124,13 @@ def present(m, ns, hashes):
 
 
 def pulled(m, ns, hashes, source):
-    """What the puller does with blocks it pulled: commit, then tell the placement."""
-    store(m, ns, hashes)
-    m.note_held_elsewhere([ns.blocks[h] for h in hashes], source)
+    """What the puller does with new blocks it pulled and verified
+    (kvstore.transfer.puller): one commit that keeps their checksums and tells
+    the placement the source holds them too."""
+    plan = m.prepare_store(ns.namespace_id, hashes)
+    assert not any(plan.statuses), "pulled() takes new blocks"
+    m.commit_pulled(plan.lease_id, hashes, [h * 7 for h in hashes], source)
+    assert [ns.blocks[h].checksum for h in hashes] == [h * 7 for h in hashes]
 
 
 @pytest.mark.parametrize("policy", ["lru", "s3fifo"])

@@ -98,6 +98,27 @@ async def test_blocks_beyond_dram_live_on_disk_and_come_back(tmp_path):
     await node.close()
 
 
+async def test_a_load_without_moves_pins_the_dram_prefix_only(tmp_path):
+    """prepare_load (no tier moves) stops at the first block whose bytes are not in
+    DRAM, wherever it lies; a block on disk first: nothing pinned."""
+    node = Node(tmp_path)  # DRAM holds 16 blocks, disk 64
+    for i in range(1, 41, 8):
+        node.put(list(range(i, i + 8)))
+        await node.settle()
+    in_dram = [h for h in range(1, 41) if node.tier_of(h) is Tier.DRAM]
+    on_disk = [h for h in range(1, 41) if node.tier_of(h) is Tier.DISK]
+    assert len(in_dram) >= 4 and on_disk
+    ns_id = node.ns.namespace_id
+    plan = node.m.prepare_load(ns_id, [*in_dram[:3], on_disk[0], in_dram[3]])
+    assert [b.block_hash for b in plan.blocks] == in_dram[:3]
+    assert all(node.ns.blocks[h].pins == 1 for h in in_dram[:3])
+    assert node.ns.blocks[on_disk[0]].pins == 0 and node.ns.blocks[in_dram[3]].pins == 0
+    node.m.release([plan.lease_id])
+    assert node.m.prepare_load(ns_id, [on_disk[0], *in_dram[:3]]).blocks == []
+    assert all(node.ns.blocks[h].pins == 0 for h in in_dram[:4])
+    await node.close()
+
+
 async def test_write_behind_puts_every_block_on_disk(tmp_path):
     node = Node(tmp_path, dram="1MiB", disk="16MiB")
     m = node.m
