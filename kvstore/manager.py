@@ -112,7 +112,7 @@ def _loadable_prefix(ns: Namespace, hashes: Sequence[int], tier: Tier) -> list[B
     elif tier is Tier.DRAM:
         if min(map(_OFFSET, found)) >= 0 and max(map(_GPU_OFFSET, found)) < 0:
             return found
-    elif min(map(_GPU_OFFSET, found)) >= 0:
+    elif tier is Tier.GPU and min(map(_GPU_OFFSET, found)) >= 0:
         return found
     for i, block in enumerate(found):
         if block.doomed or block.tier is not tier:
