@@ -71,21 +71,20 @@ class LeaseIds:
     counter under a random key (a bijection, so distinct counters give distinct ids)."""
 
     def __init__(self, key: bytes | None = None) -> None:
-        self._key = key or secrets.token_bytes(16)
+        key = key or secrets.token_bytes(16)
+        # Each round's keyed hash state, made once: a copy of it costs less than
+        # keying blake2b again (a block of key), and ids are on every lease's path.
+        self._rounds = [hashlib.blake2b(digest_size=4, key=key, salt=bytes([i])) for i in range(4)]
         self._counter = itertools.count(1)
-
-    def _round(self, half: int, i: int) -> int:
-        digest = hashlib.blake2b(
-            half.to_bytes(4, "little") + bytes([i]), digest_size=4, key=self._key
-        ).digest()
-        return int.from_bytes(digest, "little")
 
     def next(self) -> int:
         while True:
             n = next(self._counter)
             left, right = n >> 32, n & _MASK32
-            for i in range(4):
-                left, right = right, left ^ self._round(right, i)
+            for state in self._rounds:
+                h = state.copy()
+                h.update(right.to_bytes(4, "little"))
+                left, right = right, left ^ int.from_bytes(h.digest(), "little")
             lease_id = (left << 32) | right
             if lease_id:  # 0 means "no lease" on the wire
                 return lease_id

@@ -281,7 +281,7 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         self.puller = puller
         self.peers = peers  # node id -> gRPC address
         self.owner = owner  # mints the tickets of HandOver
-        self._ticket_key = ticket_key(secret) if secret else b""  # opens them
+        self._ticket_key = ticket_key(secret) if secret else None  # opens them
         # (caller, namespace id, what) -> raises PERMISSION_DENIED: the store's tenant
         # check (kvstore.handling.StoreRequests.allow_namespace), set by the daemon.
         self.allow: Callable[[Any, str, str], None] | None = None
@@ -328,7 +328,7 @@ class PeerFetchService(peer_pb2_grpc.PeerFetchServiceServicer):
         """The ticket, proved this cluster's and of the caller's namespace; a forged
         one or another namespace's is PERMISSION_DENIED and audited (it would read
         bytes the caller is not owed)."""
-        if not self._ticket_key:  # no secret, no seal to prove: never open one
+        if self._ticket_key is None:  # no secret, no seal to prove: never open one
             raise errors.StateConflict("pull tickets need peer.secret on this daemon")
         try:
             ticket = open_ticket(self._ticket_key, blob)

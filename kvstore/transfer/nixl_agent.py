@@ -42,7 +42,7 @@ from kvstore.errors import (
     StateConflict,
     Unavailable,
 )
-from kvstore.transfer.base import KIND_NIXL, PeerLink, ReadBatch
+from kvstore.transfer.base import KIND_NIXL, SHORT_BATCH, PeerLink, ReadBatch
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +193,28 @@ class NixlAgent:
             raise StateConflict("no region registered")
         if peer not in self._peers:
             raise StateConflict(f"NIXL peer {peer!r} not loaded")
-        n = len(batch)
-        local = np.zeros((n, 3), dtype=np.uint64)
-        remote = np.zeros((n, 3), dtype=np.uint64)
-        local[:, 0] = batch.local_offsets + np.uint64(self._region[0])
-        local[:, 1] = batch.sizes
-        local[:, 2] = self._device_id
-        remote[:, 0] = batch.remote_offsets + np.uint64(remote_base)
-        remote[:, 1] = batch.sizes
-        remote[:, 2] = remote_device_id
+        local: Any
+        remote: Any
+        if 0 < len(batch) <= SHORT_BATCH:  # (address, bytes, device) tuples: fewer calls
+            sizes = batch.sizes.tolist()
+            base, device = self._region[0], self._device_id
+            local = [
+                (o + base, s, device)
+                for o, s in zip(batch.local_offsets.tolist(), sizes, strict=True)
+            ]
+            remote = [
+                (o + remote_base, s, remote_device_id)
+                for o, s in zip(batch.remote_offsets.tolist(), sizes, strict=True)
+            ]
+        else:  # the same rows as an Nx3 array
+            local = np.zeros((len(batch), 3), dtype=np.uint64)
+            remote = np.zeros((len(batch), 3), dtype=np.uint64)
+            local[:, 0] = batch.local_offsets + np.uint64(self._region[0])
+            local[:, 1] = batch.sizes
+            local[:, 2] = self._device_id
+            remote[:, 0] = batch.remote_offsets + np.uint64(remote_base)
+            remote[:, 1] = batch.sizes
+            remote[:, 2] = remote_device_id
         with self._lock:
             try:
                 ldescs = self._agent.get_xfer_descs(local, self._mem_type)

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import queue
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -53,6 +54,7 @@ from kvstore.transfer.ticket import PullTicket
 from kvstore.v1 import peer_pb2, peer_pb2_grpc, store_pb2
 
 log = logging.getLogger(__name__)
+_U64 = struct.Struct("<Q")
 
 # Control calls to a peer (metadata, pin, release) are small: bound them apart
 # from the data transfer so a hung peer is noticed quickly.
@@ -350,7 +352,7 @@ class Puller:
         if not address:
             raise InvalidRequest("no peer address")
         ns = self.manager.namespace(ns_id)
-        start = _ticket_start(ticket, hashes) if ticket is not None else 0
+        start = ticket_start(ticket, hashes) if ticket is not None else 0
         local_prefix = self.manager.lookup(ns_id, hashes).prefix_blocks
         wanted = list(hashes[local_prefix:])
         info = await self._peer(address)
@@ -528,18 +530,21 @@ class Puller:
         if len(remote_offsets) != n or len(checksums) != n or block_bytes != ns.block_bytes:
             raise Unavailable(f"peer {info.node_id} sent a malformed pin reply")
         plan = self.manager.prepare_store(ns_id, hashes, timeout_s + PIN_TTL_MARGIN_S)
-        statuses = np.frombuffer(bytes(plan.statuses), dtype=np.uint8)
-        chosen = np.flatnonzero(statuses == STORE_ALLOCATED)
-        skipped = n - len(chosen)
         transport = self._transport_for(info)
-        if not len(chosen):
+        local_offsets = np.asarray(plan.offsets, dtype=np.uint64)
+        if plan.statuses.count(STORE_ALLOCATED) == n:
+            # Every block gets a slot (the usual pull): no picking (on the first
+            # byte's path, each numpy call is several microseconds).
+            chosen, remote, expected = hashes, remote_offsets, checksums
+        else:  # some are here already, or arriving by another store
+            picked = np.flatnonzero(np.frombuffer(plan.statuses, dtype=np.uint8) == STORE_ALLOCATED)
+            chosen = [hashes[i] for i in picked.tolist()]
+            remote, expected = remote_offsets[picked], checksums[picked]
+            local_offsets = local_offsets[picked]
+        skipped = n - len(chosen)
+        if not chosen:
             return PullResult(0, 0, skipped, 0, transport.kind)
-        local_offsets = np.asarray(plan.offsets, dtype=np.uint64)[chosen]
-        batch = ReadBatch.of(
-            remote_offsets[chosen],
-            local_offsets,
-            np.full(len(chosen), block_bytes, dtype=np.uint64),
-        )
+        batch = ReadBatch(remote, local_offsets, np.full(len(chosen), block_bytes, dtype=np.uint64))
         link = PeerLink(
             node_id=info.node_id,
             address=info.address,
@@ -632,23 +637,25 @@ class Puller:
             raise
         transfer_s = reads_done_s[0] - started
         verify_s = time.monotonic() - reads_done_s[0]  # the checksum work not hidden by reads
-        good = np.asarray(landed, dtype=np.uint64) == checksums[chosen]
-        corrupt = int((~good).sum())
+        if landed.tobytes() == expected.tobytes():  # all good (the usual pull)
+            verified, sums, corrupt = chosen, landed.tolist(), 0
+        else:
+            good = landed == expected
+            verified = [h for h, ok in zip(chosen, good.tolist(), strict=True) if ok]
+            sums, corrupt = landed[good].tolist(), int((~good).sum())
         if corrupt:
             log.error(
                 "peer %s: %d of %d blocks failed their checksum; dropped",
                 info.node_id,
                 corrupt,
-                len(good),
+                len(chosen),
             )
-        verified = [hashes[i] for i in chosen[good].tolist()]
         started = time.monotonic()
         try:
             if verified:
                 # Their checksums kept (verified: the next peer need not rehash), and
                 # the copies noted as the peer's too (copy-aware eviction, pulled
                 # copies as replicas: docs/eviction.md).
-                sums = landed[good].tolist()
                 self.manager.commit_pulled(plan.lease_id, verified, sums, info.node_id)
             else:
                 self.manager.release([plan.lease_id])
@@ -738,25 +745,26 @@ def _merged(first: PullResult, then: PullResult) -> PullResult:
     )
 
 
-def _ticket_start(ticket: PullTicket, hashes: Sequence[int]) -> int:
+def ticket_start(ticket: PullTicket, hashes: Sequence[int]) -> int:
     """Where ``hashes`` start among the ticket's blocks: they must be a run of them
     (a decode side asks from its first missing block, the prefill side handed over
-    the whole prompt), as far as the ticket goes; InvalidRequest otherwise."""
+    the whole prompt), as far as the ticket goes; InvalidRequest otherwise.
+
+    On the packed bytes, no arrays: this is on a handed-over pull's first byte,
+    where each numpy call costs several microseconds in a daemon that was idle."""
     if not len(hashes):
         return 0
-    mine = np.frombuffer(ticket.block_hashes, dtype="<u8")
-    at = np.flatnonzero(mine == np.uint64(hashes[0]))
-    if not len(at):
+    mine = ticket.block_hashes
+    first = _U64.pack(hashes[0])
+    at = mine.find(first)
+    while at > 0 and at % 8:  # a match across two hashes' bytes is no block
+        at = mine.find(first, at + 1)
+    if at < 0:
         raise InvalidRequest("block_hashes do not start at a block of the ticket")
-    start = int(at[0])
-    covered = min(len(mine) - start, len(hashes))
-    if mine[start : start + covered].tobytes() != _pack(hashes[:covered]):
+    covered = min(len(mine) - at, 8 * len(hashes))
+    if mine[at : at + covered] != np.asarray(hashes[: covered // 8], dtype="<u8").tobytes():
         raise InvalidRequest("block_hashes leave the ticket's run of blocks")
-    return start
-
-
-def _pack(hashes: Sequence[int]) -> bytes:
-    return np.asarray(hashes, dtype="<u8").tobytes()
+    return at // 8
 
 
 class _PieceHasher:

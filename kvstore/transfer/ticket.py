@@ -68,29 +68,46 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(PullTicket)
 
 
-def ticket_key(secret: str | bytes) -> bytes:
+class TicketKey:
+    """The key tickets are sealed with (``ticket_key``), as a keyed HMAC-SHA256
+    state made once: each MAC copies it. ``hmac.digest`` looks the digest up by
+    name and keys it on every call, which cost ~19 us of a handed-over pull's
+    ~0.4 ms in a daemon that had been idle; the copy ~10 us (same MAC)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, key: bytes) -> None:
+        self._state = hmac.new(key, digestmod=hashlib.sha256)
+
+    def mac(self, body: bytes) -> bytes:
+        h = self._state.copy()
+        h.update(body)
+        return h.digest()
+
+
+def ticket_key(secret: str | bytes) -> TicketKey:
     """The key tickets are sealed with, derived from the cluster secret (once per
     daemon: it is on the first byte's path)."""
     raw = secret.encode() if isinstance(secret, str) else secret
     if not raw:
         raise errors.ConfigError("pull tickets need the cluster secret (peer.secret)")
-    return hmac.new(raw, _KEY_LABEL, hashlib.sha256).digest()
+    return TicketKey(hmac.new(raw, _KEY_LABEL, hashlib.sha256).digest())
 
 
-def seal(key: bytes, ticket: PullTicket) -> bytes:
+def seal(key: TicketKey, ticket: PullTicket) -> bytes:
     """The ticket's wire form: magic, msgpack body, MAC over both (``key``: ticket_key)."""
     body = MAGIC + _encoder.encode(ticket)
-    return body + hmac.digest(key, body, "sha256")
+    return body + key.mac(body)
 
 
-def open_ticket(key: bytes, blob: bytes) -> PullTicket:
+def open_ticket(key: TicketKey, blob: bytes) -> PullTicket:
     """The ticket ``blob`` carries, once its seal is proved with ``key`` (ticket_key);
     PermissionDenied for a seal this cluster's secret did not make (forged,
     altered, another cluster's), InvalidRequest for bytes that are no ticket."""
     if len(blob) <= len(MAGIC) + MAC_BYTES or not blob.startswith(MAGIC):
         raise errors.InvalidRequest("ticket is not a pull ticket (HandOver's answer)")
     body, mac = blob[:-MAC_BYTES], blob[-MAC_BYTES:]
-    if not hmac.compare_digest(mac, hmac.digest(key, body, "sha256")):
+    if not hmac.compare_digest(mac, key.mac(body)):
         raise errors.PermissionDenied("pull ticket's seal does not verify: not from this cluster")
     try:
         ticket = _decoder.decode(body[len(MAGIC) :])

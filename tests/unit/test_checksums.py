@@ -55,6 +55,12 @@ def test_blocks_outside_the_region_are_refused_before_any_read(python: bool) -> 
             checksums.checksums_into(region, np.asarray([0], np.uint64), 0, out)
         with pytest.raises(InvalidRequest, match="2 offsets for 1 checksums"):
             checksums.checksums_into(region, np.asarray([0, 1], np.uint64), 8, out)
+        # a batch the compiled kernel would hash, its last block leaving the region
+        many = np.arange(checksums.KERNEL_MIN_BLOCKS, dtype=np.uint64) * 8192
+        out_many = np.zeros(len(many), dtype=np.uint64)
+        with pytest.raises(InvalidRequest, match="leave the 65536-byte region"):
+            checksums.checksums_into(region, many, 16384, out_many)
+        assert not out_many.any()
     assert out.tolist() == [0]  # nothing written
     empty = np.zeros(0, dtype=np.uint64)
     checksums.checksums_into(region, empty, 1 << 20, empty)  # nothing to hash: no check needed

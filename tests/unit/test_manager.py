@@ -376,6 +376,16 @@ def test_lease_ids_are_not_guessable_and_answer_only_their_owner(make_manager):
     assert m.commit_store(mine.lease_id, owner="ipv4:10.0.0.1") == 1
 
 
+def test_lease_ids_are_a_keyed_permutation_of_a_counter():
+    from kvstore.leases import LeaseIds
+
+    a, again, other = LeaseIds(b"k" * 16), LeaseIds(b"k" * 16), LeaseIds(b"j" * 16)
+    ids = [a.next() for _ in range(5000)]
+    assert ids == [again.next() for _ in range(5000)]  # the key alone decides them
+    assert len(set(ids)) == len(ids) and 0 not in ids and max(ids) >= 1 << 48
+    assert not set(ids) & {other.next() for _ in range(5000)}
+
+
 def test_released_leases_do_not_stay_in_the_expiry_heap(make_manager):
     """Issue 19: released leases stayed in the expiry heap until their TTL (600 s at most)."""
     import tracemalloc

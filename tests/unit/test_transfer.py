@@ -13,7 +13,7 @@ import pytest
 from kvstore import checksums
 from kvstore.checksums import checksums_of
 from kvstore.errors import InvalidRequest
-from kvstore.transfer.base import ReadBatch
+from kvstore.transfer.base import SHORT_BATCH, ReadBatch
 from kvstore.transfer.grpc_stream import iter_chunks
 from kvstore.transfer.puller import (
     MAX_PIECES,
@@ -33,6 +33,24 @@ def test_read_batch_checks_shapes_and_bounds() -> None:
         b.check_bounds(8192, 12287)
     with pytest.raises(InvalidRequest):
         ReadBatch.of([0], [0, 1], [1])
+
+
+@pytest.mark.parametrize("n", [1, SHORT_BATCH, SHORT_BATCH + 1, 300])
+def test_bounds_are_checked_alike_on_short_and_long_batches(n: int) -> None:
+    # The block that reaches furthest is in the middle, on either side: short
+    # batches are checked as Python ints, long ones with numpy.
+    offsets = np.arange(n, dtype=np.uint64) * 4096
+    far = np.array(offsets)
+    far[n // 2] = 1 << 30
+    end, roomy = (1 << 30) + 4096, 1 << 40
+    remote_far = ReadBatch.of(far, offsets, [4096] * n)
+    remote_far.check_bounds(end, roomy)
+    with pytest.raises(InvalidRequest, match="peer's region"):
+        remote_far.check_bounds(end - 1, roomy)
+    local_far = ReadBatch.of(offsets, far, [4096] * n)
+    local_far.check_bounds(roomy, end)
+    with pytest.raises(InvalidRequest, match="local region"):
+        local_far.check_bounds(roomy, end - 1)
 
 
 @pytest.mark.parametrize(
