@@ -117,8 +117,10 @@ def _child(role: str, region_path: str, huge_pages: str) -> None:
             def progress(self) -> object:
                 return agent.get_new_notifs()
 
+        # Fast only while the puller reads (the parent says when), as a daemon's
+        # pump is fast only while pins are out: a reference polling all run long
+        # would steal a share of a core from the daemons timed beside it.
         pump = ProgressPump(_Agent())  # type: ignore[arg-type]
-        pump.hold(0, 1e9)
         out.write(
             json.dumps(
                 {
@@ -130,7 +132,16 @@ def _child(role: str, region_path: str, huge_pages: str) -> None:
             + "\n"
         )
         out.flush()
-        sys.stdin.readline()  # until the parent says stop (or dies)
+        for line in sys.stdin:  # until the parent says stop (or dies)
+            op = json.loads(line)["op"]
+            if op == "stop":
+                break
+            if op == "hold":
+                pump.hold(0, 1e9)
+            elif op == "idle":
+                pump.release(0)
+            out.write("{}\n")
+            out.flush()
         pump.stop()
     else:
         out.write(json.dumps({"ready": True, "huge_page_bytes": huge_bytes}) + "\n")
@@ -352,14 +363,18 @@ def _one_size(
         np.save(work / "local1.npy", local_offsets[:1])
 
         def bare_read(which: str, repeats: int, gap_s: float = 0.0) -> list[float]:
-            reply = puller.send(
-                op="read",
-                remote=str(work / f"remote{which}.npy"),
-                local=str(work / f"local{which}.npy"),
-                size=block_bytes,
-                repeats=repeats,
-                gap_s=gap_s,
-            )
+            owner.send(op="hold")  # the owner progresses fast while it is read
+            try:
+                reply = puller.send(
+                    op="read",
+                    remote=str(work / f"remote{which}.npy"),
+                    local=str(work / f"local{which}.npy"),
+                    size=block_bytes,
+                    repeats=repeats,
+                    gap_s=gap_s,
+                )
+            finally:
+                owner.send(op="idle")
             if not reply["ok"]:
                 raise RuntimeError("bare NIXL READ landed wrong bytes")
             return reply["seconds"]
