@@ -107,13 +107,18 @@ def _loadable_prefix(ns: Namespace, hashes: Sequence[int], tier: Tier) -> list[B
     if None in probed:
         del probed[probed.index(None) :]
     found = cast("list[Block]", probed)
-    if not found or True in map(_DOOMED, found):
-        pass  # (the walk below)
-    elif tier is Tier.DRAM:
-        if min(map(_OFFSET, found)) >= 0 and max(map(_GPU_OFFSET, found)) < 0:
+    if found and True not in map(_DOOMED, found):
+        # Block.tier from the offsets, without its per-block property call.
+        if tier is Tier.GPU:
+            whole = min(map(_GPU_OFFSET, found)) >= 0
+        else:
+            whole = (
+                tier is Tier.DRAM
+                and min(map(_OFFSET, found)) >= 0
+                and max(map(_GPU_OFFSET, found)) < 0
+            )
+        if whole:
             return found
-    elif tier is Tier.GPU and min(map(_GPU_OFFSET, found)) >= 0:
-        return found
     for i, block in enumerate(found):
         if block.doomed or block.tier is not tier:
             del found[i:]
